@@ -1,0 +1,95 @@
+"""ModelConfig: every architectural choice of a looped model, stored in the artifact."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+INJECTIONS = ("none", "add", "adapter")
+STATE_INITS = ("zeros", "embed", "normal")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 688
+    n_prelude: int = 1
+    n_core: int = 2
+    n_coda: int = 1
+    max_loops: int = 16
+    default_loops: int = 8
+    injection: str = "adapter"
+    state_init: str = "zeros"
+    init_sigma: float = 1.0
+    init_seed: int = 0
+    sandwich_norm: bool = False
+    tie_embeddings: bool = True
+    exit_gate: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    bos_id: int = 0
+    eos_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def n_slots(self, loops: int | None = None) -> int:
+        """KV slots for a given loop count: one per prelude/coda layer, one per core layer per loop."""
+        loops = self.max_loops if loops is None else loops
+        return self.n_prelude + self.n_core * loops + self.n_coda
+
+    def core_slot(self, loop: int, layer: int) -> int:
+        """Slot of core layer `layer` at loop `loop` (0-based). Coda slots follow all core slots."""
+        return self.n_prelude + loop * self.n_core + layer
+
+    def coda_slot(self, layer: int) -> int:
+        return self.n_prelude + self.max_loops * self.n_core + layer
+
+    def validate(self) -> "ModelConfig":
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"ModelConfig: {msg}")
+
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "n_core", "max_loops"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name} must be a positive integer, got {v!r}")
+        for name in ("n_prelude", "n_coda"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 0, f"{name} must be a non-negative integer, got {v!r}")
+        need(self.d_model % self.n_heads == 0, f"d_model {self.d_model} not divisible by n_heads {self.n_heads}")
+        need(self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} not divisible by n_kv_heads {self.n_kv_heads}")
+        need(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE")
+        need(1 <= self.default_loops <= self.max_loops, f"default_loops {self.default_loops} outside 1..{self.max_loops}")
+        need(self.injection in INJECTIONS, f"injection {self.injection!r} not one of {INJECTIONS}")
+        need(self.state_init in STATE_INITS, f"state_init {self.state_init!r} not one of {STATE_INITS}")
+        need(self.init_sigma >= 0, f"init_sigma must be >= 0, got {self.init_sigma}")
+        need(0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size, "bos_id/eos_id outside the vocabulary")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"ModelConfig: expected an object, got {type(d).__name__}")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ConfigError(f"ModelConfig: unknown field(s) {unknown}")
+        for k, v in d.items():
+            want = known[k].type
+            ok = {"int": isinstance(v, int) and not isinstance(v, bool), "float": isinstance(v, (int, float)) and not isinstance(v, bool),
+                  "bool": isinstance(v, bool), "str": isinstance(v, str)}[want]
+            if not ok:
+                raise ConfigError(f"ModelConfig: field {k} must be {want}, got {v!r}")
+        return cls(**d).validate()
