@@ -48,8 +48,15 @@ class Step:
     """
     pos: torch.Tensor
     end: int
-    cos: torch.Tensor
-    sin: torch.Tensor
+    table_cos: torch.Tensor
+    table_sin: torch.Tensor
+
+    def __post_init__(self):
+        self.cos, self.sin = self.rope_at(self.pos)
+
+    def rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary factors [B, N, 1, hd/2] at positions pos [B, N]."""
+        return self.table_cos[pos].unsqueeze(2), self.table_sin[pos].unsqueeze(2)
 
 
 class Attention(nn.Module):
@@ -131,8 +138,9 @@ class LoopedLM(nn.Module):
 
     def set_max_seq_len(self, max_seq_len: int) -> None:
         cos, sin = rope_tables(self.cfg.head_dim, max_seq_len, self.cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        dtype = self.embed.weight.dtype
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
         if self.cfg.state_init == "normal":  # one fixed noise vector per position: cached == recomputed
             g = torch.Generator().manual_seed(self.cfg.init_seed)
             noise = torch.randn(max_seq_len, self.cfg.d_model, generator=g) * self.cfg.init_sigma
@@ -152,8 +160,7 @@ class LoopedLM(nn.Module):
     def make_step(self, pos: torch.Tensor, end: int | None = None) -> Step:
         if end is None:
             end = int(pos.max()) + 1
-        return Step(pos, end, self.rope_cos[pos].unsqueeze(2).to(self.embed.weight.dtype),
-                    self.rope_sin[pos].unsqueeze(2).to(self.embed.weight.dtype))
+        return Step(pos, end, self.rope_cos, self.rope_sin)
 
     def encode(self, ids: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
         """Embedding and prelude: e, the input every loop is injected with."""
@@ -216,3 +223,44 @@ class LoopedLM(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    # --- adaptive depth (early exit) ------------------------------------------------------------------
+    def exit_mask(self, s_prev: torch.Tensor, s_new: torch.Tensor, threshold: float) -> torch.Tensor:
+        """[B] True where a lane's token may stop looping: small relative latent change, or the exit gate fires."""
+        done = torch.zeros(s_new.shape[0], dtype=torch.bool, device=s_new.device)
+        if threshold > 0:
+            rel = (s_new - s_prev).float().norm(dim=-1) / s_new.float().norm(dim=-1).clamp_min(1e-12)
+            done |= (rel < threshold).all(dim=-1)
+        gate = self.exit_prob(s_new)
+        if gate is not None:
+            done |= (gate >= 0.5).all(dim=-1)
+        return done
+
+    def forward_adaptive(self, ids: torch.Tensor, loops: int, step: Step, cache, threshold: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached forward of one token per lane with early exit; returns logits and loops used per lane.
+
+        A lane that exits keeps its state; its K/V for the loops it skipped are copies of its last loop's,
+        so later tokens still find keys at every depth (DESIGN section 2).
+        """
+        e = self.encode(ids, step, cache)
+        s = self.init_state(e, step)
+        B = ids.shape[0]
+        used = torch.full((B,), loops, dtype=torch.long)
+        active = torch.ones(B, dtype=torch.bool, device=ids.device)
+        for k in range(loops):
+            s_new = self.loop(s, e, k, step, cache)
+            done = self.exit_mask(s, s_new, threshold) & active
+            s = torch.where(active.view(B, 1, 1), s_new, s)
+            if done.any():
+                used[done.cpu()] = k + 1
+                active &= ~done
+                if not active.any():
+                    break
+        for lane in range(B):
+            last = int(used[lane]) - 1
+            for k in range(last + 1, loops):
+                for j in range(self.cfg.n_core):
+                    cache.copy_slot(self.cfg.core_slot(last, j), self.cfg.core_slot(k, j),
+                                    step.pos[lane:lane + 1], torch.tensor([lane], device=ids.device))
+        return self.decode_head(s, step, cache), used

@@ -1,0 +1,608 @@
+"""The broker: one process that fans client requests out to ready workers.
+
+Pattern: the Majordomo broker and Paranoid Pirate heartbeats from the ZeroMQ guide.
+
+    clients (DEALER) ──> frontend ROUTER ──[broker]── backend ROUTER <── workers (DEALER)
+
+* A worker is routed to only after it sent "ready" (its model is loaded and its memory
+  plan fits), and only while it keeps heartbeating. Each worker runs one request at a time
+  (a Model is not reentrant), so an idle worker is one with no current request.
+* Every request gets exactly one final reply (done or error). The broker tracks each
+  request until it has answered it, and drops anything a worker sends for a request that
+  was already answered (for example after its deadline passed).
+* A worker that stops heartbeating is dropped. Its request is re-queued if nothing was
+  streamed to the client yet, otherwise it fails with "worker_lost".
+* The queue is bounded: past `max_queue` waiting requests the client gets "busy" at once.
+
+The broker is single-threaded: one poll loop owns both sockets. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from broker import protocol
+from broker.metrics import BrokerMetrics
+from broker.protocol import (
+    BROKER_TO_CLIENT,
+    BROKER_TO_WORKER,
+    CLIENT_TO_BROKER,
+    WORKER_TO_BROKER,
+    Codes,
+    ProtocolError,
+)
+
+log = logging.getLogger("tinyloop.broker")
+request_log = logging.getLogger("tinyloop.requests")
+
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_LIVENESS = 3  # missed intervals before a peer is declared dead
+DEFAULT_TIMEOUT_S = 300.0  # deadline of a request that does not set timeout_s
+
+
+@dataclass
+class Request:
+    key: str  # broker-assigned id, used on the worker side (client ids may collide across clients)
+    client: bytes  # ZeroMQ identity of the client socket
+    client_id: str
+    op: str
+    params: dict
+    stream: bool
+    arrived: float
+    deadline: float
+    worker: bytes | None = None  # the worker running it, if any
+    pinned: bytes | None = None  # handle ops must run on this worker
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    tokens_streamed: int = 0
+    attempts: int = 0
+    cancelled: bool = False
+    answered: bool = False
+
+
+@dataclass
+class Worker:
+    identity: bytes
+    name: str
+    pid: int
+    ops: list
+    plan_bytes: int
+    max_handles: int
+    device: str
+    model: str
+    expires_at: float
+    current: str | None = None  # key of the running request
+    pinned_queue: deque = field(default_factory=deque)  # handle requests waiting for this worker
+    handles: int = 0
+    served: int = 0
+    leaving: bool = False  # sent "goodbye": finish the current request, take no new ones
+
+
+class Broker:
+    def __init__(
+        self,
+        frontend: str,
+        backend: str,
+        *,
+        max_queue: int = 64,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        heartbeat_liveness: int = DEFAULT_HEARTBEAT_LIVENESS,
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        max_worker_plan_bytes: int | None = None,
+        max_handles_per_worker: int | None = None,
+        max_attempts: int = 2,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        drain_timeout_s: float = 30.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.frontend_endpoint = frontend
+        self.backend_endpoint = backend
+        self.max_queue = max_queue
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_expiry = heartbeat_interval * heartbeat_liveness
+        self.max_message_bytes = max_message_bytes
+        self.max_worker_plan_bytes = max_worker_plan_bytes
+        self.max_handles_per_worker = max_handles_per_worker
+        self.max_attempts = max_attempts
+        self.default_timeout_s = default_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.metrics = BrokerMetrics()
+        self.started = time.monotonic()
+
+        self.ctx = context or zmq.Context.instance()
+        self.frontend = self._router(frontend)
+        self.backend = self._router(backend)
+        # The endpoints actually bound (a tcp port of 0 or "*" becomes a real port).
+        self.frontend_endpoint = self.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.backend_endpoint = self.backend.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+        self.workers: dict[bytes, Worker] = {}
+        self.idle: deque[bytes] = deque()  # idle workers, least recently used first
+        self.queue: deque[Request] = deque()  # requests waiting for any worker
+        self.requests: dict[str, Request] = {}  # key -> every request not yet answered or still on a worker
+        self.by_client: dict[tuple[bytes, str], str] = {}  # (client, client_id) -> key, until answered
+        self.next_key = 0
+        self.next_heartbeat = time.monotonic() + heartbeat_interval
+        self.stopping = False
+        self.stop_requested = threading.Event()
+        self.refresh_gauges()
+
+    def _router(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        # A hard cap far above the protocol limit: the protocol limit gets a polite
+        # "too_large" reply; beyond this ZeroMQ drops the peer to protect memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes * 4 + 4096)
+        # Never drop queued replies for a slow reader: a dropped final reply would break
+        # the one-final-reply promise. Output per request is bounded by max_tokens.
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        sock.bind(endpoint)
+        return sock
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        """Serve until stop() is called (or SIGTERM/SIGINT when installed), then drain and close."""
+        log.info("broker listening: clients %s, workers %s", self.frontend_endpoint, self.backend_endpoint)
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        drain_deadline = None
+        while True:
+            if self.stop_requested.is_set() and not self.stopping:
+                self.begin_shutdown()
+                drain_deadline = time.monotonic() + self.drain_timeout_s
+            if self.stopping and (not self.requests or time.monotonic() > drain_deadline):
+                break
+            timeout_ms = max(1, int(min(self.heartbeat_interval, 0.05) * 1000))
+            events = dict(poller.poll(timeout_ms))
+            # Drain a batch from each socket per wakeup: cheaper than one poll per message.
+            if self.backend in events:
+                for _ in range(256):
+                    try:
+                        frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self.on_worker_frames(frames)
+            if self.frontend in events:
+                for _ in range(256):
+                    try:
+                        frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self.on_client_frames(frames)
+            self.tick(time.monotonic())
+        self.finish_shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to drain and exit (thread-safe)."""
+        self.stop_requested.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def tick(self, now: float) -> None:
+        """Timers: heartbeats, dead workers, deadlines; then hand out queued work."""
+        if now >= self.next_heartbeat:
+            for identity in list(self.workers):
+                self.send_worker(identity, "heartbeat")
+            self.next_heartbeat = now + self.heartbeat_interval
+            for identity, worker in list(self.workers.items()):
+                if now > worker.expires_at:
+                    log.warning("worker %s (pid %d) stopped heartbeating; dropping it", worker.name, worker.pid)
+                    self.metrics.workers_lost.inc()
+                    self.drop_worker(identity, "stopped heartbeating")
+        self.expire_deadlines(now)
+        self.dispatch()
+        self.refresh_gauges()
+
+    # ------------------------------------------------------------------ clients
+
+    def on_client_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # not even an identity and one frame; nobody to answer
+        client, payload = frames[0], frames[1:]
+        try:
+            msg = protocol.decode(CLIENT_TO_BROKER, payload, self.max_message_bytes)
+        except ProtocolError as err:
+            self.metrics.errors.labels(err.code).inc()
+            self.send_client(client, "error", id=err.request_id, code=err.code, message=err.message)
+            return
+        if msg.type == "request":
+            self.on_request(client, msg)
+        elif msg.type == "cancel":
+            self.on_cancel(client, msg["id"])
+        elif msg.type == "status":
+            self.send_client(client, "status_reply", id=msg["id"], status=self.status())
+
+    def on_request(self, client: bytes, msg: protocol.Message) -> None:
+        client_id = msg["id"]
+        now = time.monotonic()
+        if self.stopping:
+            return self.reject(client, client_id, Codes.SHUTTING_DOWN, "the broker is shutting down")
+        if (client, client_id) in self.by_client:
+            return self.reject(client, client_id, Codes.DUPLICATE_ID, f"request id {client_id!r} is already in flight")
+        waiting = len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values())
+        if waiting >= self.max_queue:
+            return self.reject(client, client_id, Codes.BUSY, f"queue is full ({self.max_queue} requests waiting)")
+        timeout = msg.get("timeout_s") or self.default_timeout_s
+        self.next_key += 1
+        req = Request(
+            key=str(self.next_key),
+            client=client,
+            client_id=client_id,
+            op=msg["op"],
+            params=msg["params"],
+            stream=msg["stream"],
+            arrived=now,
+            deadline=now + timeout,
+        )
+        if req.op in protocol.HANDLE_OPS:
+            # Handle ids are "<worker identity>:<n>", so the owner is known without a lookup table.
+            owner = req.params["handle"].rpartition(":")[0].encode()
+            worker = self.workers.get(owner)
+            if worker is None or worker.leaving:
+                return self.reject(
+                    client,
+                    client_id,
+                    Codes.HANDLE_UNKNOWN,
+                    f"handle {req.params['handle']!r} is not held by any live worker (its worker is gone or it never existed)",
+                )
+            req.pinned = owner
+            worker.pinned_queue.append(req)
+        else:
+            self.queue.append(req)
+        self.requests[req.key] = req
+        self.by_client[(client, client_id)] = req.key
+        self.dispatch()
+
+    def on_cancel(self, client: bytes, client_id: str) -> None:
+        key = self.by_client.get((client, client_id))
+        if key is None:
+            return  # already answered or never seen: nothing to do, and no reply (the request had its one)
+        req = self.requests[key]
+        req.cancelled = True
+        if req.worker is None:
+            self.unqueue(req)
+            self.answer_error(req, Codes.CANCELLED, "cancelled by the client before it started")
+        else:
+            # The worker stops decoding and replies "done" with stop_reason "cancelled".
+            self.send_worker(req.worker, "cancel", id=req.key)
+
+    def reject(self, client: bytes, client_id: str, code: str, message: str) -> None:
+        self.metrics.errors.labels(code).inc()
+        self.send_client(client, "error", id=client_id, code=code, message=message)
+
+    # ------------------------------------------------------------------ workers
+
+    def on_worker_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        identity, payload = frames[0], frames[1:]
+        try:
+            msg = protocol.decode(WORKER_TO_BROKER, payload, self.max_message_bytes * 4)
+        except ProtocolError as err:
+            # A worker speaking garbage is a bug on our side; log it, keep serving.
+            log.error("bad message from worker %r: %s: %s", identity, err.code, err.message)
+            return
+        worker = self.workers.get(identity)
+        if msg.type == "ready":
+            return self.on_ready(identity, msg)
+        if worker is None:
+            # Unknown worker (e.g. this broker restarted, or it was dropped as dead): make it re-announce.
+            self.send_worker(identity, "reconnect")
+            return
+        worker.expires_at = time.monotonic() + self.heartbeat_expiry
+        if msg.type == "heartbeat":
+            worker.handles = msg["handles"]
+        elif msg.type == "token":
+            self.on_worker_token(worker, msg)
+        elif msg.type in ("done", "error"):
+            self.on_worker_final(worker, msg)
+        elif msg.type == "goodbye":
+            log.info("worker %s is leaving", worker.name)
+            worker.leaving = True
+            self.forget_idle(identity)
+            if worker.current is None:
+                self.drop_worker(identity, "left")
+
+    def on_ready(self, identity: bytes, msg: protocol.Message) -> None:
+        reasons = []
+        if self.max_worker_plan_bytes is not None and msg["plan_bytes"] > self.max_worker_plan_bytes:
+            reasons.append(
+                f"memory plan of {msg['plan_bytes']} bytes exceeds the broker's per-worker limit of {self.max_worker_plan_bytes} bytes"
+            )
+        if self.max_handles_per_worker is not None and msg["max_handles"] > self.max_handles_per_worker:
+            reasons.append(
+                f"handle cap {msg['max_handles']} exceeds the broker's per-worker limit of {self.max_handles_per_worker}"
+            )
+        if reasons:
+            log.error("refusing worker %s: %s", msg["name"], "; ".join(reasons))
+            self.send_worker(identity, "refused", reason="; ".join(reasons))
+            return
+        if identity in self.workers:
+            self.drop_worker(identity, "announced ready again")
+        self.workers[identity] = Worker(
+            identity=identity,
+            name=msg["name"],
+            pid=msg["pid"],
+            ops=msg["ops"],
+            plan_bytes=msg["plan_bytes"],
+            max_handles=msg["max_handles"],
+            device=msg["device"],
+            model=msg["model"],
+            expires_at=time.monotonic() + self.heartbeat_expiry,
+        )
+        self.idle.append(identity)
+        log.info("worker %s ready (pid %d, %s, plan %d bytes)", msg["name"], msg["pid"], msg["device"], msg["plan_bytes"])
+        self.dispatch()
+
+    def on_worker_token(self, worker: Worker, msg: protocol.Message) -> None:
+        req = self.requests.get(msg["id"])
+        if req is None or req.answered or req.worker != worker.identity:
+            return  # late token of a request that was already answered
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrived)
+        req.tokens_streamed += 1
+        if req.stream:
+            self.send_client(req.client, "token", id=req.client_id, token=msg["token"], pos=msg["pos"], text=msg["text"])
+
+    def on_worker_final(self, worker: Worker, msg: protocol.Message) -> None:
+        req = self.requests.get(msg["id"])
+        if req is None or req.worker != worker.identity:
+            return
+        worker.current = None
+        worker.served += 1
+        del self.requests[req.key]
+        if worker.leaving:
+            self.drop_worker(worker.identity, "left")
+        else:
+            self.idle.append(worker.identity)
+        if req.answered:
+            return  # its deadline passed earlier; the client already has its error reply
+        if msg.type == "done":
+            result = dict(msg["result"])
+            result.setdefault("worker", worker.name)
+            self.answer_done(req, result)
+        elif msg["code"] == Codes.SHUTTING_DOWN and req.tokens_streamed == 0 and not req.cancelled:
+            # The worker began shutting down as this request reached it: give it to another worker.
+            self.requeue(req)
+        else:
+            self.answer_error(req, msg["code"], msg["message"])
+
+    def drop_worker(self, identity: bytes, why: str) -> None:
+        """Forget a worker; settle its running and pinned requests so each still gets one reply."""
+        worker = self.workers.pop(identity, None)
+        if worker is None:
+            return
+        self.forget_idle(identity)
+        if worker.current is not None:
+            req = self.requests.get(worker.current)
+            if req is not None:
+                req.worker = None
+                if req.answered:
+                    del self.requests[req.key]
+                elif req.cancelled:
+                    self.answer_error(req, Codes.CANCELLED, "cancelled by the client; its worker then died")
+                elif req.pinned is not None:
+                    self.answer_error(req, Codes.HANDLE_UNKNOWN, f"the worker holding handle {req.params['handle']!r} died ({why})")
+                elif req.tokens_streamed == 0 and req.attempts < self.max_attempts:
+                    log.warning("re-queueing request %s from lost worker %s", req.client_id, worker.name)
+                    self.metrics.retries.inc()
+                    self.requeue(req)
+                else:
+                    self.answer_error(
+                        req,
+                        Codes.WORKER_LOST,
+                        f"worker {worker.name} died ({why}) after streaming {req.tokens_streamed} token(s); "
+                        "the request was not retried to avoid duplicate output",
+                    )
+        while worker.pinned_queue:
+            req = worker.pinned_queue.popleft()
+            self.answer_error(req, Codes.HANDLE_UNKNOWN, f"the worker holding handle {req.params['handle']!r} is gone ({why})")
+
+    def forget_idle(self, identity: bytes) -> None:
+        try:
+            self.idle.remove(identity)
+        except ValueError:
+            pass
+
+    # ------------------------------------------------------------------ scheduling
+
+    def dispatch(self) -> None:
+        """Give waiting requests to idle workers: pinned work first, then the shared queue (FIFO)."""
+        if not self.idle:
+            return
+        still_idle: deque[bytes] = deque()
+        while self.idle:
+            identity = self.idle.popleft()
+            worker = self.workers.get(identity)
+            if worker is None or worker.leaving or worker.current is not None:
+                continue
+            if worker.pinned_queue:
+                self.start(worker, worker.pinned_queue.popleft())
+            elif self.queue:
+                self.start(worker, self.queue.popleft())
+            else:
+                still_idle.append(identity)
+        self.idle = still_idle
+
+    def start(self, worker: Worker, req: Request) -> None:
+        now = time.monotonic()
+        req.worker = worker.identity
+        req.attempts += 1
+        req.dispatched_at = now
+        worker.current = req.key
+        self.metrics.queue_wait.observe(now - req.arrived)
+        self.send_worker(
+            worker.identity,
+            "request",
+            id=req.key,
+            op=req.op,
+            params=req.params,
+            stream=req.stream,
+            timeout_s=max(0.0, req.deadline - now),
+        )
+
+    def requeue(self, req: Request) -> None:
+        req.worker = None
+        req.first_token_at = None
+        self.requests[req.key] = req
+        self.queue.appendleft(req)  # it already waited once: put it first
+
+    def unqueue(self, req: Request) -> None:
+        queue = self.queue if req.pinned is None else self.workers[req.pinned].pinned_queue
+        try:
+            queue.remove(req)
+        except ValueError:
+            pass
+
+    def expire_deadlines(self, now: float) -> None:
+        for req in list(self.requests.values()):
+            if req.answered or now < req.deadline:
+                continue
+            if req.worker is None:
+                self.unqueue(req)
+            else:
+                # Stop the decode; the worker's late final reply will be dropped.
+                self.send_worker(req.worker, "cancel", id=req.key)
+            waited = now - req.arrived
+            self.answer_error(req, Codes.TIMEOUT, f"deadline of {req.deadline - req.arrived:.3f}s passed after {waited:.3f}s")
+
+    # ------------------------------------------------------------------ replies
+
+    def answer_done(self, req: Request, result: dict) -> None:
+        self.finish(req)
+        self.send_client(req.client, "done", id=req.client_id, result=result)
+        stats = result.get("stats") if isinstance(result.get("stats"), dict) else {}
+        self.metrics.requests.labels(req.op, "done").inc()
+        now = time.monotonic()
+        self.metrics.latency.observe(now - req.arrived)
+        if stats:
+            generated = stats.get("generated_tokens") or 0
+            self.metrics.output_tokens.inc(generated)
+            self.metrics.prompt_tokens.inc(stats.get("prompt_tokens") or 0)
+            if stats.get("stop_reason"):
+                self.metrics.stop_reasons.labels(str(stats["stop_reason"])).inc()
+            if req.first_token_at is None and stats.get("first_token_ms") is not None and req.dispatched_at:
+                self.metrics.ttft.observe(req.dispatched_at - req.arrived + stats["first_token_ms"] / 1000)
+            if generated > 1 and stats.get("decode_ms") is not None:
+                self.metrics.tpot.observe(stats["decode_ms"] / 1000 / (generated - 1))
+        self.log_request(req, "done", result.get("worker"), stats=stats)
+
+    def answer_error(self, req: Request, code: str, message: str) -> None:
+        self.finish(req)
+        self.send_client(req.client, "error", id=req.client_id, code=code, message=message)
+        self.metrics.requests.labels(req.op, "error").inc()
+        self.metrics.errors.labels(code).inc()
+        worker = self.workers.get(req.worker) if req.worker else None
+        self.log_request(req, "error", worker.name if worker else None, code=code, message=message)
+
+    def finish(self, req: Request) -> None:
+        assert not req.answered, "a request must get exactly one final reply"
+        req.answered = True
+        self.by_client.pop((req.client, req.client_id), None)
+        if req.worker is None:
+            self.requests.pop(req.key, None)  # on a worker it stays tracked until the worker is free
+
+    def log_request(self, req: Request, outcome: str, worker: str | None, **extra: Any) -> None:
+        now = time.monotonic()
+        line = {
+            "event": "request",
+            "id": req.client_id,
+            "op": req.op,
+            "outcome": outcome,
+            "worker": worker,
+            "attempts": req.attempts,
+            "queue_ms": round(((req.dispatched_at or now) - req.arrived) * 1000, 3),
+            "latency_ms": round((now - req.arrived) * 1000, 3),
+            **extra,
+        }
+        request_log.info(json.dumps(line, default=str))
+
+    # ------------------------------------------------------------------ sending
+
+    def send_client(self, client: bytes, msg_type: str, **fields: Any) -> None:
+        self.frontend.send_multipart([client, *protocol.encode(BROKER_TO_CLIENT, msg_type, **fields)])
+
+    def send_worker(self, identity: bytes, msg_type: str, **fields: Any) -> None:
+        self.backend.send_multipart([identity, *protocol.encode(BROKER_TO_WORKER, msg_type, **fields)])
+
+    # ------------------------------------------------------------------ status and shutdown
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        workers = []
+        for w in self.workers.values():
+            current = self.requests.get(w.current) if w.current else None
+            workers.append(
+                {
+                    "name": w.name,
+                    "pid": w.pid,
+                    "device": w.device,
+                    "model": w.model,
+                    "state": "leaving" if w.leaving else ("busy" if w.current else "idle"),
+                    "current_op": current.op if current else None,
+                    "handles": w.handles,
+                    "max_handles": w.max_handles,
+                    "plan_bytes": w.plan_bytes,
+                    "served": w.served,
+                    "waiting_for_handles": len(w.pinned_queue),
+                    "ops": list(w.ops),
+                }
+            )
+        return {
+            "workers": workers,
+            "queue": len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values()),
+            "max_queue": self.max_queue,
+            "in_flight": sum(1 for w in self.workers.values() if w.current),
+            "uptime_s": round(now - self.started, 3),
+            "stopping": self.stopping,
+            "frontend": self.frontend_endpoint,
+            "backend": self.backend_endpoint,
+        }
+
+    def refresh_gauges(self) -> None:
+        queued = len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values())
+        ready = sum(1 for w in self.workers.values() if not w.leaving)
+        self.metrics.queue_depth.set(queued)
+        self.metrics.ready_workers.set(ready)
+        self.metrics.busy_workers.set(sum(1 for w in self.workers.values() if w.current))
+        self.metrics.live_handles.set(sum(w.handles for w in self.workers.values()))
+        status = "stopping" if self.stopping else ("ok" if ready else "no_workers")
+        self.metrics.health = {"status": status, "ready_workers": ready, "queue": queued}
+
+    def begin_shutdown(self) -> None:
+        """Stop taking work: queued requests fail with "shutting_down", running ones may finish."""
+        log.info("broker shutting down: %d queued request(s) refused, waiting for running ones", len(self.queue))
+        self.stopping = True
+        for req in list(self.queue):
+            self.queue.remove(req)
+            self.answer_error(req, Codes.SHUTTING_DOWN, "the broker is shutting down")
+        for worker in self.workers.values():
+            while worker.pinned_queue:
+                self.answer_error(worker.pinned_queue.popleft(), Codes.SHUTTING_DOWN, "the broker is shutting down")
+
+    def finish_shutdown(self) -> None:
+        for req in list(self.requests.values()):
+            if not req.answered:
+                if req.worker is not None:
+                    self.send_worker(req.worker, "cancel", id=req.key)
+                self.answer_error(req, Codes.SHUTTING_DOWN, "the broker shut down before the request finished")
+        self.requests.clear()
+        self.frontend.close(linger=1000)  # give the last replies a moment to leave
+        self.backend.close(linger=100)
+        log.info("broker stopped")

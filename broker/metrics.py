@@ -1,0 +1,86 @@
+"""Prometheus metrics and the HTTP health probe of the broker.
+
+The broker loop is single-threaded; it updates these metrics and a small health snapshot.
+A daemon thread serves them over HTTP:
+
+    GET /metrics  -> Prometheus text format
+    GET /healthz  -> 200 {"status": "ok", ...} when at least one worker is ready, else 503
+
+Each broker gets its own CollectorRegistry so several brokers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets in seconds: from sub-millisecond broker round trips to minute-long CPU generations.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("tinyloop_queue_depth", "Requests waiting for a worker", registry=r)
+        self.ready_workers = Gauge("tinyloop_ready_workers", "Workers that announced ready and are alive", registry=r)
+        self.busy_workers = Gauge("tinyloop_busy_workers", "Workers running a request", registry=r)
+        self.live_handles = Gauge("tinyloop_live_handles", "Live handles over all workers", registry=r)
+        self.requests = Counter(
+            "tinyloop_requests", "Requests finished, by op and outcome (done|error)", ["op", "outcome"], registry=r
+        )
+        self.errors = Counter("tinyloop_errors", "Error replies, by code", ["code"], registry=r)
+        self.stop_reasons = Counter("tinyloop_stop_reasons", "Finished generations, by stop reason", ["reason"], registry=r)
+        self.output_tokens = Counter("tinyloop_output_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens", registry=r)
+        self.retries = Counter("tinyloop_retries", "Requests re-queued after their worker was lost", registry=r)
+        self.workers_lost = Counter("tinyloop_workers_lost", "Workers that stopped heartbeating", registry=r)
+        self.ttft = Histogram(
+            "tinyloop_time_to_first_token_seconds", "Arrival at the broker to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "tinyloop_time_per_output_token_seconds", "Decode time per output token after the first", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "tinyloop_request_latency_seconds", "Arrival at the broker to final reply", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "tinyloop_queue_wait_seconds", "Arrival at the broker to dispatch to a worker", buckets=LATENCY_BUCKETS, registry=r
+        )
+        # Written by the broker loop, read by the HTTP thread; replaced whole, so no lock is needed.
+        self.health: dict = {"status": "starting", "ready_workers": 0, "queue": 0}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def serve_http(metrics: BrokerMetrics, host: str, port: int) -> ThreadingHTTPServer:
+    """Start the /metrics and /healthz endpoint in a daemon thread; returns the server (port may be 0)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+            if self.path == "/metrics":
+                body, status, ctype = metrics.render(), 200, CONTENT_TYPE_LATEST
+            elif self.path in ("/healthz", "/health"):
+                health = metrics.health
+                status = 200 if health.get("status") == "ok" else 503
+                body, ctype = json.dumps(health).encode(), "application/json"
+            else:
+                body, status, ctype = b"not found\n", 404, "text/plain"
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # keep probe traffic out of the logs
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="broker-http", daemon=True).start()
+    return server

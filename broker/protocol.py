@@ -1,0 +1,425 @@
+"""The TinyLoop wire protocol: the one schema module read by broker, worker and client.
+
+Every message is a ZeroMQ multipart message of exactly two frames:
+
+    frame 0: the protocol tag, b"tinyloop/1" (name and version; a peer speaking another
+             version is answered with the error code "bad_version")
+    frame 1: a msgpack map with a "type" key and the fields of that message type
+
+ROUTER sockets prepend the peer identity frame on receive; that frame is handled by the
+broker and is not part of the schema. Every field of every message is validated here,
+so the broker, the worker and the client agree on one definition. Anything that does not
+validate raises ProtocolError carrying an error code, and the broker answers it with an
+"error" message instead of crashing.
+
+This module must never import torch: the client library and the broker import it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+
+PROTOCOL_NAME = b"tinyloop/"
+PROTOCOL_VERSION = 1
+PROTOCOL_TAG = PROTOCOL_NAME + str(PROTOCOL_VERSION).encode()
+
+# Bodies above this size get the error "too_large" (the broker's --max-message-bytes
+# may lower it). The ZeroMQ socket option MAXMSGSIZE is set to a multiple of this as a
+# hard stop against memory exhaustion; beyond it ZeroMQ drops the peer's connection.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+
+# Message directions. A message type is only valid in the direction it belongs to.
+CLIENT_TO_BROKER = "client->broker"
+BROKER_TO_CLIENT = "broker->client"
+WORKER_TO_BROKER = "worker->broker"
+BROKER_TO_WORKER = "broker->worker"
+
+
+class Codes:
+    """Error codes carried by "error" messages. docs/protocol.md explains each one."""
+
+    BAD_FRAME = "bad_frame"  # wrong number of frames or missing protocol tag
+    BAD_VERSION = "bad_version"  # protocol tag names another version
+    BAD_MESSAGE = "bad_message"  # body is not a msgpack map with a known "type"
+    INVALID_FIELD = "invalid_field"  # a field is missing, of the wrong type or out of range
+    UNKNOWN_OP = "unknown_op"  # the request names an operation that does not exist
+    UNSUPPORTED_OP = "unsupported_op"  # the op exists but this worker's runtime lacks it
+    TOO_LARGE = "too_large"  # the message body exceeds the size limit
+    DUPLICATE_ID = "duplicate_id"  # a request id is already in flight for this client
+    BUSY = "busy"  # the broker queue is full; retry later
+    TIMEOUT = "timeout"  # the request's deadline passed before it finished
+    CANCELLED = "cancelled"  # the client cancelled before a worker started the request
+    WORKER_LOST = "worker_lost"  # the worker died after streaming part of the answer
+    HANDLE_EVICTED = "handle_evicted"  # the handle was evicted by the live-handle cap (LRU)
+    HANDLE_UNKNOWN = "handle_unknown"  # no such handle (never existed, released, or its worker died)
+    CONFIG_ERROR = "config_error"  # the runtime rejected a GenerateConfig field
+    MODE_ERROR = "mode_error"  # the runtime rejected a combination of modes
+    RUNTIME_ERROR = "runtime_error"  # any other runtime failure on the worker
+    SHUTTING_DOWN = "shutting_down"  # the broker is stopping
+
+
+ERROR_CODES = {
+    value: name for name, value in vars(Codes).items() if not name.startswith("_")
+}
+
+# Errors a client may safely retry without changing the request.
+RETRYABLE_CODES = frozenset({Codes.BUSY, Codes.WORKER_LOST, Codes.SHUTTING_DOWN})
+
+
+class ProtocolError(Exception):
+    """A message broke the schema. `code` is one of Codes; `request_id` is echoed when known."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# ---------------------------------------------------------------------------
+# Field checks. Each returns an error text, or None when the value is fine.
+# ---------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    # msgpack turns booleans into Python bool, which is an int subclass; reject it.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def int_in(lo: int, hi: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not _is_int(value):
+            return f"must be an integer, got {type(value).__name__}"
+        if not lo <= value <= hi:
+            return f"must be in [{lo}, {hi}], got {value}"
+        return None
+
+    return check
+
+
+def number_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not _is_number(value):
+            return f"must be a finite number, got {type(value).__name__}"
+        if value > hi or value < lo or (lo_open and value == lo):
+            bracket = "(" if lo_open else "["
+            return f"must be in {bracket}{lo}, {hi}], got {value}"
+        return None
+
+    return check
+
+
+def text(max_len: int, min_len: int = 0) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, str):
+            return f"must be a string, got {type(value).__name__}"
+        if not min_len <= len(value) <= max_len:
+            return f"length must be in [{min_len}, {max_len}], got {len(value)}"
+        return None
+
+    return check
+
+
+def boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"must be a boolean, got {type(value).__name__}"
+
+
+def token_list(max_len: int, min_len: int = 0) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return f"must be a list of token ids, got {type(value).__name__}"
+        if not min_len <= len(value) <= max_len:
+            return f"length must be in [{min_len}, {max_len}], got {len(value)}"
+        for item in value:
+            if not _is_int(item) or not 0 <= item < 2**31:
+                return "must contain only token ids in [0, 2**31)"
+        return None
+
+    return check
+
+
+def one_of(*checks: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        errors = [c(value) for c in checks]
+        return None if any(e is None for e in errors) else " or ".join(errors)
+
+    return check
+
+
+def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    return lambda value: None if value is None else check(value)
+
+
+def plain_map(max_keys: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return f"must be a map, got {type(value).__name__}"
+        if len(value) > max_keys:
+            return f"must have at most {max_keys} keys"
+        if not all(isinstance(k, str) for k in value):
+            return "keys must be strings"
+        return None
+
+    return check
+
+
+def list_of(item_check: Callable[[Any], str | None], max_len: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return f"must be a list, got {type(value).__name__}"
+        if len(value) > max_len:
+            return f"must have at most {max_len} items"
+        for item in value:
+            error = item_check(item)
+            if error:
+                return f"item {item!r}: {error}"
+        return None
+
+    return check
+
+
+@dataclass(frozen=True)
+class Field:
+    check: Callable[[Any], str | None]
+    required: bool = True
+    default: Any = None
+
+
+# ---------------------------------------------------------------------------
+# Message schemas, one per (direction, type).
+# ---------------------------------------------------------------------------
+
+REQUEST_ID = Field(text(128, min_len=1))
+MAX_TIMEOUT_S = 24 * 3600.0
+
+MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
+    CLIENT_TO_BROKER: {
+        # Run one operation. `stream` asks for "token" messages before the final reply.
+        "request": {
+            "id": REQUEST_ID,
+            "op": Field(text(64, min_len=1)),
+            "params": Field(plain_map(64)),
+            "stream": Field(boolean, required=False, default=False),
+            "timeout_s": Field(optional(number_in(0.0, MAX_TIMEOUT_S, lo_open=True)), required=False),
+        },
+        # Stop a request: queued ones end with error "cancelled", running ones stop decoding
+        # and end with "done" (stop_reason "cancelled").
+        "cancel": {"id": REQUEST_ID},
+        # Ask for the broker's view of workers, queue and handles.
+        "status": {"id": REQUEST_ID},
+    },
+    BROKER_TO_CLIENT: {
+        "token": {
+            "id": REQUEST_ID,
+            "token": Field(int_in(0, 2**31 - 1)),
+            "pos": Field(int_in(0, 2**31 - 1)),
+            "text": Field(text(1 << 16)),
+        },
+        "done": {"id": REQUEST_ID, "result": Field(plain_map(64))},
+        "error": {
+            "id": Field(optional(text(128)), required=False),
+            "code": Field(text(64, min_len=1)),
+            "message": Field(text(1 << 14)),
+        },
+        "status_reply": {"id": REQUEST_ID, "status": Field(plain_map(64))},
+    },
+    WORKER_TO_BROKER: {
+        # Sent once the model is loaded and the memory plan fits: only then is the worker routed to.
+        "ready": {
+            "name": Field(text(128, min_len=1)),
+            "pid": Field(int_in(0, 2**31)),
+            "ops": Field(list_of(text(64, min_len=1), 64)),
+            "plan_bytes": Field(int_in(0, 2**62)),
+            "max_handles": Field(int_in(0, 1 << 20)),
+            "device": Field(text(64)),
+            "model": Field(text(1024)),
+        },
+        "heartbeat": {"handles": Field(int_in(0, 1 << 20))},
+        "token": {
+            "id": REQUEST_ID,
+            "token": Field(int_in(0, 2**31 - 1)),
+            "pos": Field(int_in(0, 2**31 - 1)),
+            "text": Field(text(1 << 16)),
+        },
+        "done": {"id": REQUEST_ID, "result": Field(plain_map(64))},
+        "error": {
+            "id": REQUEST_ID,
+            "code": Field(text(64, min_len=1)),
+            "message": Field(text(1 << 14)),
+        },
+        # Clean shutdown: the broker stops routing to this worker at once.
+        "goodbye": {},
+    },
+    BROKER_TO_WORKER: {
+        "request": {
+            "id": REQUEST_ID,
+            "op": Field(text(64, min_len=1)),
+            "params": Field(plain_map(64)),
+            "stream": Field(boolean),
+            "timeout_s": Field(optional(number_in(0.0, MAX_TIMEOUT_S))),
+        },
+        "cancel": {"id": REQUEST_ID},
+        "heartbeat": {},
+        # The broker will not use this worker (its plan or handle cap breaks the broker's limits).
+        "refused": {"reason": Field(text(1 << 14))},
+        # The broker does not know this worker (e.g. the broker restarted): announce again.
+        "reconnect": {},
+    },
+}
+
+# ---------------------------------------------------------------------------
+# Operations and their parameters.
+# ---------------------------------------------------------------------------
+
+PROMPT = Field(one_of(text(1 << 20), token_list(1 << 18)))
+
+# The GenerateConfig fields a request may set; ranges here are the wire limits, the
+# runtime applies its own (model-dependent) rules and answers "config_error"/"mode_error".
+GENERATE_CONFIG_FIELDS: dict[str, Field] = {
+    "max_tokens": Field(int_in(1, 1 << 16), required=False),
+    "loops": Field(optional(int_in(1, 4096)), required=False),
+    "temperature": Field(number_in(0.0, 100.0), required=False),
+    "top_k": Field(int_in(0, 1 << 20), required=False),
+    "top_p": Field(number_in(0.0, 1.0, lo_open=True), required=False),
+    "repetition_penalty": Field(number_in(0.0, 100.0, lo_open=True), required=False),
+    "seed": Field(optional(int_in(0, 2**63 - 1)), required=False),
+    "stop_sequences": Field(list_of(one_of(text(1024, 1), token_list(256, 1)), 16), required=False),
+    "grammar": Field(optional(one_of(text(1 << 16), plain_map(256))), required=False),
+    "beam_size": Field(int_in(1, 64), required=False),
+    "cache_window": Field(int_in(0, 1 << 20), required=False),
+    "early_exit_threshold": Field(number_in(0.0, 1e6), required=False),
+}
+
+HANDLE_ID = Field(text(128, min_len=1))
+
+OPS: dict[str, dict[str, Field]] = {
+    # Plain generation (streamed or not).
+    "generate": {"prompt": PROMPT, **GENERATE_CONFIG_FIELDS},
+    # Generation through the worker's prefix pool (scaffolds registered at worker startup).
+    "generate_pool": {"prompt": PROMPT, **GENERATE_CONFIG_FIELDS},
+    # Warm start: prefill `prompt` for `l_used` loops and keep it as a handle on the worker.
+    "build_handle": {"prompt": PROMPT, "l_used": Field(int_in(1, 4096))},
+    # Warm start: continue a handle to `loops` loops and generate (routed to the handle's worker).
+    "resume": {"handle": HANDLE_ID, **GENERATE_CONFIG_FIELDS, "loops": Field(int_in(1, 4096))},
+    # Free a handle before the LRU cap would.
+    "release_handle": {"handle": HANDLE_ID},
+    # Self-speculative decode.
+    "speculative": {
+        "prompt": PROMPT,
+        "draft_loops": Field(int_in(1, 4096)),
+        "verify_loops": Field(int_in(1, 4096)),
+        "draft_ahead": Field(int_in(1, 256)),
+        "tree_width": Field(int_in(1, 64), required=False),
+        **GENERATE_CONFIG_FIELDS,
+    },
+    # Round trip through a worker without touching the model: liveness checks and
+    # measuring the broker's routing rate.
+    "ping": {"payload": Field(text(1 << 16), required=False)},
+}
+
+# Ops whose requests must go to the worker that holds params["handle"].
+HANDLE_OPS = frozenset({"resume", "release_handle"})
+
+
+def _validate_fields(values: dict, schema: dict[str, Field], where: str, request_id: str | None) -> dict:
+    unknown = sorted(set(values) - set(schema))
+    if unknown:
+        raise ProtocolError(Codes.INVALID_FIELD, f"{where}: unknown field(s) {unknown}", request_id)
+    clean: dict[str, Any] = {}
+    for name, spec in schema.items():
+        if name not in values:
+            if spec.required:
+                raise ProtocolError(Codes.INVALID_FIELD, f"{where}: missing field '{name}'", request_id)
+            if spec.default is not None:
+                clean[name] = spec.default
+            continue
+        error = spec.check(values[name])
+        if error:
+            raise ProtocolError(Codes.INVALID_FIELD, f"{where}: field '{name}' {error}", request_id)
+        clean[name] = values[name]
+    return clean
+
+
+def validate_params(op: str, params: dict, request_id: str | None = None) -> dict:
+    """Check the params of an operation; unknown ops raise ProtocolError(UNKNOWN_OP)."""
+    schema = OPS.get(op)
+    if schema is None:
+        raise ProtocolError(Codes.UNKNOWN_OP, f"unknown op {op!r}; known ops: {sorted(OPS)}", request_id)
+    return _validate_fields(params, schema, f"op '{op}'", request_id)
+
+
+@dataclass
+class Message:
+    """A decoded, validated message. `fields` never contains "type"."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+def validate(direction: str, msg_type: str, fields: dict, request_id: str | None = None) -> dict:
+    schemas = MESSAGES[direction]
+    schema = schemas.get(msg_type)
+    if schema is None:
+        raise ProtocolError(
+            Codes.BAD_MESSAGE, f"unknown message type {msg_type!r} for {direction}", request_id
+        )
+    clean = _validate_fields(fields, schema, f"message '{msg_type}'", request_id)
+    if msg_type == "request":
+        clean["params"] = validate_params(clean["op"], clean["params"], clean["id"])
+    return clean
+
+
+def encode(direction: str, msg_type: str, **fields: Any) -> list[bytes]:
+    """Validate and pack one message into its two frames. Raises ProtocolError on a bad field."""
+    clean = validate(direction, msg_type, fields)
+    body = msgpack.packb({"type": msg_type, **clean}, use_bin_type=True)
+    return [PROTOCOL_TAG, body]
+
+
+def decode(
+    direction: str, frames: list[bytes], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> Message:
+    """Unpack and validate two frames. Raises ProtocolError (never anything else)."""
+    if len(frames) != 2:
+        raise ProtocolError(Codes.BAD_FRAME, f"expected 2 frames (tag, body), got {len(frames)}")
+    tag, body = frames
+    if tag != PROTOCOL_TAG:
+        if bytes(tag).startswith(PROTOCOL_NAME):
+            raise ProtocolError(
+                Codes.BAD_VERSION,
+                f"protocol version {bytes(tag)[len(PROTOCOL_NAME):]!r} is not supported; "
+                f"this peer speaks {PROTOCOL_TAG.decode()}",
+            )
+        raise ProtocolError(Codes.BAD_FRAME, f"first frame must be the protocol tag {PROTOCOL_TAG!r}")
+    if len(body) > max_bytes:
+        raise ProtocolError(Codes.TOO_LARGE, f"message body is {len(body)} bytes; the limit is {max_bytes}")
+    try:
+        # strict_map_key keeps keys hashable str/bytes; raw=False gives str for msgpack str.
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True, max_buffer_size=max_bytes)
+    except Exception as exc:  # msgpack raises many types for garbage input
+        raise ProtocolError(Codes.BAD_MESSAGE, f"body is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(Codes.BAD_MESSAGE, f"body must be a msgpack map, got {type(data).__name__}")
+    # Echo the id in error replies only when it is itself valid, so the reply encodes.
+    rid = data.get("id")
+    request_id = rid if isinstance(rid, str) and 1 <= len(rid) <= 128 else None
+    msg_type = data.pop("type", None)
+    if not isinstance(msg_type, str):
+        raise ProtocolError(Codes.BAD_MESSAGE, "body has no string field 'type'", request_id)
+    if not all(isinstance(k, str) for k in data):
+        raise ProtocolError(Codes.BAD_MESSAGE, "all field names must be strings", request_id)
+    return Message(msg_type, validate(direction, msg_type, data, request_id))

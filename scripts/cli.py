@@ -1,0 +1,111 @@
+"""The `tinyloop` command."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.group()
+def main() -> None:
+    """TinyLoop: run, inspect, train and benchmark looped transformer models, and serve them."""
+
+
+def fail(err: Exception) -> None:
+    click.echo(f"error: {err}", err=True)
+    sys.exit(2)
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--loops", type=int, default=None, help="Loop count (default: the model's).")
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--repetition-penalty", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None)
+@click.option("--cache-window", type=int, default=None)
+@click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
+             cache_mode, cache_window, early_exit) -> None:
+    """Generate a continuation of PROMPT, streamed, then print the stats line."""
+    import tinyloop
+
+    try:
+        model = tinyloop.load_model(model_path, cache_mode=cache_mode)
+        cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
+                                      stop_sequences=list(stop))
+        if cache_window is not None:
+            cfg.cache_window = cache_window
+        if early_exit is not None:
+            cfg.early_exit_threshold = early_exit
+        click.echo(prompt, nl=False)
+        printed = ""
+        tokens: list[int] = []
+
+        def on_token(token: int, index: int) -> bool:
+            nonlocal printed
+            tokens.append(token)
+            text = model.codec.decode(tokens)
+            click.echo(text[len(printed):], nl=False)
+            printed = text
+            return True
+
+        result = tinyloop.generate_stream(model, prompt, cfg, on_token)
+        click.echo(result.text[len(printed):])
+        click.echo(result.stats.line(), err=True)
+    except tinyloop.TinyLoopError as e:
+        fail(e)
+
+
+@main.command()
+@click.argument("path", required=False)
+def inspect(path) -> None:
+    """Show an artifact's config, parameter counts, beta, loss-versus-loops table and cache costs."""
+    from tinyloop.inspect import inspect_text
+    import tinyloop
+
+    try:
+        click.echo(inspect_text(path))
+    except tinyloop.TinyLoopError as e:
+        fail(e)
+
+
+@main.command()
+@click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
+@click.option("--section", "sections", multiple=True, help="Run only these sections (repeatable).")
+@click.option("--quick", is_flag=True, help="Fewer tokens and repeats (a smoke run).")
+def bench(model_path, sections, quick) -> None:
+    """Benchmarks: ratios measured side by side in one run."""
+    from tinyloop.bench import SECTIONS, run_bench
+
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        fail(ValueError(f"unknown section(s) {unknown}; known: {sorted(SECTIONS)}"))
+    run_bench(model_path, list(sections) or None, quick, click.echo)
+
+
+@main.command()
+@click.option("--out", default="default.tinyloop", show_default=True)
+@click.option("--steps", default=900, show_default=True)
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def train(out, steps, seq_len, batch_size, seed) -> None:
+    """Train a looped model from scratch on the Python standard library (the bundled model's recipe)."""
+    from tinyloop.train import train as run_train
+
+    run_train(out, steps=steps, seq_len=seq_len, batch_size=batch_size, seed=seed, log=lambda m: click.echo(m))
+
+
+try:  # the service commands live beside the service code
+    from scripts.service_cli import add_service_commands
+except ImportError:  # pragma: no cover - only while the service is not yet part of the tree
+    add_service_commands = None
+if add_service_commands is not None:
+    add_service_commands(main)

@@ -1,0 +1,54 @@
+"""Shared fixtures: small randomly initialised artifacts (fast, any architecture) and the bundled model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinyloop
+from tinyloop.model import LoopedLM
+from tinyloop.tokenizer import TextCodec, train_tokenizer
+
+TINY_TEXT = ["def add(a, b):\n    return a + b\n" * 40, "import os\nprint(os.getcwd())\n" * 30,
+             "class Point:\n    x: int = 0\n    y: int = 0\n" * 30]
+
+
+@pytest.fixture(scope="session")
+def tiny_codec() -> TextCodec:
+    return TextCodec(train_tokenizer(TINY_TEXT, 320))
+
+
+@pytest.fixture(scope="session")
+def make_artifact(tmp_path_factory, tiny_codec):
+    """make_artifact(**config overrides) -> path of a random tiny .tinyloop (cached per config)."""
+    made: dict = {}
+
+    def make(**overrides) -> str:
+        key = tuple(sorted(overrides.items()))
+        if key not in made:
+            base = dict(vocab_size=320, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, n_prelude=1, n_core=2,
+                        n_coda=1, max_loops=16, default_loops=4, injection="adapter", state_init="zeros",
+                        bos_id=tiny_codec.eos_id, eos_id=tiny_codec.eos_id)
+            cfg = tinyloop.ModelConfig(**{**base, **overrides}).validate()
+            torch.manual_seed(len(made))
+            net = LoopedLM(cfg, max_seq_len=8)
+            path = str(tmp_path_factory.mktemp("art") / "tiny.tinyloop")
+            tinyloop.save_artifact(path, net, tiny_codec)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
+@pytest.fixture
+def tiny_model(make_artifact):
+    """A freshly loaded tiny model (fp16 cache, max_seq_len 256)."""
+    model = tinyloop.load_model(make_artifact(), 256)
+    yield model
+    if not model.freed:
+        tinyloop.free_model(model)
+
+
+@pytest.fixture(scope="session")
+def bundled_model():
+    """The shipped default model, loaded once per test session (fp16 cache)."""
+    return tinyloop.load_model(None, 1024, cache_mode="fp16")

@@ -1,0 +1,127 @@
+"""The .tinyloop artifact: one safetensors file whose metadata carries everything needed to run it.
+
+Metadata keys: format ("tinyloop"), format_version, config (ModelConfig JSON), tokenizer (tokenizers JSON),
+beta, loss_vs_loops (JSON {loops: held-out loss}), provenance (JSON), data_sha256 (of the tensor bytes,
+so a flipped bit in the weights is caught at load, not as garbage output).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .errors import ArtifactError, ConfigError
+from .model import LoopedLM
+from .tokenizer import TextCodec
+
+FORMAT = "tinyloop"
+FORMAT_VERSION = "1"
+DEFAULT_ARTIFACT = Path(__file__).parent / "data" / "default.tinyloop"
+
+
+@dataclass
+class ArtifactInfo:
+    path: str
+    config: ModelConfig
+    codec: TextCodec
+    beta: float | None
+    loss_vs_loops: dict[int, float]
+    provenance: dict
+
+
+def _data_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + header_len)
+        h = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: float | None = None,
+                  loss_vs_loops: dict[int, float] | None = None, provenance: dict | None = None,
+                  dtype: torch.dtype = torch.float16) -> None:
+    """Write the model's weights (as `dtype`) and metadata. The digest is added in a second pass."""
+    path = Path(path)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": json.dumps(model.cfg.to_dict()),
+            "tokenizer": codec.to_json(), "beta": "" if beta is None else repr(float(beta)),
+            "loss_vs_loops": json.dumps({str(k): v for k, v in (loss_vs_loops or {}).items()}),
+            "provenance": json.dumps(provenance or {}), "data_sha256": ""}
+    save_file(tensors, str(path), metadata=meta)
+    meta["data_sha256"] = _data_digest(path)
+    save_file(tensors, str(path), metadata=meta)  # same tensors, same data bytes; header now holds the digest
+
+
+def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tensor]]:
+    """Validate a .tinyloop file completely and return its metadata and tensors; ArtifactError on any fault."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such artifact file")
+    size = path.stat().st_size
+    if size < 8:
+        raise ArtifactError(f"{path}: truncated ({size} bytes; not even a safetensors header length)")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+    if 8 + header_len > size:
+        raise ArtifactError(f"{path}: truncated (header claims {header_len} bytes, file has {size})")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for every kind of malformed file
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
+
+    if meta.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: metadata 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: unknown format_version {meta.get('format_version')!r} "
+                            f"(this runtime reads version {FORMAT_VERSION})")
+    for key in ("config", "tokenizer", "data_sha256"):
+        if key not in meta:
+            raise ArtifactError(f"{path}: metadata is missing {key!r}")
+    if _data_digest(path) != meta["data_sha256"]:
+        raise ArtifactError(f"{path}: tensor data does not match its recorded sha256 (corrupted file)")
+    try:
+        cfg = ModelConfig.from_dict(json.loads(meta["config"]))
+    except (json.JSONDecodeError, ConfigError, TypeError) as e:
+        raise ArtifactError(f"{path}: bad model config: {e}") from None
+    try:
+        codec = TextCodec.from_json(meta["tokenizer"])
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise ArtifactError(f"{path}: bad tokenizer: {e}") from None
+    if codec.vocab_size > cfg.vocab_size:
+        raise ArtifactError(f"{path}: tokenizer has {codec.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
+
+    expected = _expected_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise ArtifactError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise ArtifactError(f"{path}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != shape:
+            raise ArtifactError(f"{path}: tensor {k} has shape {tuple(tensors[k].shape)}, config needs {shape}")
+        if not tensors[k].is_floating_point():
+            raise ArtifactError(f"{path}: tensor {k} has dtype {tensors[k].dtype}, expected a float type")
+    try:
+        beta = float(meta["beta"]) if meta.get("beta") else None
+        table = {int(k): float(v) for k, v in json.loads(meta.get("loss_vs_loops") or "{}").items()}
+        provenance = json.loads(meta.get("provenance") or "{}")
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ArtifactError(f"{path}: bad beta / loss_vs_loops / provenance metadata: {e}") from None
+    return ArtifactInfo(str(path), cfg, codec, beta, table, provenance), tensors
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in LoopedLM(cfg, max_seq_len=1).state_dict().items()}

@@ -1,0 +1,76 @@
+"""`tinyloop bench`: side-by-side measurements printed as ratios from one run.
+
+Each section is a function (model, quick) -> list of printed lines, registered in SECTIONS. Sections that
+other parts of the runtime add (batching, cache reuse, speculative, kernels) register here too.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .cache import CACHE_MODES
+from .generate import GenerateConfig, generate
+from .runtime import Model, load_model
+
+PROMPT = "def fibonacci(n):\n    "
+
+
+def timed(fn: Callable[[], object], repeats: int = 1) -> float:
+    """Best wall-clock seconds of `repeats` runs (the minimum is the least noisy estimate)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def naive_decode(model: Model, prompt_ids: list[int], n_tokens: int, loops: int) -> list[int]:
+    """Baseline without a KV cache: every new token recomputes the whole sequence at full depth."""
+    ids = list(prompt_ids)
+    for _ in range(n_tokens):
+        logits = model.net(torch.tensor([ids], device=model.device), loops)
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def bench_decode(model_path: str | None, quick: bool) -> list[str]:
+    """Batch-1 decode tokens/s per cache mode at loops 1, 4, 8 against the no-cache baseline."""
+    n_tokens = 16 if quick else 64
+    lines = [f"decode, batch 1, {n_tokens} tokens after a {len(PROMPT)}-char prompt (tokens/s; ratio = cached / naive recompute)"]
+    models = {mode: load_model(model_path, 1024, cache_mode=mode) for mode in CACHE_MODES}
+    base = models["fp16"]
+    ids = base.encode_prompt(PROMPT * 4)
+    lines.append(f"  {'loops':>5} {'naive':>9} " + " ".join(f"{m:>9} {'ratio':>6}" for m in CACHE_MODES))
+    for loops in (1, 4, 8):
+        cfg = GenerateConfig(max_tokens=n_tokens, loops=loops, stop_sequences=())
+        naive_s = timed(lambda: naive_decode(base, ids, n_tokens, loops))
+        row = f"  {loops:>5} {n_tokens / naive_s:>9.1f} "
+        for mode in CACHE_MODES:
+            res = None
+
+            def run():
+                nonlocal res
+                res = generate(models[mode], ids, cfg)
+            s = timed(run, 2)
+            tps = res.stats.generated_tokens / s
+            row += f"{tps:>9.1f} {tps / (n_tokens / naive_s):>5.1f}x "
+        lines.append(row)
+    return lines
+
+
+SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {"decode": bench_decode}
+
+
+def run_bench(model_path: str | None = None, sections: list[str] | None = None, quick: bool = False,
+              echo: Callable[[str], None] = print) -> None:
+    torch.manual_seed(0)
+    echo(f"tinyloop bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+         f"{'CUDA' if torch.cuda.is_available() else 'CPU'}")
+    for name in sections or list(SECTIONS):
+        echo(f"\n== {name} ==")
+        for line in SECTIONS[name](model_path, quick):
+            echo(line)

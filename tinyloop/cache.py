@@ -1,0 +1,158 @@
+"""The loop-aware KV cache in three storage modes.
+
+Slots: prelude layer i owns slot i, core layer j at loop k owns slot P + k*R + j, coda layer i owns slot
+P + max_loops*R + i (ModelConfig.core_slot / coda_slot). At loop k a token attends to the loop-k keys of
+earlier tokens, which makes cached decode equal a full recompute.
+
+Modes (bytes per token per slot, with kv_dim = n_kv_heads * head_dim, d = d_model, s = bytes of the model dtype):
+  fp16  K and V in the model's dtype                        2 * kv_dim * s
+  int8  K and V as int8, one fp16 scale per token and head   2 * (kv_dim + 2 * n_kv_heads)
+  int4  store-h: the attention input h as int4 in groups of
+        INT4_GROUP with one fp16 scale per group; K and V are
+        recomputed from h when attended                        d / 2 + 2 * d / INT4_GROUP
+
+With `window > 0` each slot is a ring buffer of `window` positions (sliding-window attention): position p
+lives in cell p % window, and the cell remembers which position it holds.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .errors import ConfigError
+
+CACHE_MODES = ("fp16", "int8", "int4")
+INT4_GROUP = 32
+
+
+def bytes_per_token_slot(cfg: ModelConfig, mode: str, dtype_bytes: int) -> int:
+    if mode == "fp16":
+        return 2 * cfg.kv_dim * dtype_bytes
+    if mode == "int8":
+        return 2 * (cfg.kv_dim + 2 * cfg.n_kv_heads)
+    if mode == "int4":
+        return cfg.d_model // 2 + 2 * (cfg.d_model // INT4_GROUP)
+    raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
+
+
+# --- quantisation (torch reference; tinyloop/kernels holds the fused versions) -------------------------
+def quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per vector along the last dim: x ~= q * scale."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-8) / 127.0
+    q = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(torch.float16)
+
+
+def dequant_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
+def quant_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 in groups of INT4_GROUP along the last dim, two values packed per byte."""
+    *lead, d = x.shape
+    g = x.float().reshape(*lead, d // INT4_GROUP, INT4_GROUP)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 7.0
+    q = (torch.round(g / scale).clamp_(-8, 7) + 8).to(torch.uint8).reshape(*lead, d)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return packed, scale.squeeze(-1).to(torch.float16)
+
+
+def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    *lead, half = packed.shape
+    q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*lead, half * 2).float() - 8.0
+    g = q.reshape(*lead, scale.shape[-1], INT4_GROUP) * scale.float().unsqueeze(-1)
+    return g.reshape(*lead, half * 2).to(dtype)
+
+
+class KVCache:
+    """K/V storage for `lanes` sequences of up to `max_len` tokens, one slot per (layer, loop)."""
+
+    def __init__(self, cfg: ModelConfig, lanes: int, max_len: int, mode: str = "fp16", *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, window: int = 0):
+        if mode not in CACHE_MODES:
+            raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
+        if mode == "int4" and cfg.d_model % INT4_GROUP:
+            raise ConfigError(f"cache_mode int4 needs d_model divisible by {INT4_GROUP}, got {cfg.d_model}")
+        self.cfg, self.mode, self.lanes, self.max_len, self.window = cfg, mode, lanes, max_len, window
+        self.dtype, self.device = dtype, torch.device(device)
+        S, L = cfg.n_slots(), (window if window > 0 else max_len)
+        kv = (S, lanes, L, cfg.n_kv_heads, cfg.head_dim)
+        z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)
+        if mode == "fp16":
+            self.store = {"k": z(kv, dtype), "v": z(kv, dtype)}
+        elif mode == "int8":
+            sc = (S, lanes, L, cfg.n_kv_heads, 1)
+            self.store = {"k": z(kv, torch.int8), "k_scale": z(sc, torch.float16),
+                          "v": z(kv, torch.int8), "v_scale": z(sc, torch.float16)}
+        else:
+            self.store = {"h": z((S, lanes, L, cfg.d_model // 2), torch.uint8),
+                          "h_scale": z((S, lanes, L, cfg.d_model // INT4_GROUP), torch.float16)}
+        # Ring buffers remember the absolute position in each cell (-1: empty).
+        self.cell_pos = torch.full((S, lanes, L), -1, dtype=torch.long, device=device) if window > 0 else None
+
+    def nbytes(self) -> int:
+        tensors = list(self.store.values()) + ([self.cell_pos] if self.cell_pos is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def reset(self) -> None:
+        if self.cell_pos is not None:
+            self.cell_pos.fill_(-1)
+
+    # --- write / read ---------------------------------------------------------------------------------
+    def _encode(self, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.mode == "fp16":
+            return {"k": k, "v": v}
+        if self.mode == "int8":
+            kq, ks = quant_int8(k)
+            vq, vs = quant_int8(v)
+            return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+        hq, hs = quant_int4(h)
+        return {"h": hq, "h_scale": hs}
+
+    def _decode(self, attn, data: dict[str, torch.Tensor], pos: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision K, V [B, N, n_kv, hd] from stored entries at positions pos [B, N]."""
+        if self.mode == "fp16":
+            return data["k"], data["v"]
+        if self.mode == "int8":
+            return dequant_int8(data["k"], data["k_scale"], self.dtype), dequant_int8(data["v"], data["v_scale"], self.dtype)
+        h = dequant_int4(data["h"], data["h_scale"], self.dtype)
+        return attn.project_kv(h, *step.rope_at(pos.clamp_min(0)))
+
+    def update(self, attn, slot: int, step, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store the chunk's entries in `slot`; return keys, values [B, N, n_kv, hd] and the mask [B, 1, T, N]."""
+        B, T = step.pos.shape
+        lane = torch.arange(B, device=self.device).unsqueeze(1)
+        new = self._encode(h, k, v)
+        qpos = step.pos.unsqueeze(-1)  # [B, T, 1]
+        if self.window == 0:
+            for name, t in new.items():
+                self.store[name][slot, lane, step.pos] = t
+            data = {name: t[slot, :B, :step.end] for name, t in self.store.items()}
+            kpos = torch.arange(step.end, device=self.device).expand(B, step.end)
+            keys, values = self._decode(attn, data, kpos, step)
+            mask = kpos.unsqueeze(1) <= qpos
+        else:
+            # Attend over the ring as it was plus the new chunk, then keep the newest `window` of the chunk.
+            W = self.window
+            old = {name: t[slot, :B] for name, t in self.store.items()}
+            data = {name: torch.cat((old[name], new[name]), dim=1) for name in new}
+            kpos = torch.cat((self.cell_pos[slot, :B], step.pos), dim=1)
+            keys, values = self._decode(attn, data, kpos, step)
+            kp = kpos.unsqueeze(1)
+            mask = (kp >= 0) & (kp <= qpos) & (kp > qpos - W)
+            keep = slice(max(0, T - W), T)
+            cells = step.pos[:, keep] % W
+            for name, t in new.items():
+                self.store[name][slot, lane, cells] = t[:, keep]
+            self.cell_pos[slot, lane, cells] = step.pos[:, keep]
+        return keys, values, mask.unsqueeze(1)
+
+    def copy_slot(self, src: int, dst: int, pos: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
+        """Copy the entries at positions pos [B, T] from slot src to slot dst (early exit fills skipped loops)."""
+        B = pos.shape[0]
+        lane = (torch.arange(B, device=self.device) if lanes is None else lanes).unsqueeze(1)
+        cells = pos % self.window if self.window else pos
+        for t in self.store.values():
+            t[dst, lane, cells] = t[src, lane, cells]
+        if self.cell_pos is not None:
+            self.cell_pos[dst, lane, cells] = self.cell_pos[src, lane, cells]
