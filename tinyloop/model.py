@@ -50,6 +50,7 @@ class Step:
     end: int
     table_cos: torch.Tensor
     table_sin: torch.Tensor
+    window: int = 0  # sliding-window width for the cache-free path (the cache applies its own window)
 
     def __post_init__(self):
         self.cos, self.sin = self.rope_at(self.pos)
@@ -79,9 +80,14 @@ class Attention(nn.Module):
         B, T, _ = h.shape
         q = apply_rope(self.wq(h).view(B, T, self.n_heads, self.head_dim), step.cos, step.sin)
         k, v = self.project_kv(h, step.cos, step.sin)
-        if cache is None:  # training / full recompute: plain causal attention over the chunk
+        if cache is None and not step.window:  # training / full recompute: causal attention over the chunk
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True)
+        elif cache is None:  # full recompute with a sliding window: the reference for the ring buffer
+            qp, kp = step.pos.unsqueeze(-1), step.pos.unsqueeze(1)
+            mask = ((kp <= qp) & (kp > qp - step.window)).unsqueeze(1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask, enable_gqa=True)
         else:
             keys, values, mask = cache.update(self, slot, step, h, k, v)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -157,10 +163,10 @@ class LoopedLM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     # --- pieces -------------------------------------------------------------------------------------
-    def make_step(self, pos: torch.Tensor, end: int | None = None) -> Step:
+    def make_step(self, pos: torch.Tensor, end: int | None = None, window: int = 0) -> Step:
         if end is None:
             end = int(pos.max()) + 1
-        return Step(pos, end, self.rope_cos, self.rope_sin)
+        return Step(pos, end, self.rope_cos, self.rope_sin, window)
 
     def encode(self, ids: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
         """Embedding and prelude: e, the input every loop is injected with."""
