@@ -12,7 +12,7 @@ Modes (bytes per token per slot, with kv_dim = n_kv_heads * head_dim, d = d_mode
         recomputed from h when attended                        d / 2 + 2 * d / INT4_GROUP
 
 With `window > 0` each slot is a ring buffer of `window` positions (sliding-window attention): position p
-lives in cell p % window, and the cell remembers which position it holds.
+lives in cell p % ring (ring = window unless a caller asks for more), and the cell remembers which position it holds.
 """
 from __future__ import annotations
 
@@ -68,14 +68,18 @@ class KVCache:
     """K/V storage for `lanes` sequences of up to `max_len` tokens, one slot per (layer, loop)."""
 
     def __init__(self, cfg: ModelConfig, lanes: int, max_len: int, mode: str = "fp16", *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, window: int = 0):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, window: int = 0,
+                 ring: int = 0):
         if mode not in CACHE_MODES:
             raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
         if mode == "int4" and cfg.d_model % INT4_GROUP:
             raise ConfigError(f"cache_mode int4 needs d_model divisible by {INT4_GROUP}, got {cfg.d_model}")
         self.cfg, self.mode, self.lanes, self.max_len, self.window = cfg, mode, lanes, max_len, window
         self.dtype, self.device = dtype, torch.device(device)
-        S, L = cfg.n_slots(), (window if window > 0 else max_len)
+        # A ring may hold more cells than the window (`ring`): speculative decode writes drafts it may roll back,
+        # and the cells they overwrite must not be ones the window still needs.
+        S, L = cfg.n_slots(), (max(window, ring) if window > 0 else max_len)
+        self.ring = L if window > 0 else 0
         kv = (S, lanes, L, cfg.n_kv_heads, cfg.head_dim)
         z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)
         if mode == "fp16":
@@ -125,14 +129,15 @@ class KVCache:
         new = self._encode(h, k, v)
         qpos = step.pos.unsqueeze(-1)  # [B, T, 1]
         if self.window == 0:
+            cells = step.pos if step.cells is None else step.cells  # tree chunks bring their own cells and mask
             for name, t in new.items():
-                self.store[name][slot, lane, step.pos] = t
+                self.store[name][slot, lane, cells] = t
             data = {name: t[slot, :B, :step.end] for name, t in self.store.items()}
-            kpos = torch.arange(step.end, device=self.device).expand(B, step.end)
+            kpos = torch.arange(step.end, device=self.device).expand(B, step.end) if step.key_pos is None else step.key_pos
             keys, values = self._decode(attn, data, kpos, step)
-            mask = kpos.unsqueeze(1) <= qpos
+            mask = kpos.unsqueeze(1) <= qpos if step.mask is None else step.mask
         else:
-            # Attend over the ring as it was plus the new chunk, then keep the newest `window` of the chunk.
+            # Attend over the ring as it was plus the new chunk, then keep the newest `ring` of the chunk.
             W = self.window
             old = {name: t[slot, :B] for name, t in self.store.items()}
             data = {name: torch.cat((old[name], new[name]), dim=1) for name in new}
@@ -140,8 +145,8 @@ class KVCache:
             keys, values = self._decode(attn, data, kpos, step)
             kp = kpos.unsqueeze(1)
             mask = (kp >= 0) & (kp <= qpos) & (kp > qpos - W)
-            keep = slice(max(0, T - W), T)
-            cells = step.pos[:, keep] % W
+            keep = slice(max(0, T - self.ring), T)
+            cells = step.pos[:, keep] % self.ring
             for name, t in new.items():
                 self.store[name][slot, lane, cells] = t[:, keep]
             self.cell_pos[slot, lane, cells] = step.pos[:, keep]
@@ -151,8 +156,67 @@ class KVCache:
         """Copy the entries at positions pos [B, T] from slot src to slot dst (early exit fills skipped loops)."""
         B = pos.shape[0]
         lane = (torch.arange(B, device=self.device) if lanes is None else lanes).unsqueeze(1)
-        cells = pos % self.window if self.window else pos
+        cells = pos % self.ring if self.window else pos
         for t in self.store.values():
             t[dst, lane, cells] = t[src, lane, cells]
         if self.cell_pos is not None:
             self.cell_pos[dst, lane, cells] = self.cell_pos[src, lane, cells]
+
+    # --- speculative decode ---------------------------------------------------------------------------
+    def rollback(self, length: int, slots: list[int] | None = None) -> None:
+        """Forget positions >= length (rejected drafts). Without a window nothing to do: the mask is causal by
+        position and the next chunk overwrites those cells before anything reads them. A ring is read as
+        "old cells + new chunk", so stale cells there must be marked empty."""
+        if self.cell_pos is not None and slots is None:
+            self.cell_pos.masked_fill_(self.cell_pos >= length, -1)
+        elif self.cell_pos is not None:
+            sub = self.cell_pos[slots]
+            self.cell_pos[slots] = sub.masked_fill(sub >= length, -1)
+
+    def move_cells(self, src: torch.Tensor, dst: torch.Tensor, lane: int = 0) -> None:
+        """Copy cells src -> dst [N] in every slot (tree speculation: the accepted branch moves to its positions)."""
+        for t in self.store.values():
+            t[:, lane, dst] = t[:, lane, src]
+
+    # --- lanes (static batching, beam search) -----------------------------------------------------------
+    def lane_view(self, lane: int) -> "KVCache":
+        """A one-lane cache sharing this cache's storage for `lane`: prefilling it fills that lane in place."""
+        view = object.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.lanes = 1
+        view.store = {name: t[:, lane:lane + 1] for name, t in self.store.items()}
+        view.cell_pos = None if self.cell_pos is None else self.cell_pos[:, lane:lane + 1]
+        return view
+
+    def reorder_lanes(self, index: torch.Tensor) -> None:
+        """Lane i takes the contents of lane index[i], for i < len(index) (beam search: children inherit their
+        parent's cache). The gather copies first, so a lane may be both a source and a destination."""
+        index = index.to(self.device)
+        n = index.shape[0]
+        for t in self.store.values():
+            t[:, :n] = t.index_select(1, index)
+        if self.cell_pos is not None:
+            self.cell_pos[:, :n] = self.cell_pos.index_select(1, index)
+
+    # --- handles keep a range of positions of lane 0 and put it back later ---------------------------
+    def _cells(self, start: int, end: int):
+        if self.window == 0:
+            return slice(start, end)
+        return torch.arange(start, end, device=self.device) % self.window
+
+    def read_range(self, slots: slice, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Copies of lane 0's entries for positions start..end-1 in `slots`: tensors [slots, end - start, ...].
+
+        With a window only the newest `window` positions are held, so end - start must be <= window.
+        """
+        cells = self._cells(start, end)
+        return {name: t[slots, 0, cells].clone() for name, t in self.store.items()}
+
+    def write_range(self, slots: slice, start: int, data: dict[str, torch.Tensor]) -> None:
+        """The inverse of read_range: put entries back into lane 0 at positions start.. of `slots`."""
+        n = next(iter(data.values())).shape[1]
+        cells = self._cells(start, start + n)
+        for name, t in self.store.items():
+            t[slots, 0, cells] = data[name]
+        if self.cell_pos is not None:
+            self.cell_pos[slots, 0, cells] = torch.arange(start, start + n, device=self.device)
