@@ -109,3 +109,6 @@ except ImportError:  # pragma: no cover - only while the service is not yet part
     add_service_commands = None
 if add_service_commands is not None:
     add_service_commands(main)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The `tinyloop` command on the bundled model, run as a user would run it."""
+import subprocess
+import sys
+
+import tinyloop
+
+
+def tinyloop_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "scripts.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_prints_continuation_and_stats():
+    out = tinyloop_cli("generate", "def fibonacci(n):", "--max-tokens", "24")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("def fibonacci(n):") and len(out.stdout) > len("def fibonacci(n):") + 10
+    assert "stop=" in out.stderr and "tok/s" in out.stderr and "loops 8.00" in out.stderr
+
+
+def test_generate_reports_bad_input_clearly():
+    out = tinyloop_cli("generate", "x", "--loops", "99")
+    assert out.returncode == 2 and "GenerateConfig.loops must be an integer in 1..16" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_inspect_shows_config_beta_losses_and_cache_costs():
+    out = tinyloop_cli("inspect")
+    assert out.returncode == 0, out.stderr
+    for needle in ("d_model", "parameters:", "beta:", "held-out loss by loops:", "loops  8:", "int4", "per slot"):
+        assert needle in out.stdout
+    bad = tinyloop_cli("inspect", "/nonexistent.tinyloop")
+    assert bad.returncode == 2 and "no such artifact" in bad.stderr
+
+
+def test_bench_quick_prints_ratios():
+    out = tinyloop_cli("bench", "--quick", "--section", "decode", timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "naive" in out.stdout and out.stdout.count("x ") >= 9  # 3 loop counts x 3 cache modes
