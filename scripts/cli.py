@@ -91,6 +91,14 @@ def bench(model_path, sections, quick) -> None:
 
 
 @main.command()
+def modes() -> None:
+    """Print the mode matrix (which runtime modes compose with which calls) as a markdown table."""
+    from tinyloop.modes import markdown_table
+
+    click.echo(markdown_table())
+
+
+@main.command()
 @click.option("--out", default="default.tinyloop", show_default=True)
 @click.option("--steps", default=900, show_default=True)
 @click.option("--seq-len", default=256, show_default=True)
