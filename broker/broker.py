@@ -464,7 +464,12 @@ class Broker:
         self.queue.appendleft(req)  # it already waited once: put it first
 
     def unqueue(self, req: Request) -> None:
-        queue = self.queue if req.pinned is None else self.workers[req.pinned].pinned_queue
+        if req.pinned is None:
+            queue = self.queue
+        elif req.pinned in self.workers:
+            queue = self.workers[req.pinned].pinned_queue
+        else:
+            return
         try:
             queue.remove(req)
         except ValueError:

@@ -409,7 +409,7 @@ def decode(
         raise ProtocolError(Codes.TOO_LARGE, f"message body is {len(body)} bytes; the limit is {max_bytes}")
     try:
         # strict_map_key keeps keys hashable str/bytes; raw=False gives str for msgpack str.
-        data = msgpack.unpackb(body, raw=False, strict_map_key=True, max_buffer_size=max_bytes)
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many types for garbage input
         raise ProtocolError(Codes.BAD_MESSAGE, f"body is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(data, dict):

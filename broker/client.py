@@ -1,0 +1,499 @@
+"""Client library for the TinyLoop service: a synchronous Client and an asyncio AsyncClient.
+
+Meant for queue producers in other services: it needs only pyzmq and msgpack (importing it
+never imports torch) and works from any host that can reach the broker's frontend endpoint.
+
+    from broker.client import Client
+    with Client("tcp://broker-host:5555") as client:
+        reply = client.generate("def add(a, b):", max_tokens=32, timeout=30)
+        print(reply.text, reply.stats["stop_reason"])
+
+        with client.stream("import os", max_tokens=16) as stream:
+            for token in stream:
+                print(token.text, end="", flush=True)
+        print(stream.result.stats)
+
+Every call has a timeout. The deadline is sent to the broker, which expires the request
+(and stops the decode on the worker); the client also stops waiting a little after it, in
+case the broker itself is unreachable. Failures raise a subclass of ServiceError chosen by
+the reply's error code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from broker import protocol
+from broker.protocol import BROKER_TO_CLIENT, CLIENT_TO_BROKER, Codes, ProtocolError
+
+DEFAULT_TIMEOUT_S = 120.0
+# How long past the request deadline the client waits for the broker's own timeout reply.
+CLIENT_GRACE_S = 2.0
+
+# ---------------------------------------------------------------------------- errors
+
+
+class ServiceError(Exception):
+    """A request ended with an error reply (or no reply). `code` is a protocol error code."""
+
+    code = "service_error"
+
+    def __init__(self, message: str, code: str | None = None, request_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.request_id = request_id
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in protocol.RETRYABLE_CODES
+
+
+class ServerBusy(ServiceError):
+    """The broker's queue is full; back off and retry."""
+
+    code = Codes.BUSY
+
+
+class RequestTimeout(ServiceError, TimeoutError):
+    """The deadline passed (reported by the broker, or no reply reached the client in time)."""
+
+    code = Codes.TIMEOUT
+
+
+class RequestCancelled(ServiceError):
+    """The request was cancelled before a worker started it."""
+
+    code = Codes.CANCELLED
+
+
+class InvalidRequest(ServiceError, ValueError):
+    """The request broke the wire schema or the runtime's config/mode rules."""
+
+    code = Codes.INVALID_FIELD
+
+
+class UnsupportedOperation(ServiceError):
+    """The op does not exist, or this service's runtime does not implement it."""
+
+    code = Codes.UNSUPPORTED_OP
+
+
+class HandleLost(ServiceError, KeyError):
+    """The handle was evicted by the live-handle cap, released, or its worker is gone."""
+
+    code = Codes.HANDLE_UNKNOWN
+
+    def __str__(self) -> str:  # KeyError would otherwise print repr(message)
+        return self.message
+
+
+class WorkerLost(ServiceError):
+    """The worker died after streaming part of the answer; it was not retried."""
+
+    code = Codes.WORKER_LOST
+
+
+class ServiceUnavailable(ServiceError):
+    """The broker is shutting down."""
+
+    code = Codes.SHUTTING_DOWN
+
+
+ERROR_CLASSES: dict[str, type[ServiceError]] = {
+    Codes.BUSY: ServerBusy,
+    Codes.TIMEOUT: RequestTimeout,
+    Codes.CANCELLED: RequestCancelled,
+    Codes.BAD_FRAME: InvalidRequest,
+    Codes.BAD_VERSION: InvalidRequest,
+    Codes.BAD_MESSAGE: InvalidRequest,
+    Codes.INVALID_FIELD: InvalidRequest,
+    Codes.TOO_LARGE: InvalidRequest,
+    Codes.DUPLICATE_ID: InvalidRequest,
+    Codes.CONFIG_ERROR: InvalidRequest,
+    Codes.MODE_ERROR: InvalidRequest,
+    Codes.UNKNOWN_OP: UnsupportedOperation,
+    Codes.UNSUPPORTED_OP: UnsupportedOperation,
+    Codes.HANDLE_EVICTED: HandleLost,
+    Codes.HANDLE_UNKNOWN: HandleLost,
+    Codes.WORKER_LOST: WorkerLost,
+    Codes.SHUTTING_DOWN: ServiceUnavailable,
+}
+
+
+def error_from_reply(fields: dict) -> ServiceError:
+    cls = ERROR_CLASSES.get(fields["code"], ServiceError)
+    return cls(f"{fields['code']}: {fields['message']}", code=fields["code"], request_id=fields.get("id"))
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    pos: int
+    text: str  # the new text this token completes (may be "" inside a multi-byte character)
+
+
+@dataclass
+class Reply:
+    """The final "done" reply of a request."""
+
+    result: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.get("tokens", [])
+
+    @property
+    def text(self) -> str:
+        return self.result.get("text", "")
+
+    @property
+    def stats(self) -> dict:
+        return self.result.get("stats", {})
+
+    @property
+    def worker(self) -> str | None:
+        return self.result.get("worker")
+
+    @property
+    def handle(self) -> str | None:
+        return self.result.get("handle")
+
+
+_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    # Unique within this process; the broker keys requests by (client socket, id).
+    return f"{os.getpid():x}-{next(_ids)}"
+
+
+def build_request(op: str, params: dict, stream: bool, timeout: float, request_id: str | None) -> tuple[str, list[bytes]]:
+    """Validate locally (so a bad field raises InvalidRequest without a round trip) and encode."""
+    request_id = request_id or new_request_id()
+    try:
+        frames = protocol.encode(
+            CLIENT_TO_BROKER, "request", id=request_id, op=op, params=params, stream=stream, timeout_s=timeout
+        )
+    except ProtocolError as err:
+        raise ERROR_CLASSES.get(err.code, InvalidRequest)(f"{err.code}: {err.message}", code=err.code) from None
+    return request_id, frames
+
+
+def generate_params(prompt: str | list[int], config: dict) -> dict:
+    return {"prompt": prompt, **{k: v for k, v in config.items() if v is not None or k in ("loops", "seed")}}
+
+
+# ---------------------------------------------------------------------------- sync client
+
+
+class Client:
+    """Synchronous client. Not thread-safe: use one Client per thread.
+
+    Several requests may be outstanding at once (submit() returns a Pending); replies for
+    other requests that arrive while one is being waited on are kept for their owner.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.ctx = context or zmq.Context.instance()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.linger = 0
+        self.socket.connect(endpoint)
+        self.inbox: dict[str, list[protocol.Message]] = {}  # request id -> messages not yet consumed
+        self.open: set[str] = set()  # request ids still waiting for their final reply
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for request_id in list(self.open):
+            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+        self.socket.close(linger=100)
+
+    # ---- high-level calls
+
+    def submit(self, op: str, params: dict, *, stream: bool = False, timeout: float | None = None,
+               request_id: str | None = None) -> "Pending":
+        timeout = timeout or self.timeout
+        request_id, frames = build_request(op, params, stream, timeout, request_id)
+        self.open.add(request_id)
+        self.inbox.setdefault(request_id, [])
+        self._send(frames)
+        return Pending(self, request_id, time.monotonic() + timeout + CLIENT_GRACE_S)
+
+    def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
+        """Run one generation and return its final reply. `config` takes GenerateConfig fields."""
+        return self.submit("generate", generate_params(prompt, config), timeout=timeout).result()
+
+    def stream(self, prompt: str | list[int], *, timeout: float | None = None, op: str = "generate",
+               **config: Any) -> "Pending":
+        """Start a streamed generation; iterate the returned Pending for TokenEvents."""
+        return self.submit(op, generate_params(prompt, config), stream=True, timeout=timeout)
+
+    def call(self, op: str, timeout: float | None = None, **params: Any) -> Reply:
+        """Run any op (build_handle, resume, release_handle, generate_pool, speculative, ping)."""
+        return self.submit(op, params, timeout=timeout).result()
+
+    def status(self, timeout: float = 5.0) -> dict:
+        request_id = new_request_id()
+        self.open.add(request_id)
+        self.inbox.setdefault(request_id, [])
+        self._send(protocol.encode(CLIENT_TO_BROKER, "status", id=request_id))
+        msg = self._next(request_id, time.monotonic() + timeout)
+        self._forget(request_id)
+        if msg.type == "error":
+            raise error_from_reply(msg.fields)
+        return msg["status"]
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self.open:
+            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+
+    # ---- plumbing
+
+    def _send(self, frames: list[bytes]) -> None:
+        self.socket.send_multipart(frames)
+
+    def _next(self, request_id: str, deadline: float) -> protocol.Message:
+        """The next message for request_id, receiving (and filing) others' messages meanwhile."""
+        box = self.inbox[request_id]
+        while not box:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.socket.poll(int(remaining * 1000) + 1):
+                if time.monotonic() >= deadline:
+                    self._forget(request_id)
+                    self.cancel_quietly(request_id)
+                    raise RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id)
+                continue
+            self._file(self.socket.recv_multipart())
+        return box.pop(0)
+
+    def _file(self, frames: list[bytes]) -> None:
+        try:
+            msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
+        except ProtocolError:
+            return  # nothing sensible to do with a garbled reply; the request will time out
+        request_id = msg.get("id")
+        if request_id in self.inbox:
+            self.inbox[request_id].append(msg)
+
+    def cancel_quietly(self, request_id: str) -> None:
+        try:
+            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+        except zmq.ZMQError:
+            pass
+
+    def _forget(self, request_id: str) -> None:
+        self.open.discard(request_id)
+        self.inbox.pop(request_id, None)
+
+
+class Pending:
+    """One outstanding request of a sync Client: iterate it for tokens, then read .result,
+    or call .result() directly. Leaving a `with` block early cancels the request."""
+
+    def __init__(self, client: Client, request_id: str, deadline: float):
+        self.client = client
+        self.id = request_id
+        self.deadline = deadline
+        self.final: Reply | None = None
+        self.error: ServiceError | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while self.final is None and self.error is None:
+            msg = self._next()
+            if msg.type == "token":
+                yield TokenEvent(msg["token"], msg["pos"], msg["text"])
+        if self.error is not None:
+            raise self.error
+
+    def _next(self) -> protocol.Message:
+        try:
+            msg = self.client._next(self.id, self.deadline)
+        except ServiceError as err:
+            self.error = err
+            raise
+        if msg.type == "done":
+            self.final = Reply(msg["result"])
+            self.client._forget(self.id)
+        elif msg.type == "error":
+            self.error = error_from_reply(msg.fields)
+            self.client._forget(self.id)
+        return msg
+
+    def result(self) -> Reply:
+        """Wait for the final reply (skipping tokens); raises the request's ServiceError."""
+        while self.final is None and self.error is None:
+            self._next()
+        if self.error is not None:
+            raise self.error
+        return self.final
+
+    def cancel(self) -> None:
+        """Ask the service to stop this request; its final reply still arrives (see result())."""
+        self.client.cancel(self.id)
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None or self.error is not None
+
+    def __enter__(self) -> "Pending":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.done:
+            self.cancel()
+            try:
+                self.result()
+            except ServiceError:
+                pass
+
+
+# ---------------------------------------------------------------------------- asyncio client
+
+
+class AsyncClient:
+    """asyncio client. One background task reads replies and routes them to their request.
+
+        async with AsyncClient(endpoint) as client:
+            reply = await client.generate("x = ", max_tokens=8)
+            async for token in client.stream("y = ", max_tokens=8):
+                ...
+
+    Cancelling the task that awaits a request (or breaking out of a stream) cancels the
+    request on the service too.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, context: zmq.asyncio.Context | None = None):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.linger = 0
+        self.socket.connect(endpoint)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.reader: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for request_id in list(self.queues):
+            await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+        if self.reader is not None:
+            self.reader.cancel()
+            try:
+                await self.reader
+            except asyncio.CancelledError:
+                pass
+        self.socket.close(linger=100)
+
+    async def _send(self, frames: list[bytes]) -> None:
+        await self.socket.send_multipart(frames)
+
+    def _ensure_reader(self) -> None:
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    async def _read_forever(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart()
+            try:
+                msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
+            except ProtocolError:
+                continue
+            queue = self.queues.get(msg.get("id"))
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _messages(self, op: str | None, params: dict | None, stream: bool, timeout: float | None,
+                        msg_type: str = "request") -> AsyncIterator[protocol.Message]:
+        """Send one request and yield its messages up to and including the final one."""
+        timeout = timeout or self.timeout
+        if msg_type == "request":
+            request_id, frames = build_request(op, params, stream, timeout, None)
+        else:
+            request_id = new_request_id()
+            frames = protocol.encode(CLIENT_TO_BROKER, msg_type, id=request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        self._ensure_reader()
+        deadline = asyncio.get_running_loop().time() + timeout + CLIENT_GRACE_S
+        finished = False
+        try:
+            await self._send(frames)
+            while True:
+                remaining = deadline - asyncio.get_running_loop().time()
+                try:
+                    msg = await asyncio.wait_for(queue.get(), max(remaining, 0.001))
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id) from None
+                finished = msg.type != "token"
+                yield msg
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished and msg_type == "request":
+                # Cancelled task, timeout or abandoned stream: stop the work on the service.
+                try:
+                    await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+                except zmq.ZMQError:
+                    pass
+
+    async def submit(self, op: str, params: dict, *, timeout: float | None = None) -> Reply:
+        async for msg in self._messages(op, params, False, timeout):
+            if msg.type == "done":
+                return Reply(msg["result"])
+            if msg.type == "error":
+                raise error_from_reply(msg.fields)
+        raise ServiceError("the reply stream ended without a final reply")  # unreachable by protocol
+
+    async def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
+        return await self.submit("generate", generate_params(prompt, config), timeout=timeout)
+
+    async def call(self, op: str, timeout: float | None = None, **params: Any) -> Reply:
+        return await self.submit(op, params, timeout=timeout)
+
+    async def stream(self, prompt: str | list[int], *, timeout: float | None = None, op: str = "generate",
+                     result: list | None = None, **config: Any) -> AsyncIterator[TokenEvent]:
+        """Yield TokenEvents; the final Reply is appended to `result` when a list is given."""
+        messages = self._messages(op, generate_params(prompt, config), True, timeout)
+        try:
+            async for msg in messages:
+                if msg.type == "token":
+                    yield TokenEvent(msg["token"], msg["pos"], msg["text"])
+                elif msg.type == "done":
+                    if result is not None:
+                        result.append(Reply(msg["result"]))
+                elif msg.type == "error":
+                    raise error_from_reply(msg.fields)
+        finally:
+            await messages.aclose()  # runs the cancel in _messages when the caller stopped early
+
+    async def status(self, timeout: float = 5.0) -> dict:
+        async for msg in self._messages(None, None, False, timeout, msg_type="status"):
+            if msg.type == "error":
+                raise error_from_reply(msg.fields)
+            return msg["status"]
+        raise ServiceError("no status reply")

@@ -1,0 +1,113 @@
+"""Starting and supervising service processes (used by `tinyloop serve`, the load test and tests).
+
+Every part runs as its own OS process started from this Python's `scripts.service_cli`,
+so `tinyloop serve` behaves exactly like `tinyloop broker` plus N `tinyloop worker` run by hand.
+
+Children get their own session (a terminal's Ctrl-C reaches only the launcher, which then
+shuts them down in order: broker first so in-flight requests get their replies, then
+workers) and die with the launcher (PR_SET_PDEATHSIG), so nothing is left orphaned.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Exit codes after which restarting a worker cannot help (it would be refused again).
+NO_RESTART_EXIT_CODES = {2, 3, 4}
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _die_with_parent() -> None:
+    # Linux only; elsewhere children simply outlive a killed launcher.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def service_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "scripts.service_cli", *args]
+
+
+def spawn(args: list[str], log_path: str | Path | None = None) -> subprocess.Popen:
+    """Start `python -m scripts.service_cli ARGS...`; output goes to log_path (or is inherited)."""
+    out = open(log_path, "ab") if log_path else None
+    try:
+        return subprocess.Popen(
+            service_command(*args),
+            env=child_env(),
+            cwd=str(REPO_ROOT),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        if out:
+            out.close()
+
+
+def wait_for_file(path: str | Path, proc: subprocess.Popen, timeout: float) -> dict:
+    """Wait for a JSON file a child writes when it is up (e.g. the broker's --ready-file)."""
+    deadline = time.monotonic() + timeout
+    path = Path(path)
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except ValueError:
+                pass  # half-written; try again
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before it was ready")
+        time.sleep(0.02)
+    raise TimeoutError(f"{path} did not appear within {timeout}s")
+
+
+def wait_for_workers(frontend: str, count: int, timeout: float, procs: list[subprocess.Popen] | None = None) -> dict:
+    """Poll the broker's status until `count` workers are ready; returns the last status."""
+    from broker.client import Client, RequestTimeout
+
+    deadline = time.monotonic() + timeout
+    with Client(frontend) as client:
+        while True:
+            try:
+                status = client.status(timeout=2.0)
+                if len([w for w in status["workers"] if w["state"] != "leaving"]) >= count:
+                    return status
+            except RequestTimeout:
+                pass
+            for proc in procs or []:
+                if proc.poll() is not None and proc.returncode in NO_RESTART_EXIT_CODES:
+                    raise RuntimeError(f"a worker exited with code {proc.returncode} during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} worker(s) did not become ready within {timeout}s")
+            time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
+    """SIGTERM, wait, then SIGKILL if needed. Returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode

@@ -1,0 +1,164 @@
+"""`tinyloop serve`: one broker and N workers as child processes, kept alive until stopped.
+
+* Before starting anything it checks that N copies of the model fit on the device: one
+  `worker --plan-only` run reports the per-worker memory plan and the memory available,
+  and the launcher refuses to start (exit 3, itemised table) when N plans do not fit.
+* A worker that dies (crash, OOM killer, SIGKILL) is restarted; one that exits because
+  it was refused (over budget, broker limits, unloadable model) is not, since it would
+  only be refused again.
+* Ctrl-C or SIGTERM stops the broker first, which lets in-flight requests finish (or
+  answers them with an error), then the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from broker import launcher
+
+log = logging.getLogger("tinyloop.serve")
+
+EXIT_OVER_BUDGET = 3
+RESTART_WINDOW_S = 60.0
+MAX_RESTARTS_IN_WINDOW = 5
+
+
+class Supervisor:
+    def __init__(self, *, n_workers: int, frontend: str, backend: str, worker_args: list[str],
+                 broker_args: list[str], log_dir: str | None = None, log_level: str = "info"):
+        self.n_workers = n_workers
+        self.frontend = frontend
+        self.backend = backend
+        self.worker_args = worker_args
+        self.broker_args = broker_args
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.log_level = log_level
+        self.broker: subprocess.Popen | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, list[float]] = {}
+        self.stopping = False
+
+    def log_path(self, name: str) -> Path | None:
+        if self.log_dir is None:
+            return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / f"{name}.log"
+
+    def say(self, text: str) -> None:
+        print(f"tinyloop serve: {text}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ startup checks
+
+    def check_plan(self) -> int | None:
+        """Run one worker in --plan-only mode; refuse when N plans exceed the device's memory."""
+        cmd = launcher.service_command("worker", "--plan-only", "--log-level", "warning", *self.worker_args)
+        proc = subprocess.run(cmd, env=launcher.child_env(), cwd=str(launcher.REPO_ROOT), capture_output=True, text=True)
+        if proc.returncode != 0:
+            self.say(f"the memory plan check failed (exit {proc.returncode}):\n{proc.stderr.strip()}")
+            return proc.returncode or 1
+        plan = json.loads(proc.stdout.strip().splitlines()[-1])
+        need = plan["total_bytes"] * self.n_workers
+        if need > plan["available_bytes"]:
+            self.say(
+                f"refusing to start: {self.n_workers} workers on {plan['device']} need {need / 2**20:.1f} MiB "
+                f"but {plan['available_what']} is {plan['available_bytes'] / 2**20:.1f} MiB. Plan of one worker:\n"
+                f"{plan['table']}"
+            )
+            return EXIT_OVER_BUDGET
+        self.say(f"memory plan: {self.n_workers} x {plan['total_bytes'] / 2**20:.1f} MiB fits in "
+                 f"{plan['available_bytes'] / 2**20:.1f} MiB ({plan['available_what']})")
+        return None
+
+    # ------------------------------------------------------------------ processes
+
+    def start_broker(self, timeout: float = 30.0) -> dict:
+        ready_file = Path(tempfile.mkdtemp(prefix="tinyloop-serve-")) / "broker.json"
+        self.broker = launcher.spawn(
+            ["broker", "--frontend", self.frontend, "--backend", self.backend, "--ready-file", str(ready_file),
+             "--log-level", self.log_level, *self.broker_args],
+            self.log_path("broker"),
+        )
+        info = launcher.wait_for_file(ready_file, self.broker, timeout)
+        self.frontend, self.backend = info["frontend"], info["backend"]
+        return info
+
+    def start_worker(self, name: str) -> None:
+        self.workers[name] = launcher.spawn(
+            ["worker", "--connect", self.backend, "--name", name, "--log-level", self.log_level, *self.worker_args],
+            self.log_path(name),
+        )
+
+    def restart_allowed(self, name: str) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+        self.restarts[name] = recent + [now]
+        return len(recent) < MAX_RESTARTS_IN_WINDOW
+
+    def run(self, *, check_plan: bool = True, startup_timeout: float = 300.0, **_: object) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            if check_plan:
+                refused = self.check_plan()
+                if refused is not None:
+                    return refused
+            info = self.start_broker()
+            for i in range(1, self.n_workers + 1):
+                self.start_worker(f"w{i}")
+            self.say(f"broker listening for clients on {info['frontend']}, workers on {info['backend']}"
+                     + (f", metrics {info['metrics']}/metrics" if info.get("metrics") else ""))
+            launcher.wait_for_workers(info["frontend"], self.n_workers, startup_timeout, list(self.workers.values()))
+            self.say(f"all {self.n_workers} workers ready; submit with: tinyloop submit --connect {info['frontend']} \"prompt\"")
+            return self.supervise()
+        except (RuntimeError, TimeoutError) as exc:
+            self.say(f"startup failed: {exc}")
+            return 1
+        finally:
+            self.shutdown()
+
+    def supervise(self) -> int:
+        while not self.stopping:
+            time.sleep(0.2)
+            if self.broker.poll() is not None:
+                self.say(f"the broker exited with code {self.broker.returncode}; stopping")
+                return 1
+            for name, proc in list(self.workers.items()):
+                if proc.poll() is None or self.stopping:
+                    continue
+                code = proc.returncode
+                if code in launcher.NO_RESTART_EXIT_CODES:
+                    self.say(f"worker {name} exited with code {code} (refused or cannot load); not restarting it")
+                    del self.workers[name]
+                elif self.restart_allowed(name):
+                    self.say(f"worker {name} (pid {proc.pid}) died with code {code}; restarting it")
+                    self.start_worker(name)
+                else:
+                    self.say(f"worker {name} keeps dying ({MAX_RESTARTS_IN_WINDOW} restarts in {RESTART_WINDOW_S:.0f}s); giving up on it")
+                    del self.workers[name]
+            if not self.workers:
+                self.say("no workers left; stopping")
+                return 1
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stopping:
+            self.say(f"{signal.Signals(signum).name}: stopping (in-flight requests finish first)")
+        self.stopping = True
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        if self.broker is not None:
+            launcher.stop(self.broker, timeout=40.0)  # the broker drains in-flight requests first
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers.values():
+            launcher.stop(proc, timeout=15.0)
+        self.say("stopped")

@@ -1,0 +1,300 @@
+"""Service commands of the `tinyloop` CLI: serve, broker, worker, submit, status, loadtest.
+
+scripts/cli.py calls add_service_commands(main) to put them on the `tinyloop` group. This
+module can also run on its own (`python -m scripts.service_cli broker ...`); that is how
+`tinyloop serve` starts its child processes.
+
+Nothing here imports torch at import time: only the `worker` command (and the direct
+in-process baseline of `loadtest --side-by-side`) loads the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
+DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def byte_size(ctx, param, value):  # click callback
+    if value is None:
+        return None
+    from workers.startup import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc))
+
+
+def worker_options(fn):
+    """Options shared by `worker` and `serve` (the latter passes them on to each worker)."""
+    options = [
+        click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model)."),
+        click.option("--max-seq-len", default=2048, show_default=True, help="Longest sequence a request may reach."),
+        click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None,
+                     help="KV cache mode (default: $TINYLOOP_CACHE_MODE or fp16)."),
+        click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+        click.option("--max-handles", default=8, show_default=True, help="Live-handle cap per worker (LRU eviction at the cap)."),
+        click.option("--vram-budget", default=None, callback=byte_size,
+                     help="Memory budget per worker, e.g. 2GiB (default: free VRAM on CUDA, available RAM on CPU)."),
+        click.option("--prefix-file", default=None, type=click.Path(exists=True, dir_okay=False),
+                     help='JSON list of scaffolds for the prefix pool: [{"prefix": "...", "loops": 8}, ...].'),
+        click.option("--heartbeat-interval", default=1.0, show_default=True, help="Seconds between heartbeats."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
+                heartbeat_interval) -> list[str]:
+    """The same options as command-line arguments, for child processes."""
+    args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
+            "--heartbeat-interval", str(heartbeat_interval)]
+    for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
+                        ("--vram-budget", vram_budget), ("--prefix-file", prefix_file)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+# ------------------------------------------------------------------------------------ broker
+
+
+@click.command("broker")
+@click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True, help="Endpoint clients connect to.")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Endpoint workers connect to.")
+@click.option("--max-queue", default=64, show_default=True, help="Waiting requests before new ones get 'busy'.")
+@click.option("--heartbeat-interval", default=1.0, show_default=True)
+@click.option("--default-timeout", default=300.0, show_default=True, help="Deadline (s) of requests that set none.")
+@click.option("--max-message-bytes", default=1 << 20, show_default=True)
+@click.option("--max-worker-memory", default=None, callback=byte_size,
+              help="Refuse workers whose announced memory plan exceeds this, e.g. 4GiB.")
+@click.option("--max-handles-limit", type=int, default=None, help="Refuse workers whose handle cap exceeds this.")
+@click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port (0: any free port).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--ready-file", default=None, help="Write the bound endpoints here as JSON once listening.")
+@click.option("--log-level", default="info", show_default=True)
+def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
+                   max_worker_memory, max_handles_limit, metrics_port, metrics_host, ready_file, log_level) -> None:
+    """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
+    from broker.broker import Broker
+    from broker.metrics import serve_http
+
+    setup_logging(log_level)
+    broker = Broker(frontend, backend, max_queue=max_queue, heartbeat_interval=heartbeat_interval,
+                    default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
+                    max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit)
+    info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
+    if metrics_port is not None:
+        server = serve_http(broker.metrics, metrics_host, metrics_port)
+        info["metrics"] = f"http://{metrics_host}:{server.server_address[1]}"
+    broker.install_signal_handlers()
+    click.echo(f"broker: clients connect to {info['frontend']}, workers to {info['backend']}"
+               + (f", metrics at {info['metrics']}/metrics" if info["metrics"] else ""), err=True)
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.rename(ready_file)  # atomic: readers never see half a file
+    broker.run()
+
+
+# ------------------------------------------------------------------------------------ worker
+
+
+@click.command("worker")
+@click.option("--connect", default=DEFAULT_BACKEND, show_default=True, help="The broker's backend endpoint.")
+@click.option("--name", default=None, help="Worker name in logs and status (default: worker-PID).")
+@worker_options
+@click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
+@click.option("--log-level", default="info", show_default=True)
+def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
+                   prefix_file, heartbeat_interval, plan_only, log_level) -> None:
+    """Run one worker: load the model, check its memory plan, serve requests from the broker."""
+    import os
+
+    from workers.startup import WorkerOptions, run_worker
+
+    setup_logging(log_level)
+    opts = WorkerOptions(connect=connect, name=name or f"worker-{os.getpid()}", model_path=model_path,
+                         max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
+                         vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
+                         plan_only=plan_only)
+    sys.exit(run_worker(opts))
+
+
+# ------------------------------------------------------------------------------------ serve
+
+
+@click.command("serve")
+@click.option("--workers", "n_workers", default=2, show_default=True, help="Worker processes (one model each).")
+@click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True)
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True)
+@click.option("--max-queue", default=64, show_default=True)
+@click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port.")
+@worker_options
+@click.option("--skip-plan-check", is_flag=True, help="Do not check the summed memory plans of all workers first.")
+@click.option("--log-dir", default=None, help="Write broker and worker logs here (default: inherit the terminal).")
+@click.option("--startup-timeout", default=300.0, show_default=True)
+@click.option("--log-level", default="info", show_default=True)
+def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, skip_plan_check, log_dir,
+                  startup_timeout, log_level) -> None:
+    """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
+    from broker.supervisor import Supervisor
+
+    setup_logging(log_level)
+    wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
+                        heartbeat_interval)
+    supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
+                            broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval)]
+                            + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
+                            log_dir=log_dir, log_level=log_level)
+    sys.exit(supervisor.run(check_plan=not skip_plan_check, vram_budget=vram_budget, device=device,
+                            startup_timeout=startup_timeout))
+
+
+# ------------------------------------------------------------------------------------ submit / status
+
+
+@click.command("submit")
+@click.argument("prompt")
+@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True, help="The broker's frontend endpoint.")
+@click.option("--op", default="generate", show_default=True,
+              type=click.Choice(["generate", "generate_pool", "speculative"]))
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--loops", type=int, default=None)
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--timeout", default=120.0, show_default=True, help="Request deadline in seconds.")
+@click.option("--no-stream", is_flag=True, help="Wait for the whole answer instead of streaming tokens.")
+@click.option("--json", "as_json", is_flag=True, help="Print the final reply as JSON.")
+def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, seed, stop, timeout,
+                   no_stream, as_json) -> None:
+    """Send one request to a running service and stream the answer."""
+    from broker.client import Client, ServiceError
+
+    config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if stop:
+        config["stop_sequences"] = list(stop)
+    if loops is None:
+        config.pop("loops")
+    try:
+        with Client(connect, timeout=timeout) as client:
+            if no_stream or as_json:
+                reply = client.submit(op, {"prompt": prompt, **config}, timeout=timeout).result()
+                if as_json:
+                    click.echo(json.dumps(reply.result))
+                    return
+                click.echo(prompt + reply.text)
+            else:
+                click.echo(prompt, nl=False)
+                with client.stream(prompt, op=op, timeout=timeout, **config) as pending:
+                    for event in pending:
+                        click.echo(event.text, nl=False)
+                reply = pending.result()
+                click.echo()
+            stats = reply.stats
+            click.echo(f"[worker {reply.worker}: {stats.get('generated_tokens')} tokens, stop={stats.get('stop_reason')}, "
+                       f"prefill {stats.get('prefill_ms', 0):.1f} ms, first token {stats.get('first_token_ms', 0):.1f} ms, "
+                       f"decode {stats.get('decode_ms', 0):.1f} ms, loops {stats.get('loops_mean', 0):.2f}]", err=True)
+    except ServiceError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+@click.command("status")
+@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--timeout", default=5.0, show_default=True)
+def status_command(connect, as_json, timeout) -> None:
+    """Show the service's workers, queue and handles."""
+    from broker.client import Client, ServiceError
+
+    try:
+        with Client(connect) as client:
+            status = client.status(timeout=timeout)
+    except ServiceError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(status, indent=2))
+        return
+    click.echo(f"broker {status['frontend']} up {status['uptime_s']:.0f}s: {len(status['workers'])} worker(s), "
+               f"queue {status['queue']}/{status['max_queue']}, in flight {status['in_flight']}"
+               + (" (stopping)" if status["stopping"] else ""))
+    click.echo(f"  {'name':<16} {'pid':>7} {'device':<8} {'state':<8} {'handles':>9} {'plan MiB':>9} {'served':>7}")
+    for w in status["workers"]:
+        click.echo(f"  {w['name']:<16} {w['pid']:>7} {w['device']:<8} {w['state']:<8} "
+                   f"{str(w['handles']) + '/' + str(w['max_handles']):>9} {w['plan_bytes'] / 2**20:>9.1f} {w['served']:>7}")
+
+
+# ------------------------------------------------------------------------------------ loadtest
+
+
+@click.command("loadtest")
+@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True)
+@click.option("--mode", type=click.Choice(["closed", "open"]), default="closed", show_default=True,
+              help="closed: fixed concurrency; open: Poisson arrivals at --rate.")
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--rate", default=2.0, show_default=True, help="Requests per second (open loop).")
+@click.option("--requests", "n_requests", default=32, show_default=True)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable; default: a few code snippets).")
+@click.option("--max-tokens", default=16, show_default=True)
+@click.option("--op", default="generate", show_default=True, type=click.Choice(["generate", "generate_pool", "ping"]))
+@click.option("--timeout", default=120.0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the arrival process.")
+@click.option("--json", "json_path", default=None, help="Write the results here as JSON.")
+@click.option("--side-by-side", is_flag=True,
+              help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
+@click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
+def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
+                     side_by_side, model_path) -> None:
+    """Load a running service (or, with --side-by-side, services it starts) and report latency and throughput."""
+    from broker import loadtest
+
+    if side_by_side:
+        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests, max_tokens=max_tokens,
+                                        concurrency=concurrency, echo=click.echo)
+    else:
+        results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
+                                    prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
+                                    seed=seed, progress=True)
+        click.echo(loadtest.format_summary(results))
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))
+        click.echo(f"results written to {json_path}", err=True)
+
+
+SERVICE_COMMANDS = (serve_command, broker_command, worker_command, submit_command, status_command, loadtest_command)
+
+
+def add_service_commands(group: click.Group) -> None:
+    """Register serve, broker, worker, submit, status and loadtest on a click group."""
+    for command in SERVICE_COMMANDS:
+        group.add_command(command)
+
+
+@click.group()
+def service_main() -> None:
+    """TinyLoop service commands (also available as `tinyloop <command>`)."""
+
+
+add_service_commands(service_main)
+
+if __name__ == "__main__":
+    service_main()

@@ -1,0 +1,202 @@
+"""The model side of a worker: one Model, its handle registry and prefix pool, and one
+function per protocol op that calls the runtime's public API.
+
+Ops whose runtime function does not exist in this build of `tinyloop` are not offered
+(they are left out of the "ready" announcement) and answer "unsupported_op".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import tinyloop
+from broker.protocol import GENERATE_CONFIG_FIELDS, Codes
+from workers.handles import EngineError, HandleRegistry
+
+log = logging.getLogger("tinyloop.worker")
+
+TokenSink = Callable[[int, int, str], None]
+
+
+def to_wire(value: Any) -> Any:
+    """Make a stats value msgpack-friendly (plain numbers, strings, lists, maps; NaN -> None)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_wire(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+def load_prefix_file(path: str | Path) -> list[dict]:
+    """Scaffolds for the prefix pool: a JSON list of {"prefix": str, "loops": int} (or plain strings)."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot read prefix file {path}: {exc}")
+    if not isinstance(entries, list):
+        raise SystemExit(f"prefix file {path} must hold a JSON list")
+    scaffolds = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            entry = {"prefix": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("prefix"), str) or not entry["prefix"]:
+            raise SystemExit(f"prefix file {path}: entry {i} must be a non-empty string or {{\"prefix\": str, \"loops\": int}}")
+        scaffolds.append({"prefix": entry["prefix"], "loops": entry.get("loops")})
+    return scaffolds
+
+
+class StreamText:
+    """Turns a token stream into text pieces, holding back a piece that ends inside a multi-byte character."""
+
+    def __init__(self, codec: Any):
+        self.codec = codec
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.codec.decode(self.tokens)
+        if text.endswith("\ufffd") or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+
+class ModelEngine:
+    def __init__(self, model: "tinyloop.Model", *, max_handles: int, plan_bytes: int, model_name: str,
+                 prefixes: list[dict] | None = None):
+        self.model = model
+        self.plan_bytes = plan_bytes
+        self.model_name = model_name
+        self.device = str(model.device)
+        self.max_handles = max_handles
+        self.handle_prefix = "handle"  # replaced by the worker identity (see WorkerProcess)
+        self.pool = None
+        prefixes = prefixes or []
+        # The live-handle cap counts pool entries too; they are pinned (never evicted).
+        if len(prefixes) > max_handles:
+            raise SystemExit(
+                f"the prefix file holds {len(prefixes)} scaffolds but --max-handles is {max_handles}; "
+                "pool entries count against the live-handle cap"
+            )
+        self.pool_entries = len(prefixes)
+        self.handles = HandleRegistry(max_handles - len(prefixes), "handle", on_evict=self._free_handle)
+        self.ops_table: dict[str, Callable[..., dict]] = {"generate": self.op_generate}
+        if hasattr(tinyloop, "generate_with_pool") and hasattr(tinyloop, "create_prefix_pool"):
+            self.ops_table["generate_pool"] = self.op_generate_pool
+            self.pool = tinyloop.create_prefix_pool(max(1, len(prefixes)))
+            default_loops = model.cfg.default_loops
+            for entry in prefixes:
+                tinyloop.register_prefix(self.pool, model, entry["prefix"], entry["loops"] or default_loops)
+        elif prefixes:
+            raise SystemExit("a prefix file was given but this tinyloop build has no PrefixPool (generate_with_pool)")
+        if hasattr(tinyloop, "build_resume_handle") and hasattr(tinyloop, "resume_generate"):
+            self.ops_table["build_handle"] = self.op_build_handle
+            self.ops_table["resume"] = self.op_resume
+            self.ops_table["release_handle"] = self.op_release_handle
+        if hasattr(tinyloop, "generate_speculative") and hasattr(tinyloop, "SpeculativeConfig"):
+            self.ops_table["speculative"] = self.op_speculative
+        self.ops = ["ping", *self.ops_table]
+
+    def set_identity(self, identity: str) -> None:
+        """Handle ids start with the worker identity so the broker can route by them."""
+        self.handles.id_prefix = identity
+
+    def live_handles(self) -> int:
+        return len(self.handles) + self.pool_entries
+
+    # ---------------------------------------------------------------- dispatch
+
+    def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        handler = self.ops_table.get(op)
+        if handler is None:
+            raise EngineError(Codes.UNSUPPORTED_OP, f"op {op!r} is not supported by this worker's runtime (supported: {self.ops})")
+        try:
+            return handler(params, on_token, should_stop)
+        except tinyloop.ModeError as exc:
+            raise EngineError(Codes.MODE_ERROR, str(exc)) from None
+        except tinyloop.ConfigError as exc:
+            raise EngineError(Codes.CONFIG_ERROR, str(exc)) from None
+        except tinyloop.HandleError as exc:
+            raise EngineError(Codes.HANDLE_UNKNOWN, str(exc)) from None
+        except tinyloop.TinyLoopError as exc:
+            raise EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from None
+
+    def config(self, params: dict) -> "tinyloop.GenerateConfig":
+        fields = {k: params[k] for k in GENERATE_CONFIG_FIELDS if k in params}
+        return tinyloop.GenerateConfig(**fields)
+
+    def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> Callable[[int, int], bool]:
+        """The runtime's on_token: forwards streamed tokens and returns False to stop the decode."""
+        text = StreamText(self.model.codec) if on_token is not None else None
+
+        def on_runtime_token(token: int, pos: int) -> bool:
+            if text is not None:
+                on_token(int(token), int(pos), text.push(int(token)))
+            return not should_stop()
+
+        return on_runtime_token
+
+    @staticmethod
+    def result(res: Any, **extra: Any) -> dict:
+        return {"tokens": [int(t) for t in res.tokens], "text": res.text, "stats": to_wire(res.stats.to_dict()), **extra}
+
+    # ---------------------------------------------------------------- ops
+
+    def op_generate(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        res = tinyloop.generate_stream(self.model, params["prompt"], self.config(params), self.callback(on_token, should_stop))
+        return self.result(res)
+
+    def op_generate_pool(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        kwargs = {}
+        if "on_token" in _parameters(tinyloop.generate_with_pool):
+            kwargs["on_token"] = self.callback(on_token, should_stop)
+        res = tinyloop.generate_with_pool(self.model, self.pool, params["prompt"], self.config(params), **kwargs)
+        return self.result(res)
+
+    def op_build_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        handle = tinyloop.build_resume_handle(self.model, params["prompt"], params["l_used"])
+        return {"handle": self.handles.add(handle), "live_handles": self.live_handles()}
+
+    def op_resume(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        handle = self.handles.get(params["handle"])
+        kwargs = {}
+        if "on_token" in _parameters(tinyloop.resume_generate):
+            kwargs["on_token"] = self.callback(on_token, should_stop)
+        res = tinyloop.resume_generate(handle, params["loops"], self.config(params), **kwargs)
+        return self.result(res, handle=params["handle"])
+
+    def op_release_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        self.handles.release(params["handle"])
+        return {"released": params["handle"], "live_handles": self.live_handles()}
+
+    def op_speculative(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        spec_fields = {k: params[k] for k in ("draft_loops", "verify_loops", "draft_ahead", "tree_width") if k in params}
+        sc = tinyloop.SpeculativeConfig(**spec_fields)
+        kwargs = {}
+        if "on_token" in _parameters(tinyloop.generate_speculative):
+            kwargs["on_token"] = self.callback(on_token, should_stop)
+        res = tinyloop.generate_speculative(self.model, params["prompt"], sc, self.config(params), **kwargs)
+        return self.result(res)
+
+    def _free_handle(self, handle: Any) -> None:
+        free = getattr(tinyloop, "free_handle", None)
+        if free is not None:
+            free(handle)
+
+
+def _parameters(fn: Callable) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -1,0 +1,113 @@
+"""Starting a worker: measure the memory budget, load the model, check the plan, then serve.
+
+Order matters: the budget (free VRAM on CUDA, available RAM on CPU, or --vram-budget) is
+measured before the model is loaded, and the plan (weights + decode cache + handles) is
+compared with it before the worker connects to the broker, so an over-budget worker
+never accepts a request. It exits with EXIT_OVER_BUDGET and prints the itemised plan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger("tinyloop.worker")
+
+EXIT_LOAD_FAILED = 2
+EXIT_OVER_BUDGET = 3
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB' -> 536870912; '2GB' -> 2000000000; '1024' -> 1024."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 512MiB, 2GB, 1073741824)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def available_memory_bytes(device: str) -> tuple[int, str]:
+    """What this worker may use: free VRAM on a CUDA device, MemAvailable on CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"free VRAM on {device}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available RAM"
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available RAM"
+
+
+@dataclass
+class WorkerOptions:
+    connect: str
+    name: str = "worker"
+    model_path: str | None = None
+    max_seq_len: int = 2048
+    cache_mode: str | None = None
+    device: str | None = None
+    max_handles: int = 8
+    vram_budget: int | None = None
+    prefix_file: str | None = None
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 3
+    plan_only: bool = False  # print the memory plan as JSON and exit (used by `tinyloop serve`)
+
+
+def run_worker(opts: WorkerOptions) -> int:
+    """Run a worker until it is stopped; returns the process exit code."""
+    import tinyloop
+    from tinyloop.runtime import default_device
+
+    from workers.engine import ModelEngine, load_prefix_file
+    from workers.worker import WorkerProcess
+
+    device = opts.device or str(default_device())
+    available, available_what = available_memory_bytes(device)  # measured before the model takes its share
+    if opts.vram_budget is not None:
+        budget, budget_what = opts.vram_budget, "--vram-budget"
+    else:
+        budget, budget_what = available, available_what
+    prefixes = load_prefix_file(opts.prefix_file) if opts.prefix_file else []
+    try:
+        model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=opts.cache_mode)
+    except tinyloop.TinyLoopError as exc:
+        print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
+    plan = tinyloop.plan_memory(model, max_seq_len=opts.max_seq_len, cache_mode=model.cache_mode, lanes=1,
+                                max_handles=opts.max_handles)
+    model_name = str(opts.model_path or "bundled default model")
+    if opts.plan_only:
+        print(json.dumps({"total_bytes": plan.total_bytes, "items": plan.items, "device": device, "table": plan.table(),
+                          "available_bytes": available, "available_what": available_what}))
+        tinyloop.free_model(model)
+        return 0
+    if plan.total_bytes > budget:
+        print(
+            f"worker {opts.name}: refusing to start: the memory plan ({plan.total_bytes / 2**20:.1f} MiB) exceeds "
+            f"the budget ({budget_what}: {budget / 2**20:.1f} MiB)\n{plan.table()}",
+            file=sys.stderr,
+        )
+        tinyloop.free_model(model)
+        return EXIT_OVER_BUDGET
+    engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
+                         prefixes=prefixes)
+    process = WorkerProcess(engine, opts.connect, name=opts.name, heartbeat_interval=opts.heartbeat_interval,
+                            heartbeat_liveness=opts.heartbeat_liveness)
+    engine.set_identity(process.identity)
+    process.install_signal_handlers()
+    log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s), ops %s", opts.name, device,
+             plan.total_bytes / 2**20, budget / 2**20, budget_what, engine.ops)
+    return process.run()

@@ -1,0 +1,264 @@
+"""The worker process's messaging side: talks to the broker, runs requests on an engine.
+
+Two threads, because a generation may take seconds and heartbeats must not wait for it:
+
+* the I/O thread (the caller of WorkerProcess.run) owns the DEALER socket to the broker:
+  it sends "ready" and heartbeats, receives requests and cancels, and forwards whatever
+  the compute thread produced. It reconnects when the broker goes quiet (Paranoid Pirate).
+* the compute thread runs one request at a time on the engine (a Model is not reentrant)
+  and hands its token/done/error messages to the I/O thread over an inproc socket
+  (ZeroMQ sockets must not be shared between threads).
+
+Cancellation and deadlines reach the decode through `should_stop`, which the engine checks
+from the runtime's on_token callback.
+
+This module does not import torch; the engine (workers/engine.py) does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import zmq
+
+from broker import protocol
+from broker.protocol import BROKER_TO_WORKER, WORKER_TO_BROKER, Codes, ProtocolError
+from workers.handles import EngineError
+
+log = logging.getLogger("tinyloop.worker")
+
+EXIT_OK = 0
+EXIT_REFUSED_BY_BROKER = 4
+
+# What a message emitted by the compute thread for a token looks like to the engine.
+TokenSink = Callable[[int, int, str], None]
+
+
+class Engine(Protocol):
+    """What the worker runs requests on (workers/engine.py: the real model)."""
+
+    ops: list[str]
+    plan_bytes: int
+    max_handles: int
+    device: str
+    model_name: str
+
+    def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict: ...
+
+    def live_handles(self) -> int: ...
+
+
+@dataclass
+class Job:
+    key: str
+    op: str
+    params: dict
+    stream: bool
+    deadline: float | None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        engine: Engine,
+        endpoint: str,
+        *,
+        name: str = "worker",
+        heartbeat_interval: float = 1.0,
+        heartbeat_liveness: int = 3,
+        reconnect_max_s: float = 8.0,
+        drain_timeout_s: float = 30.0,
+        context: zmq.Context | None = None,
+    ):
+        self.engine = engine
+        self.endpoint = endpoint
+        self.name = name
+        # The identity carries a random incarnation, so handle ids of a restarted worker never
+        # collide with those of its previous life.
+        self.identity = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_expiry = heartbeat_interval * heartbeat_liveness
+        self.reconnect_max_s = reconnect_max_s
+        self.drain_timeout_s = drain_timeout_s
+        self.ctx = context or zmq.Context.instance()
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.running: dict[str, Job] = {}  # jobs accepted and not yet answered (guarded by the GIL; small)
+        self.stop_requested = threading.Event()
+        self.outbox_endpoint = f"inproc://worker-outbox-{uuid.uuid4().hex}"
+        self.dealer: zmq.Socket | None = None
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def run(self) -> int:
+        outbox = self.ctx.socket(zmq.PULL)
+        outbox.bind(self.outbox_endpoint)
+        compute = threading.Thread(target=self.compute_loop, name="compute", daemon=True)
+        compute.start()
+        self.connect()
+        exit_code = EXIT_OK
+        reconnect_delay = self.heartbeat_interval
+        last_heard = time.monotonic()
+        next_heartbeat = time.monotonic() + self.heartbeat_interval
+        leaving_since: float | None = None
+        poller, poller_for = None, None
+        while True:
+            if self.stop_requested.is_set() and leaving_since is None:
+                leaving_since = time.monotonic()
+                log.info("worker %s stopping: finishing %d running request(s)", self.name, len(self.running))
+                self.send("goodbye")
+            if leaving_since is not None:
+                if not self.running and not outbox.poll(0):
+                    break
+                if time.monotonic() - leaving_since > self.drain_timeout_s:
+                    for job in list(self.running.values()):
+                        job.cancelled.set()
+            if poller_for is not self.dealer:  # (re)build the poller after a reconnect
+                poller, poller_for = zmq.Poller(), self.dealer
+                poller.register(self.dealer, zmq.POLLIN)
+                poller.register(outbox, zmq.POLLIN)
+            events = dict(poller.poll(int(self.heartbeat_interval * 250)))
+            if outbox in events:
+                while True:
+                    try:
+                        self.dealer.send_multipart(outbox.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            if self.dealer in events:
+                while True:
+                    try:
+                        frames = self.dealer.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    last_heard = time.monotonic()
+                    reconnect_delay = self.heartbeat_interval
+                    code = self.on_broker_frames(frames)
+                    if code is not None:
+                        exit_code = code
+                        self.stop_requested.set()
+                        leaving_since = time.monotonic() - self.drain_timeout_s  # nothing to drain
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self.send("heartbeat", handles=self.engine.live_handles())
+                next_heartbeat = now + self.heartbeat_interval
+            if now - last_heard > self.heartbeat_expiry and leaving_since is None:
+                # Paranoid Pirate: the broker went quiet. Reconnect with a growing back-off.
+                log.warning("worker %s: broker silent for %.1fs, reconnecting in %.1fs", self.name, now - last_heard, reconnect_delay)
+                time.sleep(reconnect_delay)
+                reconnect_delay = min(reconnect_delay * 2, self.reconnect_max_s)
+                self.connect()
+                last_heard = time.monotonic()
+        self.jobs.put(None)
+        compute.join(timeout=5)
+        self.dealer.close(linger=1000)  # let the final replies and goodbye leave
+        outbox.close(linger=0)
+        return exit_code
+
+    def connect(self) -> None:
+        if self.dealer is not None:
+            self.dealer.close(linger=0)
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, self.identity.encode())
+        self.dealer.linger = 0
+        self.dealer.sndhwm = 0
+        self.dealer.connect(self.endpoint)
+        self.send_ready()
+
+    def send_ready(self) -> None:
+        self.send(
+            "ready",
+            name=self.name,
+            pid=os.getpid(),
+            ops=list(self.engine.ops),
+            plan_bytes=int(self.engine.plan_bytes),
+            max_handles=int(self.engine.max_handles),
+            device=self.engine.device,
+            model=self.engine.model_name,
+        )
+
+    def send(self, msg_type: str, **fields: Any) -> None:
+        self.dealer.send_multipart(protocol.encode(WORKER_TO_BROKER, msg_type, **fields))
+
+    def on_broker_frames(self, frames: list[bytes]) -> int | None:
+        """Handle one broker message; returns an exit code when the worker must stop."""
+        try:
+            msg = protocol.decode(BROKER_TO_WORKER, frames, max_bytes=1 << 30)
+        except ProtocolError as err:
+            log.error("bad message from broker: %s: %s", err.code, err.message)
+            return None
+        if msg.type == "request":
+            if self.stop_requested.is_set():
+                # The broker re-queues this elsewhere (nothing was streamed).
+                self.send("error", id=msg["id"], code=Codes.SHUTTING_DOWN, message=f"worker {self.name} is shutting down")
+                return None
+            timeout = msg["timeout_s"]
+            job = Job(msg["id"], msg["op"], msg["params"], msg["stream"], None if timeout is None else time.monotonic() + timeout)
+            self.running[job.key] = job
+            self.jobs.put(job)
+        elif msg.type == "cancel":
+            job = self.running.get(msg["id"])
+            if job is not None:
+                job.cancelled.set()
+        elif msg.type == "reconnect":
+            self.send_ready()
+        elif msg.type == "refused":
+            log.error("worker %s refused by the broker: %s", self.name, msg["reason"])
+            return EXIT_REFUSED_BY_BROKER
+        return None  # heartbeats only refresh liveness
+
+    def request_stop(self) -> None:
+        self.stop_requested.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.request_stop())
+
+    # ------------------------------------------------------------------ compute thread
+
+    def compute_loop(self) -> None:
+        out = self.ctx.socket(zmq.PUSH)
+        out.sndhwm = 0
+        out.connect(self.outbox_endpoint)
+
+        def emit(msg_type: str, **fields: Any) -> None:
+            out.send_multipart(protocol.encode(WORKER_TO_BROKER, msg_type, **fields))
+
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            try:
+                if job.should_stop():
+                    raise EngineError(Codes.TIMEOUT if not job.cancelled.is_set() else Codes.CANCELLED, "stopped before it started")
+                on_token = None
+                if job.stream:
+                    on_token = lambda token, pos, text, key=job.key: emit("token", id=key, token=token, pos=pos, text=text)
+                if job.op == "ping":
+                    # Round trip through the worker without touching the model.
+                    result = {"payload": job.params.get("payload", "")}
+                else:
+                    result = self.engine.run(job.op, job.params, on_token, job.should_stop)
+                if not job.cancelled.is_set() and job.should_stop():
+                    # Stopped by its deadline: that is a timeout, whatever the engine made of it.
+                    raise EngineError(Codes.TIMEOUT, "the request's deadline passed on the worker")
+                result["worker"] = self.name
+                emit("done", id=job.key, result=result)
+            except EngineError as err:
+                emit("error", id=job.key, code=err.code, message=err.message[: 1 << 13])
+            except Exception as exc:  # an engine bug must not kill the worker; report it
+                log.exception("request %s (%s) failed", job.key, job.op)
+                emit("error", id=job.key, code=Codes.RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"[: 1 << 13])
+            finally:
+                self.running.pop(job.key, None)
+        out.close(linger=1000)
