@@ -96,6 +96,7 @@ class GenerateResult:
     tokens: list[int]
     text: str
     stats: GenerateStats
+    n_best: list | None = None  # beam search: decoding.Hypothesis list, best first
 
 
 def check_length(model: Model, prompt_len: int, cfg: GenerateConfig, what: str = "prompt") -> None:
