@@ -206,9 +206,11 @@ class Client:
     other requests that arrive while one is being waited on are kept for their owner.
     """
 
-    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, context: zmq.Context | None = None):
+    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
+                 context: zmq.Context | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
+        self.grace = grace
         self.ctx = context or zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.linger = 0
@@ -236,7 +238,7 @@ class Client:
         self.open.add(request_id)
         self.inbox.setdefault(request_id, [])
         self._send(frames)
-        return Pending(self, request_id, time.monotonic() + timeout + CLIENT_GRACE_S)
+        return Pending(self, request_id, time.monotonic() + timeout + self.grace)
 
     def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
         """Run one generation and return its final reply. `config` takes GenerateConfig fields."""
@@ -381,9 +383,11 @@ class AsyncClient:
     request on the service too.
     """
 
-    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, context: zmq.asyncio.Context | None = None):
+    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
+                 context: zmq.asyncio.Context | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
+        self.grace = grace
         self.ctx = context or zmq.asyncio.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.linger = 0
@@ -438,7 +442,7 @@ class AsyncClient:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         self._ensure_reader()
-        deadline = asyncio.get_running_loop().time() + timeout + CLIENT_GRACE_S
+        deadline = asyncio.get_running_loop().time() + timeout + self.grace
         finished = False
         try:
             await self._send(frames)

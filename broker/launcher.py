@@ -111,3 +111,75 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
             proc.kill()
             proc.wait(5)
     return proc.returncode
+
+
+class LocalService:
+    """A broker and N model workers on private ipc endpoints, for the load test and the tests.
+
+        with LocalService(n_workers=2, worker_args=["--max-seq-len", "256"]) as svc:
+            Client(svc.frontend).generate("x = ")
+    """
+
+    def __init__(self, n_workers: int = 1, worker_args: list[str] = (), broker_args: list[str] = (),
+                 heartbeat_interval: float = 1.0, startup_timeout: float = 180.0, log_dir: str | Path | None = None):
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="tl-", dir="/tmp"))  # ipc paths must stay short
+        self.log_dir = Path(log_dir) if log_dir else self.dir
+        self.frontend = f"ipc://{self.dir}/front"
+        self.backend = f"ipc://{self.dir}/back"
+        self.n_workers = n_workers
+        self.worker_args = list(worker_args)
+        self.broker_args = list(broker_args)
+        self.heartbeat_interval = heartbeat_interval
+        self.startup_timeout = startup_timeout
+        self.broker: subprocess.Popen | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.info: dict = {}
+
+    def __enter__(self) -> "LocalService":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        ready = self.dir / "broker.json"
+        self.broker = spawn(["broker", "--frontend", self.frontend, "--backend", self.backend, "--ready-file", str(ready),
+                             "--heartbeat-interval", str(self.heartbeat_interval), *self.broker_args],
+                            self.log_dir / "broker.log")
+        self.info = wait_for_file(ready, self.broker, 30)
+        for i in range(1, self.n_workers + 1):
+            self.start_worker(f"w{i}")
+        wait_for_workers(self.frontend, self.n_workers, self.startup_timeout, list(self.workers.values()))
+
+    def start_worker(self, name: str, *extra: str) -> subprocess.Popen:
+        self.workers[name] = spawn(["worker", "--connect", self.backend, "--name", name,
+                                    "--heartbeat-interval", str(self.heartbeat_interval), *self.worker_args, *extra],
+                                   self.log_dir / f"{name}.log")
+        return self.workers[name]
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def close(self) -> None:
+        import shutil
+
+        procs = [p for p in [self.broker, *self.workers.values()] if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if self.log_dir == self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)

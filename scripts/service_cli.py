@@ -51,6 +51,8 @@ def worker_options(fn):
         click.option("--prefix-file", default=None, type=click.Path(exists=True, dir_okay=False),
                      help='JSON list of scaffolds for the prefix pool: [{"prefix": "...", "loops": 8}, ...].'),
         click.option("--heartbeat-interval", default=1.0, show_default=True, help="Seconds between heartbeats."),
+        click.option("--threads", type=int, default=None,
+                     help="torch CPU threads per worker (serve default: cores / workers, so workers do not fight)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -58,12 +60,12 @@ def worker_options(fn):
 
 
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                heartbeat_interval) -> list[str]:
+                heartbeat_interval, threads) -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
             "--heartbeat-interval", str(heartbeat_interval)]
     for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
-                        ("--vram-budget", vram_budget), ("--prefix-file", prefix_file)):
+                        ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -120,7 +122,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @click.option("--log-level", default="info", show_default=True)
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
-                   prefix_file, heartbeat_interval, plan_only, log_level) -> None:
+                   prefix_file, heartbeat_interval, threads, plan_only, log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
 
@@ -130,7 +132,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
     opts = WorkerOptions(connect=connect, name=name or f"worker-{os.getpid()}", model_path=model_path,
                          max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
                          vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
-                         plan_only=plan_only)
+                         threads=threads, plan_only=plan_only)
     sys.exit(run_worker(opts))
 
 
@@ -149,14 +151,18 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, skip_plan_check, log_dir,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, skip_plan_check, log_dir,
                   startup_timeout, log_level) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.supervisor import Supervisor
 
+    import os
+
     setup_logging(log_level)
+    if threads is None and (device or "cpu").startswith("cpu"):
+        threads = max(1, (os.cpu_count() or 1) // n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                        heartbeat_interval)
+                        heartbeat_interval, threads)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval)]
                             + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []),

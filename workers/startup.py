@@ -63,6 +63,7 @@ class WorkerOptions:
     prefix_file: str | None = None
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3
+    threads: int | None = None  # torch CPU threads (None: torch's default)
     plan_only: bool = False  # print the memory plan as JSON and exit (used by `tinyloop serve`)
 
 
@@ -74,6 +75,10 @@ def run_worker(opts: WorkerOptions) -> int:
     from workers.engine import ModelEngine, load_prefix_file
     from workers.worker import WorkerProcess
 
+    if opts.threads:
+        import torch
+
+        torch.set_num_threads(opts.threads)
     device = opts.device or str(default_device())
     available, available_what = available_memory_bytes(device)  # measured before the model takes its share
     if opts.vram_budget is not None:

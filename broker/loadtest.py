@@ -1,0 +1,234 @@
+"""`tinyloop loadtest`: drive a running service and report latency and throughput.
+
+* closed loop: `concurrency` clients, each sending its next request when the last one ends;
+* open loop: requests arrive as a Poisson process at `rate` per second, whether or not
+  earlier ones have finished (this is what shows queueing and "busy" replies).
+
+Requests are streamed, so time to first token (TTFT) is measured at the client. Time per
+output token (TPOT) is (latency - TTFT) / (tokens - 1). `side_by_side` starts services
+itself and puts the numbers that matter for the design next to each other in one run:
+broker overhead for a one-token request versus a direct in-process generate, 2 workers
+versus 1, and the broker's routing rate when the work is trivial ("ping").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+from broker.client import AsyncClient, Client, ServiceError
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n",
+    "    return self.",
+    "# Read the configuration file\n",
+]
+
+
+def summarize(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None, "n": 0}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731
+    return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p99": pick(0.99), "n": len(ordered)}
+
+
+async def one_request(client: AsyncClient, op: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    record: dict[str, Any] = {"ok": False, "code": None, "ttft": None, "tpot": None, "latency": None, "tokens": 0}
+    try:
+        if op == "ping":
+            await client.call("ping", timeout=timeout, payload=prompt)
+        else:
+            final: list = []
+            first = None
+            async for _event in client.stream(prompt, op=op, timeout=timeout, max_tokens=max_tokens, result=final):
+                if first is None:
+                    first = time.perf_counter()
+            record["tokens"] = len(final[0].tokens) if final else 0
+            if first is not None:
+                record["ttft"] = first - t0
+        record["ok"] = True
+    except ServiceError as err:
+        record["code"] = err.code
+    end = time.perf_counter()
+    record["latency"] = end - t0
+    if record["ok"] and record["ttft"] is not None and record["tokens"] > 1:
+        record["tpot"] = (end - t0 - record["ttft"]) / (record["tokens"] - 1)
+    return record
+
+
+async def _load(endpoint: str, *, mode: str, concurrency: int, rate: float, n_requests: int, prompts: list[str],
+                max_tokens: int, op: str, timeout: float, seed: int, progress: bool) -> tuple[list[dict], float]:
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_requests, unit="req", desc=f"loadtest {mode}", leave=False)
+    records: list[dict] = []
+
+    def done(record: dict) -> None:
+        records.append(record)
+        if bar is not None:
+            bar.update(1)
+
+    async with AsyncClient(endpoint, timeout=timeout) as client:
+        t0 = time.perf_counter()
+        if mode == "closed":
+            next_index = iter(range(n_requests))
+
+            async def user() -> None:
+                for i in next_index:
+                    done(await one_request(client, op, prompts[i % len(prompts)], max_tokens, timeout))
+
+            await asyncio.gather(*(user() for _ in range(min(concurrency, n_requests))))
+        elif mode == "open":
+            rng = random.Random(seed)
+            tasks = []
+            start = time.perf_counter()
+            arrival = 0.0
+            for i in range(n_requests):
+                arrival += rng.expovariate(rate)
+                delay = start + arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.ensure_future(one_request(client, op, prompts[i % len(prompts)], max_tokens, timeout))
+                task.add_done_callback(lambda t: done(t.result()))
+                tasks.append(task)
+            await asyncio.gather(*tasks)
+        else:
+            raise ValueError(f"mode must be 'closed' or 'open', got {mode!r}")
+        elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return records, elapsed
+
+
+def run_load(endpoint: str, *, mode: str = "closed", concurrency: int = 4, rate: float = 2.0, n_requests: int = 32,
+             prompts: list[str] | None = None, max_tokens: int = 16, op: str = "generate", timeout: float = 120.0,
+             seed: int = 0, progress: bool = False) -> dict:
+    """Run one load and return its summary (all times in milliseconds)."""
+    records, elapsed = asyncio.run(_load(endpoint, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
+                                         prompts=prompts or DEFAULT_PROMPTS, max_tokens=max_tokens, op=op,
+                                         timeout=timeout, seed=seed, progress=progress))
+    ok = [r for r in records if r["ok"]]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r["ok"]:
+            errors[r["code"]] = errors.get(r["code"], 0) + 1
+    ms = lambda key: summarize([r[key] * 1000 for r in ok if r[key] is not None])  # noqa: E731
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "mode": mode, "op": op, "concurrency": concurrency if mode == "closed" else None,
+        "rate": rate if mode == "open" else None, "requests": len(records), "ok": len(ok), "errors": errors,
+        "max_tokens": max_tokens, "duration_s": elapsed, "request_throughput": len(ok) / elapsed if elapsed else 0.0,
+        "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "ttft_ms": ms("ttft"), "tpot_ms": ms("tpot"), "latency_ms": ms("latency"),
+    }
+
+
+def _fmt(stat: dict) -> str:
+    if not stat.get("n"):
+        return "-"
+    return f"mean {stat['mean']:.1f}  p50 {stat['p50']:.1f}  p99 {stat['p99']:.1f}"
+
+
+def format_summary(r: dict) -> str:
+    head = f"{r['mode']} loop" + (f", concurrency {r['concurrency']}" if r["mode"] == "closed" else f", {r['rate']} req/s")
+    return "\n".join([
+        f"{head}, op {r['op']}: {r['ok']}/{r['requests']} ok in {r['duration_s']:.2f}s"
+        + (f", errors {r['errors']}" if r["errors"] else ""),
+        f"  request throughput   {r['request_throughput']:.2f} req/s",
+        f"  output tokens        {r['output_tokens_per_s']:.1f} tok/s",
+        f"  time to first token  {_fmt(r['ttft_ms'])} ms",
+        f"  time per out token   {_fmt(r['tpot_ms'])} ms",
+        f"  end-to-end latency   {_fmt(r['latency_ms'])} ms",
+    ])
+
+
+# ------------------------------------------------------------------------------ side by side
+
+
+def _direct_one_token(model_path: str | None, prompt: str, reps: int, threads: int) -> list[float]:
+    """Latency of generate(max_tokens=1) in this process: the baseline the broker is compared with."""
+    import torch
+
+    import tinyloop
+
+    torch.set_num_threads(threads)
+    model = tinyloop.load_model(model_path, 512)
+    cfg = tinyloop.GenerateConfig(max_tokens=1)
+    try:
+        for _ in range(3):
+            tinyloop.generate(model, prompt, cfg)  # warm up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            tinyloop.generate(model, prompt, cfg)
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        tinyloop.free_model(model)
+
+
+def _service_one_token(frontend: str, prompt: str, reps: int) -> list[float]:
+    with Client(frontend, timeout=60) as client:
+        for _ in range(3):
+            client.generate(prompt, max_tokens=1)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            client.generate(prompt, max_tokens=1)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tokens: int = 16, concurrency: int = 4,
+                 echo: Callable[[str], None] = print) -> dict:
+    from broker.launcher import LocalService
+
+    cores = os.cpu_count() or 1
+    base_args = ["--max-seq-len", "512", "--max-handles", "0"] + (["--model", model_path] if model_path else [])
+    prompt = DEFAULT_PROMPTS[0]
+    reps = max(10, n_requests)
+    results: dict[str, Any] = {"cores": cores}
+
+    echo(f"[1/3] one-token request: direct generate vs through the broker ({reps} sequential requests each)")
+    direct = _direct_one_token(model_path, prompt, reps, cores)
+    with LocalService(1, base_args + ["--threads", str(cores)]) as svc:
+        brokered = _service_one_token(svc.frontend, prompt, reps)
+    d, b = summarize([t * 1000 for t in direct]), summarize([t * 1000 for t in brokered])
+    results["one_token"] = {"direct_ms": d, "broker_ms": b, "overhead_ms_p50": b["p50"] - d["p50"],
+                            "ratio_p50": b["p50"] / d["p50"]}
+    echo(f"      direct  p50 {d['p50']:.2f} ms   broker p50 {b['p50']:.2f} ms   "
+         f"overhead {b['p50'] - d['p50']:.2f} ms ({b['p50'] / d['p50']:.2f}x)")
+
+    echo(f"[2/3] throughput, closed loop, concurrency {concurrency}, {n_requests} requests x {max_tokens} tokens: 1 vs 2 workers")
+    throughput = {}
+    for n in (1, 2):
+        with LocalService(n, base_args + ["--threads", str(max(1, cores // n))]) as svc:
+            run_load(svc.frontend, mode="closed", concurrency=n, n_requests=2 * n, max_tokens=2)  # warm up
+            throughput[n] = run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=n_requests,
+                                     max_tokens=max_tokens)
+        echo(f"      {n} worker(s): {throughput[n]['request_throughput']:.2f} req/s, "
+             f"{throughput[n]['output_tokens_per_s']:.1f} tok/s, latency p50 {throughput[n]['latency_ms']['p50']:.0f} ms")
+    results["throughput"] = {"1_worker": throughput[1], "2_workers": throughput[2],
+                             "ratio_2_vs_1": throughput[2]["output_tokens_per_s"] / max(throughput[1]["output_tokens_per_s"], 1e-9)}
+    echo(f"      2 workers / 1 worker: {results['throughput']['ratio_2_vs_1']:.2f}x tokens/s on {cores} cores")
+
+    pings = max(2000, n_requests)
+    echo(f"[3/3] routing rate: {pings} 'ping' requests (no model work), closed loop, concurrency 32, 2 workers")
+    with LocalService(2, base_args + ["--threads", "1"]) as svc:
+        run_load(svc.frontend, mode="closed", concurrency=8, n_requests=100, op="ping")  # warm up
+        routing = run_load(svc.frontend, mode="closed", concurrency=32, n_requests=pings, op="ping")
+    results["routing"] = routing
+    echo(f"      {routing['request_throughput']:.0f} req/s routed, latency p50 {routing['latency_ms']['p50']:.2f} ms, "
+         f"p99 {routing['latency_ms']['p99']:.2f} ms")
+    return results
