@@ -20,6 +20,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .kernels.dispatch import use_triton
 
 CACHE_MODES = ("fp16", "int8", "int4")
 INT4_GROUP = 32
@@ -151,6 +152,16 @@ class KVCache:
                 self.store[name][slot, lane, cells] = t[:, keep]
             self.cell_pos[slot, lane, cells] = step.pos[:, keep]
         return keys, values, mask.unsqueeze(1)
+
+    def attend(self, attn, slot: int, step, q: torch.Tensor, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Fused decode (one token per lane, plain positions): store it and attend over the stored layout with
+        the Triton kernels of tinyloop/kernels. Returns [B, H, 1, hd], or None: use update + SDPA (the torch
+        path, the default on CPU)."""
+        if step.pos.shape[1] != 1 or getattr(step, "cells", None) is not None or getattr(step, "mask", None) is not None \
+                or not use_triton(self.device):
+            return None
+        from .kernels.attention import decode_attend
+        return decode_attend(self, attn, slot, step, q, h, k, v)
 
     def copy_slot(self, src: int, dst: int, pos: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
         """Copy the entries at positions pos [B, T] from slot src to slot dst (early exit fills skipped loops)."""

@@ -89,9 +89,11 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask, enable_gqa=True)
         else:
-            keys, values, mask = cache.update(self, slot, step, h, k, v)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=mask, enable_gqa=True)
+            out = cache.attend(self, slot, step, q, h, k, v)  # fused decode kernel, None on the torch path
+            if out is None:
+                keys, values, mask = cache.update(self, slot, step, h, k, v)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                     attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

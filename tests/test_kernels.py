@@ -1,0 +1,170 @@
+"""Triton kernels (tinyloop/kernels) against their torch references, and generation through them.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (set below, before any kernel is decorated); with
+one they compile. The interpreter is slow, so shapes are small and generations short.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import tinyloop  # noqa: E402
+from tinyloop.cache import KVCache  # noqa: E402
+from tinyloop.config import ModelConfig  # noqa: E402
+from tinyloop.errors import ConfigError  # noqa: E402
+from tinyloop.kernels import dispatch  # noqa: E402
+from tinyloop.kernels.attention import decode_attention_ref, decode_attention_triton  # noqa: E402
+from tinyloop.kernels.norm import add_rmsnorm_ref, add_rmsnorm_triton  # noqa: E402
+from tinyloop.kernels.quant import write_tokens, write_tokens_ref  # noqa: E402
+from tinyloop.kernels.rope import rope_ref, rope_triton  # noqa: E402
+from tinyloop.model import LoopedLM  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MODES = ("fp16", "int8", "int4")
+
+# (n_heads, n_kv_heads, d_model, window, ring): GQA ratios 1, 2, 4; head dims 8 (padded), 24 (not a power
+# of two), 32; rings that have wrapped, one holding more cells than the window (speculative decode's slack).
+SHAPES = [(4, 4, 128, 0, 0), (4, 2, 96, 0, 0), (8, 2, 64, 5, 0), (4, 1, 128, 4, 6)]
+LENGTHS = [5, 13, 1]  # lanes of different, odd lengths; 13 wraps every ring above
+
+
+def filled_cache(mode: str, n_heads: int, n_kv: int, d: int, window: int, ring: int):
+    """A cache whose lanes hold LENGTHS random tokens in slot 1, written one token at a time like decode."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=d, n_heads=n_heads, n_kv_heads=n_kv, ffn_hidden=32, n_prelude=1,
+                      n_core=1, n_coda=0, max_loops=1, default_loops=1)
+    net = LoopedLM(cfg, 32).to(DEV)
+    attn = net.prelude[0].attn
+    cache = KVCache(cfg, len(LENGTHS), 32, mode, device=DEV, window=window, ring=ring)
+    cache.reset()
+    with torch.no_grad():
+        for lane, n in enumerate(LENGTHS):
+            view = cache.lane_view(lane)
+            for p in range(n):
+                pos = torch.tensor([[p]], device=DEV)
+                h = torch.randn(1, 1, d, device=DEV)
+                step = net.make_step(pos, p + 1)
+                k, v = attn.project_kv(h, step.cos, step.sin)
+                write_tokens_ref(view, 1, pos, h, k, v)
+    return net, attn, cache
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}w{s[3]}r{s[4]}")
+def test_decode_attention_matches_reference(mode, shape):
+    n_heads, n_kv, d, window, ring = shape
+    net, attn, cache = filled_cache(mode, n_heads, n_kv, d, window, ring)
+    pos = torch.tensor(LENGTHS, device=DEV) - 1
+    q = torch.randn(len(LENGTHS), n_heads, d // n_heads, device=DEV)
+    n_cells = cache.ring if window else max(LENGTHS)
+    kw = dict(mode=mode, window=window, cell_pos=cache.cell_pos, wk=attn.wk.weight, wv=attn.wv.weight,
+              rope_cos=net.rope_cos, rope_sin=net.rope_sin)
+    with torch.no_grad():
+        want = decode_attention_ref(q, cache.store, 1, pos, n_cells, **kw)
+        got = decode_attention_triton(q, cache.store, 1, pos, n_cells, **kw)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    if window:  # the window really excluded something: lane 1 wrote 13 tokens into a smaller ring
+        assert (cache.cell_pos[1, 1] >= 0).sum() == cache.ring < 13
+
+
+def test_decode_attention_reference_matches_cache_update():
+    """The reference reads the layout the way KVCache.update + SDPA do (here: int8, wrapped window)."""
+    net, attn, cache = filled_cache("int8", 8, 2, 64, 5, 0)
+    B = len(LENGTHS)
+    pos = torch.tensor(LENGTHS, device=DEV).unsqueeze(1)
+    h = torch.randn(B, 1, 64, device=DEV)
+    with torch.no_grad():
+        step = net.make_step(pos, int(pos.max()) + 1)
+        q = attn.wq(h).view(B, 1, 8, 8)
+        from tinyloop.model import apply_rope
+        q = apply_rope(q, step.cos, step.sin)
+        k, v = attn.project_kv(h, step.cos, step.sin)
+        keys, values, mask = cache.update(attn, 1, step, h, k, v)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True)[:, :, 0]
+        got = decode_attention_ref(q[:, 0], cache.store, 1, pos[:, 0], cache.ring, mode="int8", window=5,
+                                   cell_pos=cache.cell_pos)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ("int8", "int4"))
+@pytest.mark.parametrize("window", (0, 3))
+def test_quantise_on_write_writes_the_same_bytes(mode, window, monkeypatch):
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=32, n_prelude=1, n_core=1,
+                      n_coda=0, max_loops=1, default_loops=1)
+    caches = [KVCache(cfg, 3, 16, mode, device=DEV, window=window) for _ in range(2)]
+    B, T = 3, 3 if window else 5
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [2, 3, 4, 5, 6]], device=DEV)[:, :T]
+    h = torch.randn(B, T, 64, device=DEV) * 3
+    k = torch.randn(B, T, 2, 16, device=DEV)
+    # exact halves of the step: round half to even must agree with torch.round
+    k[0, 0, 0] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, 126.5] * 2)
+    h[0, 0, :32] = torch.tensor([7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -3.5, 6.5] * 4)
+    v = torch.randn(B, T, 2, 16, device=DEV)
+    write_tokens_ref(caches[0], 1, pos, h, k, v)
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")
+    write_tokens(caches[1], 1, pos, h, k, v)
+    for name in caches[0].store:
+        assert torch.equal(caches[0].store[name], caches[1].store[name]), name
+    if window:
+        assert torch.equal(caches[0].cell_pos, caches[1].cell_pos)
+
+
+@pytest.mark.parametrize("d", (64, 48))
+def test_add_rmsnorm_matches_reference(d):
+    torch.manual_seed(2)
+    x, r, w = torch.randn(3, 5, d, device=DEV), torch.randn(3, 5, d, device=DEV), torch.randn(d, device=DEV)
+    for res in (r, None):
+        want = add_rmsnorm_ref(x, res, w, 1e-5)
+        got = add_rmsnorm_triton(x, res, w, 1e-5)
+        torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, hd", ((4, 16), (3, 24)))
+def test_rope_matches_reference(heads, hd):
+    torch.manual_seed(3)
+    net = LoopedLM(ModelConfig(d_model=heads * hd, n_heads=heads, n_kv_heads=1, vocab_size=64), 64).to(DEV)
+    x = torch.randn(2, 3, heads, hd, device=DEV)
+    pos = torch.tensor([[0, 1, 2], [40, 17, 63]], device=DEV)
+    torch.testing.assert_close(rope_triton(x, pos, net.rope_cos, net.rope_sin),
+                               rope_ref(x, pos, net.rope_cos, net.rope_sin), atol=1e-6, rtol=1e-6)
+
+
+def test_dispatch_defaults_and_errors(monkeypatch):
+    monkeypatch.delenv("TINYLOOP_TRITON", raising=False)
+    assert dispatch.use_triton(torch.device("cpu")) is False  # CPU default: the torch path
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    assert dispatch.use_triton(torch.device("cuda")) is False
+    monkeypatch.setenv("TINYLOOP_TRITON", "yes")
+    with pytest.raises(ConfigError, match="TINYLOOP_TRITON"):
+        dispatch.use_triton(torch.device("cpu"))
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        dispatch.use_triton(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode, window", (("fp16", 0), ("int8", 4), ("int4", 0)))
+def test_greedy_generation_through_triton_equals_torch(make_artifact, monkeypatch, mode, window):
+    """Greedy decode with every attention step in the Triton kernels gives the torch path's tokens."""
+    path = make_artifact(n_core=1, max_loops=4, default_loops=2)
+    model = tinyloop.load_model(path, 64, device=DEV, dtype=torch.float32, cache_mode=mode)
+    cfg = tinyloop.GenerateConfig(max_tokens=8, loops=2, cache_window=window)
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    want = tinyloop.generate(model, "def add(a", cfg)
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")
+    calls = []
+    import tinyloop.kernels.attention as attention
+    real = attention.decode_attention_triton
+    monkeypatch.setattr(attention, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = tinyloop.generate(model, "def add(a", cfg)
+    assert got.tokens == want.tokens and len(got.tokens) == 8
+    assert len(calls) == 7 * 4  # 7 decode steps x (prelude + 2 loops x 1 core + coda) slots
