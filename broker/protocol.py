@@ -306,7 +306,8 @@ OPS: dict[str, dict[str, Field]] = {
     # Generation through the worker's prefix pool (scaffolds registered at worker startup).
     "generate_pool": {"prompt": PROMPT, **GENERATE_CONFIG_FIELDS},
     # Warm start: prefill `prompt` for `l_used` loops and keep it as a handle on the worker.
-    "build_handle": {"prompt": PROMPT, "l_used": Field(int_in(1, 4096))},
+    # (cache_window: the window later resumes will use; a handle serves one window only.)
+    "build_handle": {"prompt": PROMPT, "l_used": Field(int_in(1, 4096)), "cache_window": Field(int_in(0, 1 << 20), required=False)},
     # Warm start: continue a handle to `loops` loops and generate (routed to the handle's worker).
     "resume": {"handle": HANDLE_ID, **GENERATE_CONFIG_FIELDS, "loops": Field(int_in(1, 4096))},
     # Free a handle before the LRU cap would.
@@ -314,11 +315,12 @@ OPS: dict[str, dict[str, Field]] = {
     # Self-speculative decode.
     "speculative": {
         "prompt": PROMPT,
-        "draft_loops": Field(int_in(1, 4096)),
-        "verify_loops": Field(int_in(1, 4096)),
-        "draft_ahead": Field(int_in(1, 256)),
-        "tree_width": Field(int_in(1, 64), required=False),
         **GENERATE_CONFIG_FIELDS,
+        # SpeculativeConfig; omitted fields take the runtime's defaults (verify_loops: the request's loops).
+        "draft_loops": Field(int_in(1, 4096), required=False),
+        "verify_loops": Field(optional(int_in(1, 4096)), required=False),
+        "draft_ahead": Field(int_in(1, 256), required=False),
+        "tree_width": Field(int_in(1, 1 << 20), required=False),
     },
     # Round trip through a worker without touching the model: liveness checks and
     # measuring the broker's routing rate.

@@ -56,7 +56,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ startup checks
 
-    def check_plan(self) -> int | None:
+    def check_plan(self, device_budget: int | None = None) -> int | None:
         """Run one worker in --plan-only mode; refuse when N plans exceed the device's memory."""
         cmd = launcher.service_command("worker", "--plan-only", "--log-level", "warning", *self.worker_args)
         proc = subprocess.run(cmd, env=launcher.child_env(), cwd=str(launcher.REPO_ROOT), capture_output=True, text=True)
@@ -64,6 +64,8 @@ class Supervisor:
             self.say(f"the memory plan check failed (exit {proc.returncode}):\n{proc.stderr.strip()}")
             return proc.returncode or 1
         plan = json.loads(proc.stdout.strip().splitlines()[-1])
+        if device_budget is not None:
+            plan["available_bytes"], plan["available_what"] = device_budget, "--device-budget"
         need = plan["total_bytes"] * self.n_workers
         if need > plan["available_bytes"]:
             self.say(
@@ -101,12 +103,12 @@ class Supervisor:
         self.restarts[name] = recent + [now]
         return len(recent) < MAX_RESTARTS_IN_WINDOW
 
-    def run(self, *, check_plan: bool = True, startup_timeout: float = 300.0, **_: object) -> int:
+    def run(self, *, check_plan: bool = True, device_budget: int | None = None, startup_timeout: float = 300.0) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
-            if check_plan:
-                refused = self.check_plan()
+            if check_plan and self.n_workers > 1:  # a single worker checks its own plan at startup
+                refused = self.check_plan(device_budget)
                 if refused is not None:
                     return refused
             info = self.start_broker()

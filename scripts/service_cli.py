@@ -146,12 +146,14 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--max-queue", default=64, show_default=True)
 @click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port.")
 @worker_options
+@click.option("--device-budget", default=None, callback=byte_size,
+              help="Memory all workers on the device may use together (default: free VRAM on CUDA, available RAM on CPU).")
 @click.option("--skip-plan-check", is_flag=True, help="Do not check the summed memory plans of all workers first.")
 @click.option("--log-dir", default=None, help="Write broker and worker logs here (default: inherit the terminal).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, skip_plan_check, log_dir,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, device_budget, skip_plan_check, log_dir,
                   startup_timeout, log_level) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.supervisor import Supervisor
@@ -167,8 +169,7 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval)]
                             + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
                             log_dir=log_dir, log_level=log_level)
-    sys.exit(supervisor.run(check_plan=not skip_plan_check, vram_budget=vram_budget, device=device,
-                            startup_timeout=startup_timeout))
+    sys.exit(supervisor.run(check_plan=not skip_plan_check, device_budget=device_budget, startup_timeout=startup_timeout))
 
 
 # ------------------------------------------------------------------------------------ submit / status

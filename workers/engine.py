@@ -20,6 +20,7 @@ from workers.handles import EngineError, HandleRegistry
 log = logging.getLogger("tinyloop.worker")
 
 TokenSink = Callable[[int, int, str], None]
+SPECULATIVE_FIELDS = ("draft_loops", "verify_loops", "draft_ahead", "tree_width")
 
 
 def to_wire(value: Any) -> Any:
@@ -54,19 +55,28 @@ def load_prefix_file(path: str | Path) -> list[dict]:
 
 
 class StreamText:
-    """Turns a token stream into text pieces, holding back a piece that ends inside a multi-byte character."""
+    """Turns a token stream into text pieces whose concatenation is the decoded text.
+
+    A token may end inside a multi-byte character (the decoded text then ends in U+FFFD);
+    such a piece is held back until a later token completes the character, but for at
+    most MAX_HELD tokens, so an invalid byte sequence still streams.
+    """
+
+    MAX_HELD = 4  # a UTF-8 character has at most 4 bytes
 
     def __init__(self, codec: Any):
         self.codec = codec
         self.tokens: list[int] = []
         self.sent = ""
+        self.held = 0
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
         text = self.codec.decode(self.tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
+        self.held += 1
+        if text.endswith("\ufffd") and self.held < self.MAX_HELD:
             return ""
-        piece, self.sent = text[len(self.sent):], text
+        piece, self.sent, self.held = text[len(self.sent):], text, 0
         return piece
 
 
@@ -163,7 +173,8 @@ class ModelEngine:
         return self.result(res)
 
     def op_build_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        handle = tinyloop.build_resume_handle(self.model, params["prompt"], params["l_used"])
+        kwargs = {"cache_window": params["cache_window"]} if "cache_window" in params else {}
+        handle = tinyloop.build_resume_handle(self.model, params["prompt"], params["l_used"], **kwargs)
         return {"handle": self.handles.add(handle), "live_handles": self.live_handles()}
 
     def op_resume(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
@@ -179,7 +190,7 @@ class ModelEngine:
         return {"released": params["handle"], "live_handles": self.live_handles()}
 
     def op_speculative(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        spec_fields = {k: params[k] for k in ("draft_loops", "verify_loops", "draft_ahead", "tree_width") if k in params}
+        spec_fields = {k: params[k] for k in SPECULATIVE_FIELDS if k in params}
         sc = tinyloop.SpeculativeConfig(**spec_fields)
         kwargs = {}
         if "on_token" in _parameters(tinyloop.generate_speculative):

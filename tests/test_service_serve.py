@@ -1,0 +1,128 @@
+"""`tinyloop serve` with the real model: kill a worker under concurrent load, restart,
+clean shutdown on SIGTERM, and the launcher's summed memory-plan check."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from broker import launcher  # noqa: E402
+from broker.client import Client, ServiceError, WorkerLost  # noqa: E402
+
+MODEL = os.environ.get("TINYLOOP_SERVICE_TEST_MODEL")  # None: the bundled model
+MODEL_ARGS = ["--model", MODEL] if MODEL else []
+WORKER_ARGS = [*MODEL_ARGS, "--max-seq-len", "256", "--threads", "1", "--heartbeat-interval", "0.3"]
+
+
+def start_serve(tmp: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        launcher.service_command("serve", "--workers", "2", "--frontend", f"ipc://{tmp}/f", "--backend",
+                                 f"ipc://{tmp}/b", "--log-dir", str(tmp / "logs"), *WORKER_ARGS, *extra),
+        env=launcher.child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.fixture
+def tmp():
+    path = Path(tempfile.mkdtemp(prefix="tls-", dir="/tmp"))  # ipc paths must be short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_kill_worker_under_load_then_restart_and_clean_shutdown(tmp):
+    serve = start_serve(tmp)
+    try:
+        status = launcher.wait_for_workers(f"ipc://{tmp}/f", 2, 120, [serve])
+        pids = {w["name"]: w["pid"] for w in status["workers"]}
+        with Client(f"ipc://{tmp}/f", timeout=60) as client:
+            streamed = [client.submit("generate", {"prompt": f"def f{i}(x):\n", "max_tokens": 24}, stream=True)
+                        for i in range(4)]
+            plain = [client.submit("generate", {"prompt": f"class C{i}:\n", "max_tokens": 24}) for i in range(6)]
+            # Kill w1 once it is busy with a request that has already streamed.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                busy = {w["name"]: w["state"] for w in client.status()["workers"]}
+                if busy.get("w1") == "busy":
+                    break
+                time.sleep(0.05)
+            time.sleep(0.3)
+            os.kill(pids["w1"], signal.SIGKILL)
+
+            tokens: dict[str, list[int]] = {}
+            outcomes: dict[str, tuple] = {}
+            for p in streamed:
+                tokens[p.id] = []
+                try:
+                    for event in p:
+                        tokens[p.id].append(event.token)
+                    outcomes[p.id] = ("done", p.result())
+                except ServiceError as err:
+                    outcomes[p.id] = ("error", err)
+            for p in plain:
+                try:
+                    outcomes[p.id] = ("done", p.result())
+                except ServiceError as err:
+                    outcomes[p.id] = ("error", err)
+            assert not client.socket.poll(500), "a request got a second final reply"
+
+            assert len(outcomes) == 10
+            for p in plain:  # nothing was streamed for these: a lost worker's ones were retried
+                assert outcomes[p.id][0] == "done", outcomes[p.id]
+            for p in streamed:
+                kind, value = outcomes[p.id]
+                if kind == "done":
+                    assert value.tokens == tokens[p.id], "streamed tokens duplicated or lost"
+                else:
+                    assert isinstance(value, WorkerLost), value
+            # The kill hit a request in flight: it either failed (had streamed) or was re-queued.
+            lost = sum(1 for kind, _ in outcomes.values() if kind == "error")
+            requeued = (tmp / "logs" / "broker.log").read_text().count("re-queueing request")
+            assert lost + requeued >= 1
+            # The launcher restarts w1 (a new process).
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                workers = {w["name"]: w["pid"] for w in client.status()["workers"]}
+                if "w1" in workers and workers["w1"] != pids["w1"]:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"w1 was not restarted: {workers}")
+            assert client.generate("x = 1\n", max_tokens=2).stats["generated_tokens"] >= 1
+
+            # SIGTERM: the running request still gets its answer, then everything stops.
+            running = client.submit("generate", {"prompt": "import os\n", "max_tokens": 16})
+            time.sleep(0.3)
+            serve.send_signal(signal.SIGTERM)
+            assert running.result().stats["generated_tokens"] >= 1
+        assert serve.wait(60) == 0
+        _, err = serve.communicate(timeout=5)
+        assert "all 2 workers ready" in err and "restarting it" in err and "stopped" in err
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(10)
+
+
+def test_serve_refuses_when_workers_do_not_fit_together(tmp):
+    plan = subprocess.run(launcher.service_command("worker", "--plan-only", *WORKER_ARGS), env=launcher.child_env(),
+                          cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    one = json.loads(plan.stdout.strip().splitlines()[-1])["total_bytes"]
+    serve = start_serve(tmp, "--device-budget", str(int(one * 1.5)))
+    _, err = serve.communicate(timeout=120)
+    assert serve.returncode == 3, err
+    assert "refusing to start: 2 workers" in err and "decode cache" in err
+    assert not (tmp / "logs" / "broker.log").exists()  # nothing was started
