@@ -1,7 +1,9 @@
 """TinyLoop: an inference runtime for looped (recurrent-depth) transformer language models."""
 from .artifact import ArtifactInfo, read_artifact, save_artifact
+from .batch import generate_batch
 from .cache import CACHE_MODES, KVCache, bytes_per_token_slot
 from .config import ModelConfig
+from .decoding import Hypothesis, beam_search
 from .errors import ArtifactError, BudgetError, BusyError, ConfigError, HandleError, ModeError, TinyLoopError
 from .generate import GenerateConfig, GenerateResult, GenerateStats, generate, generate_stream
 from .memory import MemoryPlan, plan_memory
@@ -9,6 +11,7 @@ from .modes import MATRIX, check_modes
 from .runtime import Model, free_model, load_model
 
 __all__ = [
+    "Hypothesis", "beam_search", "generate_batch",
     "ArtifactError", "ArtifactInfo", "BudgetError", "BusyError", "CACHE_MODES", "ConfigError", "GenerateConfig",
     "GenerateResult", "GenerateStats", "HandleError", "KVCache", "MATRIX", "MemoryPlan", "ModeError", "Model",
     "ModelConfig", "TinyLoopError", "bytes_per_token_slot", "check_modes", "free_model", "generate",

@@ -1,0 +1,156 @@
+"""generate_batch: lockstep output equals generate per prompt, per-lane settings, and the seed table's guards."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinyloop
+from tinyloop import BusyError, ConfigError, GenerateConfig, ModeError, generate, generate_batch, generate_stream
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models are overhead-bound: one intra-op thread is faster and immune to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+ARCHS = {
+    "huginn": dict(),  # prelude/core/coda, adapter injection, zero init
+    "ouro": dict(n_prelude=0, n_coda=0, injection="none", state_init="embed", exit_gate=True),
+    "sandwich": dict(injection="add", state_init="normal", sandwich_norm=True, tie_embeddings=False, n_kv_heads=4),
+}
+
+
+def prompts_of_very_different_lengths(model) -> list:
+    text = "def add(a, b):\n    return a + b\n"
+    return [[7], model.codec.encode(text * 6), "import os", list(range(1, 40)) * 2, model.codec.encode(text)[:3]]
+
+
+@pytest.mark.parametrize("cache_mode", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_batch_equals_generate_alone(make_artifact, arch, cache_mode):
+    model = tinyloop.load_model(make_artifact(**ARCHS[arch]), 256, cache_mode=cache_mode)
+    prompts = prompts_of_very_different_lengths(model)
+    assert max(map(len, map(model.encode_prompt, prompts))) >= 50 * min(map(len, map(model.encode_prompt, prompts)))
+    cfg = GenerateConfig(max_tokens=24, loops=3)
+    alone = [generate(model, p, cfg) for p in prompts]
+    batched = generate_batch(model, prompts, cfg)
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert [r.text for r in batched] == [r.text for r in alone]
+    for r, p in zip(batched, prompts):
+        assert r.stats.prompt_tokens == len(model.encode_prompt(p))
+        assert r.stats.cache_mode == cache_mode and r.stats.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize("cache_mode", ["fp16", "int4"])
+def test_early_exit_batch_equals_generate_alone(make_artifact, cache_mode):
+    """Per-lane exit masks: lanes leave the loop at different depths and still match single decode."""
+    model = tinyloop.load_model(make_artifact(), 256, cache_mode=cache_mode)
+    prompts = prompts_of_very_different_lengths(model)
+    cfg = GenerateConfig(max_tokens=16, loops=8, early_exit_threshold=0.7)
+    alone = [generate(model, p, cfg) for p in prompts]
+    batched = generate_batch(model, prompts, cfg)
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert [r.stats.loops_mean for r in batched] == [r.stats.loops_mean for r in alone]
+    assert min(r.stats.loops_mean for r in batched) < 8  # exits really happened
+
+
+def test_stopped_lanes_stay_in_shape_and_per_lane_settings(tiny_model):
+    """Lanes stop at different steps (token stop, string stop, max_tokens); the others are unaffected."""
+    model = tiny_model
+    prompts = ["def add(a, b):", "import os\n", [3, 4, 5], "class Point:\n"]
+    base = GenerateConfig(max_tokens=20, loops=2)
+    free = [generate(model, p, base).tokens for p in prompts]
+    cfgs = [GenerateConfig(max_tokens=20, loops=2, stop_sequences=[[free[0][4]]]),  # token stop, early
+            GenerateConfig(max_tokens=5, loops=2),
+            GenerateConfig(max_tokens=20, loops=2, stop_sequences=[model.codec.decode(free[2][6:8])]),
+            GenerateConfig(max_tokens=20, loops=2)]
+    alone = [generate(model, p, c) for p, c in zip(prompts, cfgs)]
+    batched = generate_batch(model, prompts, cfgs)
+    assert [(r.tokens, r.text, r.stats.stop_reason) for r in batched] == [(r.tokens, r.text, r.stats.stop_reason) for r in alone]
+    assert batched[0].stats.stop_reason == "stop_sequence" and len(batched[0].tokens) <= 4
+    assert batched[1].stats.generated_tokens == 5 and batched[3].tokens == free[3]
+
+
+def test_seeded_sampling_per_lane_is_reproducible(tiny_model):
+    prompts = ["def", "import os", [9, 8, 7, 6]]
+    cfgs = [GenerateConfig(max_tokens=16, temperature=0.9, top_k=50, top_p=0.95, seed=s) for s in (1, 2, 3)]
+    a = generate_batch(tiny_model, prompts, cfgs)
+    b = generate_batch(tiny_model, prompts, cfgs)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in a] == [generate(tiny_model, p, c).tokens for p, c in zip(prompts, cfgs)]
+    same_prompt = generate_batch(tiny_model, ["def"] * 3, cfgs)
+    assert len({tuple(r.tokens) for r in same_prompt}) > 1  # different seeds, different samples
+
+
+def test_repetition_penalty_lanes_equal_generate(tiny_model):
+    prompts = ["def add(a, b):\n    return a + b\n", "x"]
+    cfg = GenerateConfig(max_tokens=20, repetition_penalty=1.3)
+    assert [r.tokens for r in generate_batch(tiny_model, prompts, cfg)] == [generate(tiny_model, p, cfg).tokens for p in prompts]
+
+
+def test_streaming_and_per_lane_cancel(tiny_model):
+    cfg = GenerateConfig(max_tokens=12)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def on_token(lane, token, index):
+        assert index == len(seen[lane])
+        seen[lane].append(token)
+        return not (lane == 1 and index == 2)
+
+    out = generate_batch(tiny_model, ["def", "import", "class"], cfg, on_token)
+    assert [seen[i] for i in range(3)] == [r.tokens for r in out]
+    assert out[1].stats.stop_reason == "cancelled" and len(out[1].tokens) == 3
+    assert out[0].stats.stop_reason == out[2].stats.stop_reason == "max_tokens" and len(out[2].tokens) == 12
+    single = generate_stream(tiny_model, "import", cfg, lambda t, i: i != 2)
+    assert single.tokens == out[1].tokens
+
+
+def test_call_entry_constraints_name_the_rule(tiny_model):
+    m = tiny_model  # max_seq_len 256
+    with pytest.raises(ConfigError, match=r"lane 1.*max_seq_len"):
+        generate_batch(m, ["a", [5] * 250], GenerateConfig(max_tokens=10))
+    with pytest.raises(ModeError, match=r"cache_window.*Batched"):
+        generate_batch(m, ["a", "b"], GenerateConfig(cache_window=8))
+    with pytest.raises(ModeError, match=r"Beam search.*Batched"):
+        generate_batch(m, ["a", "b"], GenerateConfig(beam_size=2))
+    for field, a, b in [("loops", 2, 3), ("temperature", 0.0, 0.5), ("top_k", 0, 5), ("top_p", 1.0, 0.9),
+                        ("repetition_penalty", 1.0, 1.2), ("early_exit_threshold", 0.0, 0.5)]:
+        cfgs = [GenerateConfig(**{field: a}), GenerateConfig(**{field: b})]
+        with pytest.raises(ConfigError, match=rf"share.*lane 1 has {field}="):
+            generate_batch(m, ["a", "b"], cfgs)
+    with pytest.raises(ConfigError, match="one per prompt"):
+        generate_batch(m, ["a", "b"], [GenerateConfig()])
+    with pytest.raises(ConfigError, match="non-empty list"):
+        generate_batch(m, "a string", GenerateConfig())
+    with pytest.raises(ConfigError, match="non-empty list"):
+        generate_batch(m, [], GenerateConfig())
+    # per-lane max_tokens, stop sequences, seeds and grammar are allowed (no error)
+    ok = generate_batch(m, ["a", "b"], [GenerateConfig(max_tokens=2, seed=1, stop_sequences=["x"]),
+                                        GenerateConfig(max_tokens=3, grammar={"regex": "[ab]+"})])
+    assert [r.stats.generated_tokens <= n for r, n in zip(ok, (2, 3))] == [True, True]
+
+
+def test_batch_is_one_call_on_a_busy_model(tiny_model):
+    with tiny_model.busy():
+        with pytest.raises(BusyError):
+            generate_batch(tiny_model, ["a"], GenerateConfig(max_tokens=2))
+    tinyloop.free_model(tiny_model)
+    with pytest.raises(tinyloop.HandleError):
+        generate_batch(tiny_model, ["a"], GenerateConfig(max_tokens=2))
+
+
+def test_batch_cache_has_one_lane_per_prompt(tiny_model, monkeypatch):
+    """The batch cache is an N-lane KVCache sized for the longest lane, not the model's one-lane decode cache."""
+    made = []
+    real_init = tinyloop.KVCache.__init__
+
+    def spy(self, cfg, lanes, max_len, *a, **k):
+        made.append((lanes, max_len))
+        real_init(self, cfg, lanes, max_len, *a, **k)
+
+    monkeypatch.setattr(tinyloop.KVCache, "__init__", spy)
+    generate_batch(tiny_model, [[1] * 10, [2] * 30, [3]], [GenerateConfig(max_tokens=5)] * 2 + [GenerateConfig(max_tokens=9)])
+    assert made == [(3, 35)]
