@@ -156,8 +156,9 @@ def format_summary(r: dict) -> str:
 # ------------------------------------------------------------------------------ side by side
 
 
-def _direct_one_token(model_path: str | None, prompt: str, reps: int, threads: int) -> list[float]:
-    """Latency of generate(max_tokens=1) in this process: the baseline the broker is compared with."""
+def one_token_side_by_side(model_path: str | None, frontend: str, prompt: str, reps: int, threads: int) -> tuple[list, list]:
+    """Latency of a one-token request: in-process generate versus through the broker, interleaved
+    (direct, broker, direct, ...) so that both see the same machine load."""
     import torch
 
     import tinyloop
@@ -165,29 +166,21 @@ def _direct_one_token(model_path: str | None, prompt: str, reps: int, threads: i
     torch.set_num_threads(threads)
     model = tinyloop.load_model(model_path, 512)
     cfg = tinyloop.GenerateConfig(max_tokens=1)
+    direct, brokered = [], []
     try:
-        for _ in range(3):
-            tinyloop.generate(model, prompt, cfg)  # warm up
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            tinyloop.generate(model, prompt, cfg)
-            times.append(time.perf_counter() - t0)
-        return times
+        with Client(frontend, timeout=60) as client:
+            for i in range(reps + 3):  # the first 3 rounds warm both paths up
+                t0 = time.perf_counter()
+                tinyloop.generate(model, prompt, cfg)
+                t1 = time.perf_counter()
+                client.generate(prompt, max_tokens=1)
+                t2 = time.perf_counter()
+                if i >= 3:
+                    direct.append(t1 - t0)
+                    brokered.append(t2 - t1)
     finally:
         tinyloop.free_model(model)
-
-
-def _service_one_token(frontend: str, prompt: str, reps: int) -> list[float]:
-    with Client(frontend, timeout=60) as client:
-        for _ in range(3):
-            client.generate(prompt, max_tokens=1)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            client.generate(prompt, max_tokens=1)
-            times.append(time.perf_counter() - t0)
-        return times
+    return direct, brokered
 
 
 def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tokens: int = 16, concurrency: int = 4,
@@ -201,9 +194,8 @@ def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tok
     results: dict[str, Any] = {"cores": cores}
 
     echo(f"[1/3] one-token request: direct generate vs through the broker ({reps} sequential requests each)")
-    direct = _direct_one_token(model_path, prompt, reps, cores)
     with LocalService(1, base_args + ["--threads", str(cores)]) as svc:
-        brokered = _service_one_token(svc.frontend, prompt, reps)
+        direct, brokered = one_token_side_by_side(model_path, svc.frontend, prompt, reps, cores)
     d, b = summarize([t * 1000 for t in direct]), summarize([t * 1000 for t in brokered])
     results["one_token"] = {"direct_ms": d, "broker_ms": b, "overhead_ms_p50": b["p50"] - d["p50"],
                             "ratio_p50": b["p50"] / d["p50"]}
