@@ -73,7 +73,7 @@ def compile_grammar(codec, vocab_size: int, grammar) -> xgr.CompiledGrammar:
     try:
         if kind == "json_schema":
             schema = source if isinstance(source, str) else json.dumps(source)
-            return compiler.compile_json_schema(schema, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_ebnf(schema))
         if not isinstance(source, str):
             raise ConfigError(f"GenerateConfig.grammar: {kind} must be a string, got {type(source).__name__}")
         return compiler.compile_regex(source) if kind == "regex" else compiler.compile_grammar(source)
@@ -81,6 +81,19 @@ def compile_grammar(codec, vocab_size: int, grammar) -> xgr.CompiledGrammar:
         raise
     except Exception as exc:  # xgrammar reports bad input as RuntimeError / ValueError subclasses
         raise ConfigError(f"GenerateConfig.grammar: invalid {kind}: {str(exc).strip().splitlines()[0][:300]}") from None
+
+
+# xgrammar 0.2.9 lowers a string with minLength/maxLength to a bare class that admits raw control characters
+# (upstream issue mlc-ai/xgrammar#800), which strict JSON parsers reject. Close that hole; escapes stay
+# unavailable inside length-bounded strings, as upstream has them.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """The EBNF xgrammar derives from a JSON schema (compact separators), with the bounded-string fix."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 class GrammarState:
