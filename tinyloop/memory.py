@@ -37,8 +37,9 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
     """Itemise weights, decode cache and live handles for a Model (or a ModelConfig with explicit values).
 
     decode cache = lanes x max_seq_len x slots(max_loops) x bytes per token-slot of the cache mode.
-    handle       = handle_tokens x (slots x bytes per token-slot + the latent state s and input e per token),
-                   the most a PrefixCache, ResumeHandle or pool entry of that many tokens holds.
+    handle       = handle_tokens x (slots x bytes per token-slot + the latent state s and input e per token)
+                   + one row of logits, the most a PrefixCache (slots + its last logits), a ResumeHandle
+                   (slots but the coda's + e + s) or a pool entry of that many tokens holds.
     """
     if isinstance(model, ModelConfig):
         cfg, weights = model, None
@@ -59,6 +60,6 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
                         lanes * max_seq_len * slots * per_slot)])
     if max_handles:
         tokens = handle_tokens or max_seq_len
-        per_handle = tokens * (slots * per_slot + 2 * cfg.d_model * dbytes)
+        per_handle = tokens * (slots * per_slot + 2 * cfg.d_model * dbytes) + cfg.vocab_size * dbytes
         plan.items.append((f"handles ({max_handles} x {tokens} tok, {cache_mode})", max_handles * per_handle))
     return plan

@@ -1,0 +1,134 @@
+"""ResumeHandle: warm start skips the loops a prompt's prefill already ran, with output equal to generate."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinyloop
+from tinyloop import GenerateConfig as G
+
+ARCHS = {
+    "huginn": dict(),
+    "ouro": dict(n_prelude=0, n_coda=0, injection="none", exit_gate=True),
+    "add-normal-sandwich": dict(injection="add", state_init="normal", sandwich_norm=True, n_prelude=2, n_coda=2),
+}
+
+
+def ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 320, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_upgrades_equal_generate(make_artifact, mode, arch):
+    model = tinyloop.load_model(make_artifact(**ARCHS[arch]), 128, cache_mode=mode)
+    prompt = ids(24, 1)
+    handle = tinyloop.build_resume_handle(model, prompt, 4)
+    assert handle.depth == 4
+    sizes = [handle.nbytes]
+    for loops in (4, 8, 16):  # draft, then two upgrades, each from the deepest state held
+        out = tinyloop.resume_generate(handle, loops, G(max_tokens=6))
+        assert out.tokens == tinyloop.generate(model, prompt, G(max_tokens=6, loops=loops)).tokens
+        assert out.stats.skipped_loops == len(prompt) * (4 if loops <= 8 else 8)
+        assert handle.depth == loops and out.stats.prompt_tokens == len(prompt) and out.stats.cache_mode == mode
+        sizes.append(handle.nbytes)
+    assert sizes[0] == sizes[1] < sizes[2] < sizes[3]
+
+
+def test_fewer_loops_than_held_recompute_from_the_input(tiny_model):
+    prompt = ids(20, 2)
+    handle = tinyloop.build_resume_handle(tiny_model, prompt, 8)
+    for loops in (3, 8, 1):
+        out = tinyloop.resume_generate(handle, loops, G(max_tokens=6))
+        assert out.tokens == tinyloop.generate(tiny_model, prompt, G(max_tokens=6, loops=loops)).tokens
+        assert out.stats.skipped_loops == (len(prompt) * 8 if loops == 8 else 0)
+        assert handle.depth == 8
+
+
+def test_loops_from_config_and_sampling(tiny_model):
+    prompt = ids(18, 3)
+    handle = tinyloop.build_resume_handle(tiny_model, prompt, 2)
+    cfg = G(max_tokens=8, loops=6, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.3)
+    out = tinyloop.resume_generate(handle, None, cfg)  # loops None: cfg.loops
+    assert out.tokens == tinyloop.generate(tiny_model, prompt, cfg).tokens and handle.depth == 6
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int4"])
+def test_cache_window(make_artifact, mode):
+    model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
+    prompt = ids(20, 4)
+    for window in (8, 64):  # shorter and longer than the prompt
+        handle = tinyloop.build_resume_handle(model, prompt, 2, cache_window=window)
+        for loops in (2, 5, 1):
+            cfg = G(max_tokens=10, loops=loops, cache_window=window)
+            out = tinyloop.resume_generate(handle, loops, cfg)
+            assert out.tokens == tinyloop.generate(model, prompt, cfg).tokens, (window, loops)
+        with pytest.raises(tinyloop.ConfigError, match="cache_window"):
+            tinyloop.resume_generate(handle, 5, G(max_tokens=4))
+
+
+def test_grammar_and_early_exit(tiny_model):
+    prompt = ids(22, 5)
+    handle = tinyloop.build_resume_handle(tiny_model, prompt, 3)
+    for cfg in (G(max_tokens=10, loops=3, grammar={"regex": "[a-z ]+"}),
+                G(max_tokens=10, loops=7, grammar={"json_schema": {"type": "object"}}),
+                G(max_tokens=10, loops=9, early_exit_threshold=0.5)):
+        ref = tinyloop.generate(tiny_model, prompt, cfg)
+        out = tinyloop.resume_generate(handle, cfg.loops, cfg)
+        assert out.tokens == ref.tokens and out.stats.stop_reason == ref.stats.stop_reason
+        assert out.stats.loops_mean == ref.stats.loops_mean
+
+
+def test_one_token_prompt(make_artifact):
+    model = tinyloop.load_model(make_artifact(n_prelude=0, n_coda=0, injection="none", exit_gate=True), 64)
+    handle = tinyloop.build_resume_handle(model, [7], 2)
+    for loops in (2, 6):
+        out = tinyloop.resume_generate(handle, loops, G(max_tokens=6))
+        assert out.tokens == tinyloop.generate(model, [7], G(max_tokens=6, loops=loops)).tokens
+
+
+def test_rules(tiny_model, make_artifact):
+    with pytest.raises(tinyloop.ConfigError, match="l_used"):
+        tinyloop.build_resume_handle(tiny_model, ids(5, 1), 0)
+    with pytest.raises(tinyloop.ConfigError, match="loops"):
+        tinyloop.resume_generate(tinyloop.build_resume_handle(tiny_model, ids(5, 1), 2), 17)
+    handle = tinyloop.build_resume_handle(tiny_model, ids(12, 6), 2)
+    with pytest.raises(tinyloop.ModeError, match="Beam"):
+        tinyloop.resume_generate(handle, 4, G(beam_size=2))
+    with pytest.raises(tinyloop.ConfigError, match="max_seq_len"):
+        tinyloop.resume_generate(handle, 4, G(max_tokens=250))
+    with pytest.raises(tinyloop.HandleError, match="ResumeHandle"):
+        tinyloop.resume_generate(tinyloop.create_prefix_cache(tiny_model, [1, 2], 2), 4)
+
+    def reenter(token, index):
+        with pytest.raises(tinyloop.BusyError, match="ResumeHandle is already in use"):
+            tinyloop.resume_generate(handle, 8, G(max_tokens=2))
+        return False
+
+    out = tinyloop.resume_generate(handle, 4, G(max_tokens=4), on_token=reenter)
+    assert out.stats.stop_reason == "cancelled"
+    tinyloop.free_handle(handle)
+    assert handle.nbytes == 0
+    with pytest.raises(tinyloop.HandleError, match="freed"):
+        tinyloop.resume_generate(handle, 4)
+
+
+def test_freed_model(make_artifact):
+    model = tinyloop.load_model(make_artifact(), 64)
+    handle = tinyloop.build_resume_handle(model, ids(10, 7), 2)
+    tinyloop.free_model(model)
+    with pytest.raises(tinyloop.HandleError, match="free_model"):
+        tinyloop.resume_generate(handle, 4)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
+def test_handle_bytes_match_memory_plan(make_artifact, mode):
+    model = tinyloop.load_model(make_artifact(), 64, cache_mode=mode)
+    cfg, prompt = model.cfg, ids(24, 8)
+    handle = tinyloop.build_resume_handle(model, prompt, cfg.max_loops)  # the deepest, largest handle
+    per_slot, d_bytes = tinyloop.bytes_per_token_slot(cfg, mode, 4), 4
+    held_slots = cfg.n_slots() - cfg.n_coda  # the coda's entries are recomputed on every resume
+    assert handle.nbytes == len(prompt) * (held_slots * per_slot + 2 * cfg.d_model * d_bytes)
+    plan = tinyloop.plan_memory(model, max_handles=3, handle_tokens=len(prompt))
+    assert 3 * handle.nbytes <= plan.bytes_of("handles")

@@ -1,0 +1,151 @@
+"""What PrefixCache, PrefixPool and ResumeHandle share: a binding to the model that built them, a busy lock,
+their bytes, and the decoder that starts from a cache a handle has filled.
+
+The handles themselves live in prefix.py (PrefixCache, PrefixPool) and resume.py (ResumeHandle).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .errors import BusyError, ConfigError, HandleError
+from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, run_decode
+from .runtime import Model
+
+
+def tensor_bytes(*groups) -> int:
+    """Bytes of every tensor in the given tensors, dicts of tensors and lists of them."""
+    total = 0
+    for g in groups:
+        if g is None:
+            continue
+        if isinstance(g, torch.Tensor):
+            total += g.numel() * g.element_size()
+        elif isinstance(g, dict):
+            total += tensor_bytes(*g.values())
+        else:
+            total += tensor_bytes(*g)
+    return total
+
+
+class Handle:
+    """Bound to the model that built it (model_id); not reentrant (a second concurrent call raises BusyError)."""
+
+    kind = "handle"
+
+    def __init__(self, model: Model):
+        self.model, self.model_id = model, model.model_id
+        self.freed = False
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the tensors the handle holds (free_handle)."""
+
+    def check(self, model: Model) -> None:
+        if self.freed:
+            raise HandleError(f"{self.kind} has been freed (free_handle) and cannot be used")
+        if model.model_id != self.model_id:
+            raise HandleError(f"{self.kind} was built by model {self.model_id} and cannot be used with model "
+                              f"{model.model_id} (a handle is bound to the model that built it)")
+        if model.freed or self.model.freed:
+            raise HandleError(f"{self.kind}: its model has been freed (free_model); the handle is no longer usable")
+
+    @contextmanager
+    def using(self, model: Model) -> Iterator[None]:
+        """Hold this handle and the model for one call."""
+        self.check(model)
+        if not self._lock.acquire(blocking=False):
+            raise BusyError(f"{self.kind} is already in use by another call (handles are not reentrant; "
+                            "serialise calls on one handle)")
+        try:
+            with model.busy():
+                yield
+        finally:
+            self._lock.release()
+
+
+def free_handle(handle: Handle) -> None:
+    """Release what a PrefixCache, ResumeHandle or PrefixPool holds; later use raises HandleError."""
+    if not isinstance(handle, Handle):
+        raise HandleError(f"free_handle expects a PrefixCache, PrefixPool or ResumeHandle, got {type(handle).__name__}")
+    if handle.freed:
+        return
+    if not handle._lock.acquire(blocking=False):
+        raise BusyError(f"{handle.kind} is in use by another call and cannot be freed now")
+    try:
+        handle.release()
+        handle.freed = True
+    finally:
+        handle._lock.release()
+
+
+def encode_tokens(model: Model, text_or_ids, what: str, allow_empty: bool = False) -> list[int]:
+    """Token ids of a prompt piece; a suffix may be empty (the prefix alone is the prompt)."""
+    if allow_empty and (text_or_ids == "" or (isinstance(text_or_ids, (list, tuple)) and len(text_or_ids) == 0)):
+        return []
+    try:
+        return model.encode_prompt(text_or_ids)
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def adaptive(model: Model, cfg: GenerateConfig) -> bool:
+    """Whether a one-token forward would exit early (then generate runs a one-token prompt adaptively)."""
+    return cfg.early_exit_threshold > 0 or model.net.exit_gate is not None
+
+
+class PrefilledDecoder(Decoder):
+    """A Decoder whose first forward, the prompt's prefill, is `first(ids, start) -> logits [T, V]`.
+
+    The handle supplies it from what it kept (a prefix's cache, a resumed state); later forwards are
+    plain one-token decode steps, so run_decode drives the rest exactly as in generate.
+    """
+
+    def __init__(self, model: Model, loops: int, cache, early_exit: float,
+                 first: Callable[[list[int], int], torch.Tensor]):
+        super().__init__(model, loops, cache, early_exit)
+        self.first = first
+
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        if self.first is None:
+            return super().forward(ids, start)
+        first, self.first = self.first, None
+        self.loop_counts.append(self.loops)
+        return first(ids, start)
+
+
+def decode_from(model: Model, decoder: Decoder, ids: list[int], cached: int, cfg: GenerateConfig,
+                on_token: OnToken | None, stats: GenerateStats) -> GenerateResult:
+    """Finish a call whose first `cached` prompt tokens the decoder's cache already holds."""
+    if cfg.grammar is not None:
+        return decode_grammar(model, decoder, ids, cached, cfg, on_token, stats)
+    return run_decode(model, decoder, ids, cached, cfg, on_token, stats)
+
+
+@torch.inference_mode()
+def decode_grammar(model: Model, decoder: Decoder, ids: list[int], cached: int, cfg: GenerateConfig,
+                   on_token: OnToken | None, stats: GenerateStats) -> GenerateResult:
+    """Grammar-constrained decode of one lane, as generate runs it (batch.decode_lanes with one lane: the same
+    per-lane Lane sampler, one-token forwards), but starting from the decoder's pre-filled cache."""
+    from .batch import Lane
+    t_call = time.perf_counter()
+    lane = Lane(model, 0, ids, cfg, None if on_token is None else (lambda _lane, token, index: on_token(token, index)), t_call)
+    stats.prompt_tokens, stats.cache_mode = len(ids), model.cache_mode
+    lane.stats, lane.loop_counts = stats, decoder.loop_counts
+    logits = decoder.forward(ids[cached:], cached)[-1]
+    lane.t_prefilled = time.perf_counter()
+    stats.prefill_ms = (lane.t_prefilled - t_call) * 1000
+    while True:
+        lane.step(logits)
+        if lane.done:
+            return lane.result(decoder.loops)
+        logits = decoder.forward([lane.token], lane.pos)[-1]
+        lane.pos += 1

@@ -1,0 +1,156 @@
+"""Warm start: a ResumeHandle keeps what a prompt's prefill computed up to some depth, so a later call at
+more loops runs only the loops it lacks.
+
+Why this is exact: the state s_k of token t depends only on loops < k of tokens <= t (a token at loop k
+attends to loop-k entries of earlier tokens). So the handle keeps, per prompt token, the injected input e
+and the state at the deepest depth D it has computed, plus the KV entries of the prelude and of loops
+0..D-1. Resuming at L >= D runs loops D..L-1 over the prompt chunk (`net.loop`), then the coda and decode:
+the same operations `generate(..., loops=L)` performs, minus the first D loops.
+Every resume deeper than D stores the new state and entries, so 4 -> 8 -> 16 each reuse the deepest state.
+Resuming at L < D recomputes loops 0..L-1 from e (only the prelude is skipped): the handle keeps one state.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .cache import KVCache
+from .errors import ConfigError, HandleError
+from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length
+from .handles import Handle, PrefilledDecoder, adaptive, decode_from, encode_tokens, tensor_bytes
+from .modes import check_modes
+from .runtime import Model
+
+
+class ResumeHandle(Handle):
+    """Per prompt token: e and s at `depth` loops; KV entries of the prelude and loops 0..depth-1.
+
+    With a cache window only the newest `cache_window` positions' entries are kept (all a later token can
+    see); e and s are kept for every prompt token since the resumed loops run over the whole prompt.
+    """
+
+    kind = "ResumeHandle"
+
+    def __init__(self, model: Model, ids: list[int], depth: int, cache_window: int):
+        super().__init__(model)
+        self.ids, self.depth, self.cache_window = ids, depth, cache_window
+        self.e: torch.Tensor | None = None
+        self.s: torch.Tensor | None = None
+        self.entries: dict[str, torch.Tensor] = {}  # slots 0..P + R*depth - 1, positions kept_from..T-1
+        self.kept_from = max(0, len(ids) - cache_window) if cache_window else 0
+
+    @property
+    def l_used(self) -> int:
+        return self.depth
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.e, self.s, self.entries)
+
+    def release(self) -> None:
+        self.e = self.s = None
+        self.entries = {}
+
+    def slots(self, depth: int) -> slice:
+        cfg = self.model.cfg
+        return slice(0, cfg.n_prelude + cfg.n_core * depth)
+
+    def work_cache(self) -> KVCache:
+        model = self.model
+        if self.cache_window == 0:
+            cache = model.decode_cache
+        else:
+            cache = KVCache(model.cfg, 1, model.max_seq_len, model.cache_mode, device=model.device,
+                            dtype=model.dtype, window=self.cache_window)
+        cache.reset()
+        return cache
+
+    def step(self):
+        T, dev = len(self.ids), self.model.device
+        return self.model.net.make_step(torch.arange(T, device=dev).unsqueeze(0), T)
+
+    @torch.inference_mode()
+    def build(self) -> None:
+        net, cache, step = self.model.net, self.work_cache(), self.step()
+        e = net.encode(torch.tensor([self.ids], device=self.model.device), step, cache)
+        s = net.init_state(e, step)
+        for k in range(self.depth):
+            s = net.loop(s, e, k, step, cache)
+        self.e, self.s = e, s
+        self.entries = cache.read_range(self.slots(self.depth), self.kept_from, len(self.ids))
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, loops: int, stats: GenerateStats) -> torch.Tensor:
+        """Put the kept entries into `cache`, run the loops the handle lacks over the prompt, and the coda.
+
+        Returns the prompt's logits [T, V]; deepens the handle when `loops` > depth.
+        """
+        net, step = self.model.net, self.step()
+        start = self.depth if loops >= self.depth else 0
+        # Only loops < start are restored: the recomputed ones must not find stale ring entries beside them.
+        held = self.entries if start == self.depth else {n: t[:self.slots(0).stop] for n, t in self.entries.items()}
+        cache.write_range(self.slots(start), self.kept_from, held)
+        s = self.s if start == self.depth else net.init_state(self.e, step)
+        for k in range(start, loops):
+            s = net.loop(s, self.e, k, step, cache)
+        stats.skipped_loops = start * len(self.ids)
+        if loops > self.depth:
+            new = cache.read_range(slice(self.slots(self.depth).stop, self.slots(loops).stop), self.kept_from, len(self.ids))
+            self.entries = {n: torch.cat((self.entries[n], new[n])) for n in self.entries}
+            self.s, self.depth = s, loops
+        return net.decode_head(s, step, cache)[0]
+
+
+def _window_default() -> int:
+    return GenerateConfig().cache_window
+
+
+def build_resume_handle(model: Model, prompt, l_used: int, *, cache_window: int | None = None) -> ResumeHandle:
+    """Prefill `prompt` to l_used loops (prelude and core only) and keep it for resume_generate.
+
+    cache_window: the sliding window the later calls will use (None: the TINYLOOP_CACHE_WINDOW default, as
+    GenerateConfig); the window changes attention during prefill, so a handle serves one window only.
+    """
+    if not isinstance(l_used, int) or isinstance(l_used, bool) or not 1 <= l_used <= model.cfg.max_loops:
+        raise ConfigError(f"l_used must be an integer in 1..{model.cfg.max_loops}, got {l_used!r}")
+    window = _window_default() if cache_window is None else cache_window
+    probe = GenerateConfig(cache_window=window).validate(model)
+    check_modes("warm_start", model.cache_mode, probe)
+    ids = encode_tokens(model, prompt, "prompt")
+    if len(ids) >= model.max_seq_len:
+        raise ConfigError(f"prompt length {len(ids)} must be below max_seq_len {model.max_seq_len}")
+    handle = ResumeHandle(model, ids, l_used, window)
+    with model.busy():
+        handle.build()
+    return handle
+
+
+def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: GenerateConfig | None = None,
+                    on_token: OnToken | None = None) -> GenerateResult:
+    """Generate from the handle's prompt at `loops` loops (None: cfg.loops), skipping the loops it holds.
+
+    Greedy output equals generate(model, prompt, cfg with loops); stats.skipped_loops counts the
+    prompt-token-loops not recomputed (prompt tokens x loops skipped).
+    """
+    if not isinstance(handle, ResumeHandle):
+        raise HandleError(f"expected a ResumeHandle, got {type(handle).__name__}")
+    model = handle.model
+    handle.check(model)
+    cfg = dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops})).validate(model)
+    check_modes("warm_start", model.cache_mode, cfg)
+    if cfg.cache_window != handle.cache_window:
+        raise ConfigError(f"GenerateConfig.cache_window must equal the window the handle was built with "
+                          f"({handle.cache_window}), got {cfg.cache_window}")
+    L = cfg.resolved_loops(model)
+    with handle.using(model):
+        ids = handle.ids
+        check_length(model, len(ids), cfg)
+        cache = handle.work_cache()
+        stats = GenerateStats()
+        if len(ids) == 1 and adaptive(model, cfg):
+            # generate runs a one-token prompt with early exit; match it by a plain prefill
+            return decode_from(model, Decoder(model, L, cache, cfg.early_exit_threshold), ids, 0, cfg, on_token, stats)
+        decoder = PrefilledDecoder(model, L, cache, cfg.early_exit_threshold,
+                                   lambda rest, start: handle.prefill(cache, L, stats))
+        return decode_from(model, decoder, ids, len(ids), cfg, on_token, stats)
