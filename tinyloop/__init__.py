@@ -9,6 +9,10 @@ from .generate import GenerateConfig, GenerateResult, GenerateStats, generate, g
 from .memory import MemoryPlan, plan_memory
 from .modes import MATRIX, check_modes
 from .runtime import Model, free_model, load_model
+from .handles import Handle, free_handle
+from .prefix import (PrefixCache, PrefixPool, PoolStats, create_prefix_cache, create_prefix_pool, generate_from_prefix_cache,
+                     generate_with_pool, register_prefix)
+from .resume import ResumeHandle, build_resume_handle, resume_generate
 
 __all__ = [
     "Hypothesis", "beam_search", "generate_batch",
@@ -16,4 +20,7 @@ __all__ = [
     "GenerateResult", "GenerateStats", "HandleError", "KVCache", "MATRIX", "MemoryPlan", "ModeError", "Model",
     "ModelConfig", "TinyLoopError", "bytes_per_token_slot", "check_modes", "free_model", "generate",
     "generate_stream", "load_model", "plan_memory", "read_artifact", "save_artifact",
+    "Handle", "free_handle", "PrefixCache", "PrefixPool", "PoolStats", "create_prefix_cache", "create_prefix_pool",
+    "generate_from_prefix_cache", "generate_with_pool", "register_prefix", "ResumeHandle", "build_resume_handle",
+    "resume_generate",
 ]
