@@ -189,3 +189,56 @@ def generate_batch(model: Model, prompts: Sequence, cfg: GenerateConfig | Sequen
         max_len = max(len(p) + c.max_tokens for p, c in zip(ids, cfgs))
         cache = KVCache(model.cfg, len(ids), max_len, model.cache_mode, device=model.device, dtype=model.dtype)
         return decode_lanes(model, ids, cfgs, cache, on_token)
+
+
+# --- benchmark (tinyloop bench batch) --------------------------------------------------------------------
+BENCH_PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+                 "for i in range(10):\n    ", "def read_file(path):\n    with open(path) as f:\n", "if __name__ == '__main__':\n",
+                 "    return sorted(items, key=", "try:\n    import json\nexcept ImportError:\n", "def __repr__(self):\n        return",
+                 "x = [i * i for i in", "while True:\n    line = f.readline()\n", "@property\ndef name(self):\n",
+                 "raise ValueError(", "def test_add():\n    assert", "with open(path, 'w') as out:\n", "self.items.append("]
+
+
+def bench_batch(model_path: str | None, quick: bool) -> list[str]:
+    """generate_batch over 16 lanes vs 16 sequential generate calls, and the cost of one lane running 8x longer."""
+    from .bench import timed
+    from .generate import generate
+    from .runtime import load_model
+
+    n = 16 if quick else 48
+    model = load_model(model_path, 1024)
+    prompts = BENCH_PROMPTS
+    cfg = GenerateConfig(max_tokens=n)
+    generate_batch(model, prompts[:2], GenerateConfig(max_tokens=2))  # warm up allocator and kernels
+    lines = [f"static batching, {len(prompts)} prompts, greedy, up to {n} tokens each (cache {model.cache_mode}, "
+             f"loops {cfg.resolved_loops(model)})"]
+    out: dict[str, list[GenerateResult]] = {}
+
+    def run(key, fn):
+        def go():
+            out[key] = fn()
+        return timed(go, 1 if quick else 2)
+
+    t_seq = run("seq", lambda: [generate(model, p, cfg) for p in prompts])
+    tok = sum(r.stats.generated_tokens for r in out["seq"])
+    lines.append(f"  {'lanes':>5} {'tok/s':>9} {'vs sequential':>14}")
+    lines.append(f"  {'seq':>5} {tok / t_seq:>9.1f} {1.0:>13.2f}x")
+    times = {}
+    for lanes in (4, 16):
+        groups = [prompts[i:i + lanes] for i in range(0, len(prompts), lanes)]
+        t = times[lanes] = run(f"b{lanes}", lambda: [r for g in groups for r in generate_batch(model, g, cfg)])
+        same = [r.tokens for r in out[f"b{lanes}"]] == [r.tokens for r in out["seq"]]
+        btok = sum(r.stats.generated_tokens for r in out[f"b{lanes}"])
+        lines.append(f"  {lanes:>5} {btok / t:>9.1f} {(btok / t) / (tok / t_seq):>13.2f}x"
+                     f"{'' if same else '  (outputs differ from sequential!)'}")
+    # Divergence: lane 0 runs 8x longer; the other 15 finish early but stay in the kernel shape.
+    long_cfgs = [GenerateConfig(max_tokens=8 * n)] + [cfg] * (len(prompts) - 1)
+    t_div = run("div", lambda: generate_batch(model, prompts, long_cfgs))
+    t_div_seq = run("div_seq", lambda: [generate(model, p, c) for p, c in zip(prompts, long_cfgs)])
+    dtok = sum(r.stats.generated_tokens for r in out["div"])
+    steps = max(r.stats.generated_tokens for r in out["div"])
+    useful = dtok / (steps * len(prompts))
+    lines.append(f"  divergence (lane 0 runs {8 * n} tokens, 15 lanes {n}): batch {dtok / t_div:.1f} useful tok/s = "
+                 f"{t_div_seq / t_div:.2f}x sequential; {t_div / times[16]:.2f}x the time of the uniform batch; "
+                 f"{useful:.0%} of lane-steps useful")
+    return lines

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from .batch import bench_batch
 from .cache import CACHE_MODES
 from .generate import GenerateConfig, generate
 from .runtime import Model, load_model
@@ -91,6 +92,7 @@ def bench_cache_agreement(model_path: str | None, quick: bool) -> list[str]:
 SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "decode": bench_decode,
     "cache_agreement": bench_cache_agreement,
+    "batch": bench_batch,
 }
 
 
