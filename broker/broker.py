@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -102,6 +103,7 @@ class Broker:
         max_attempts: int = 2,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         drain_timeout_s: float = 30.0,
+        curve_dir: str | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         self.frontend_endpoint = frontend
@@ -119,6 +121,12 @@ class Broker:
         self.started = time.monotonic()
 
         self.ctx = context or zmq.Context.instance()
+        self.curve_dir = curve_dir
+        self.authenticator = None
+        if curve_dir is not None:
+            from broker.security import start_authenticator
+
+            self.authenticator = start_authenticator(self.ctx, curve_dir)  # before bind: no peer slips in
         self.frontend = self._router(frontend)
         self.backend = self._router(backend)
         # The endpoints actually bound (a tcp port of 0 or "*" becomes a real port).
@@ -131,6 +139,9 @@ class Broker:
         self.requests: dict[str, Request] = {}  # key -> every request not yet answered or still on a worker
         self.by_client: dict[tuple[bytes, str], str] = {}  # (client, client_id) -> key, until answered
         self.next_key = 0
+        # Request keys carry this broker's incarnation, so a late reply from a worker that served
+        # a previous broker on the same endpoint can never be taken for one of ours.
+        self.instance = os.urandom(4).hex()
         self.next_heartbeat = time.monotonic() + heartbeat_interval
         self.stopping = False
         self.stop_requested = threading.Event()
@@ -146,6 +157,10 @@ class Broker:
         # the one-final-reply promise. Output per request is bounded by max_tokens.
         sock.sndhwm = 0
         sock.rcvhwm = 0
+        if self.curve_dir is not None:
+            from broker.security import make_server
+
+            make_server(sock, self.curve_dir)
         sock.bind(endpoint)
         return sock
 
@@ -239,7 +254,7 @@ class Broker:
         timeout = msg.get("timeout_s") or self.default_timeout_s
         self.next_key += 1
         req = Request(
-            key=str(self.next_key),
+            key=f"{self.instance}-{self.next_key}",
             client=client,
             client_id=client_id,
             op=msg["op"],
@@ -610,4 +625,6 @@ class Broker:
         self.requests.clear()
         self.frontend.close(linger=1000)  # give the last replies a moment to leave
         self.backend.close(linger=100)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         log.info("broker stopped")

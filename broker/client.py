@@ -196,6 +196,17 @@ def generate_params(prompt: str | list[int], config: dict) -> dict:
     return {"prompt": prompt, **{k: v for k, v in config.items() if v is not None or k in ("loops", "seed")}}
 
 
+def _connect(ctx: zmq.Context, endpoint: str, curve_dir: str | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if curve_dir is not None:  # encrypted, authenticated connection (see broker/security.py)
+        from broker.security import make_client
+
+        make_client(sock, curve_dir)
+    sock.connect(endpoint)
+    return sock
+
+
 # ---------------------------------------------------------------------------- sync client
 
 
@@ -207,14 +218,12 @@ class Client:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
-                 context: zmq.Context | None = None):
+                 curve_dir: str | None = None, context: zmq.Context | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
         self.grace = grace
         self.ctx = context or zmq.Context.instance()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.linger = 0
-        self.socket.connect(endpoint)
+        self.socket = _connect(self.ctx, endpoint, curve_dir)
         self.inbox: dict[str, list[protocol.Message]] = {}  # request id -> messages not yet consumed
         self.open: set[str] = set()  # request ids still waiting for their final reply
 
@@ -226,7 +235,7 @@ class Client:
 
     def close(self) -> None:
         for request_id in list(self.open):
-            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+            self.cancel_quietly(request_id)
         self.socket.close(linger=100)
 
     # ---- high-level calls
@@ -235,9 +244,9 @@ class Client:
                request_id: str | None = None) -> "Pending":
         timeout = timeout or self.timeout
         request_id, frames = build_request(op, params, stream, timeout, request_id)
+        self._send(frames, timeout + self.grace)
         self.open.add(request_id)
         self.inbox.setdefault(request_id, [])
-        self._send(frames)
         return Pending(self, request_id, time.monotonic() + timeout + self.grace)
 
     def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
@@ -255,9 +264,9 @@ class Client:
 
     def status(self, timeout: float = 5.0) -> dict:
         request_id = new_request_id()
+        self._send(protocol.encode(CLIENT_TO_BROKER, "status", id=request_id), timeout)
         self.open.add(request_id)
         self.inbox.setdefault(request_id, [])
-        self._send(protocol.encode(CLIENT_TO_BROKER, "status", id=request_id))
         msg = self._next(request_id, time.monotonic() + timeout)
         self._forget(request_id)
         if msg.type == "error":
@@ -266,12 +275,19 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.open:
-            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), self.grace)
 
     # ---- plumbing
 
-    def _send(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames)
+    def _send(self, frames: list[bytes], timeout: float) -> None:
+        # A DEALER blocks on send while it has no connection (broker down, or a CURVE handshake
+        # that keeps failing); wait at most `timeout` for one.
+        try:
+            if not self.socket.poll(int(timeout * 1000), zmq.POLLOUT):
+                raise zmq.Again()
+            self.socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            raise RequestTimeout(f"cannot send to {self.endpoint}: no connection to the broker") from None
 
     def _next(self, request_id: str, deadline: float) -> protocol.Message:
         """The next message for request_id, receiving (and filing) others' messages meanwhile."""
@@ -298,7 +314,7 @@ class Client:
 
     def cancel_quietly(self, request_id: str) -> None:
         try:
-            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+            self.socket.send_multipart(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -384,14 +400,12 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
-                 context: zmq.asyncio.Context | None = None):
+                 curve_dir: str | None = None, context: zmq.asyncio.Context | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
         self.grace = grace
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.linger = 0
-        self.socket.connect(endpoint)
+        self.socket = _connect(self.ctx, endpoint, curve_dir)
         self.queues: dict[str, asyncio.Queue] = {}
         self.reader: asyncio.Task | None = None
 
@@ -403,7 +417,10 @@ class AsyncClient:
 
     async def close(self) -> None:
         for request_id in list(self.queues):
-            await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
+            try:
+                await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), 0.1)
+            except RequestTimeout:
+                pass
         if self.reader is not None:
             self.reader.cancel()
             try:
@@ -412,8 +429,12 @@ class AsyncClient:
                 pass
         self.socket.close(linger=100)
 
-    async def _send(self, frames: list[bytes]) -> None:
-        await self.socket.send_multipart(frames)
+    async def _send(self, frames: list[bytes], timeout: float) -> None:
+        # Without a connection a DEALER send waits forever; bound it (see Client._send).
+        try:
+            await asyncio.wait_for(self.socket.send_multipart(frames), timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"cannot send to {self.endpoint}: no connection to the broker") from None
 
     def _ensure_reader(self) -> None:
         if self.reader is None or self.reader.done():
@@ -443,9 +464,10 @@ class AsyncClient:
         self.queues[request_id] = queue
         self._ensure_reader()
         deadline = asyncio.get_running_loop().time() + timeout + self.grace
-        finished = False
+        finished = sent = False
         try:
-            await self._send(frames)
+            await self._send(frames, timeout + self.grace)
+            sent = True
             while True:
                 remaining = deadline - asyncio.get_running_loop().time()
                 try:
@@ -458,11 +480,11 @@ class AsyncClient:
                     return
         finally:
             self.queues.pop(request_id, None)
-            if not finished and msg_type == "request":
+            if sent and not finished and msg_type == "request":
                 # Cancelled task, timeout or abandoned stream: stop the work on the service.
                 try:
-                    await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id))
-                except zmq.ZMQError:
+                    await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), self.grace)
+                except (zmq.ZMQError, RequestTimeout):
                     pass
 
     async def submit(self, op: str, params: dict, *, timeout: float | None = None) -> Reply:

@@ -80,12 +80,13 @@ def wait_for_file(path: str | Path, proc: subprocess.Popen, timeout: float) -> d
     raise TimeoutError(f"{path} did not appear within {timeout}s")
 
 
-def wait_for_workers(frontend: str, count: int, timeout: float, procs: list[subprocess.Popen] | None = None) -> dict:
+def wait_for_workers(frontend: str, count: int, timeout: float, procs: list[subprocess.Popen] | None = None,
+                     curve_dir: str | None = None) -> dict:
     """Poll the broker's status until `count` workers are ready; returns the last status."""
     from broker.client import Client, RequestTimeout
 
     deadline = time.monotonic() + timeout
-    with Client(frontend) as client:
+    with Client(frontend, curve_dir=curve_dir) as client:
         while True:
             try:
                 status = client.status(timeout=2.0)

@@ -66,7 +66,8 @@ async def one_request(client: AsyncClient, op: str, prompt: str, max_tokens: int
 
 
 async def _load(endpoint: str, *, mode: str, concurrency: int, rate: float, n_requests: int, prompts: list[str],
-                max_tokens: int, op: str, timeout: float, seed: int, progress: bool) -> tuple[list[dict], float]:
+                max_tokens: int, op: str, timeout: float, seed: int, progress: bool,
+                curve_dir: str | None = None) -> tuple[list[dict], float]:
     bar = None
     if progress:
         from tqdm import tqdm
@@ -79,7 +80,7 @@ async def _load(endpoint: str, *, mode: str, concurrency: int, rate: float, n_re
         if bar is not None:
             bar.update(1)
 
-    async with AsyncClient(endpoint, timeout=timeout) as client:
+    async with AsyncClient(endpoint, timeout=timeout, curve_dir=curve_dir) as client:
         t0 = time.perf_counter()
         if mode == "closed":
             next_index = iter(range(n_requests))
@@ -113,11 +114,11 @@ async def _load(endpoint: str, *, mode: str, concurrency: int, rate: float, n_re
 
 def run_load(endpoint: str, *, mode: str = "closed", concurrency: int = 4, rate: float = 2.0, n_requests: int = 32,
              prompts: list[str] | None = None, max_tokens: int = 16, op: str = "generate", timeout: float = 120.0,
-             seed: int = 0, progress: bool = False) -> dict:
+             seed: int = 0, progress: bool = False, curve_dir: str | None = None) -> dict:
     """Run one load and return its summary (all times in milliseconds)."""
     records, elapsed = asyncio.run(_load(endpoint, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
                                          prompts=prompts or DEFAULT_PROMPTS, max_tokens=max_tokens, op=op,
-                                         timeout=timeout, seed=seed, progress=progress))
+                                         timeout=timeout, seed=seed, progress=progress, curve_dir=curve_dir))
     ok = [r for r in records if r["ok"]]
     errors: dict[str, int] = {}
     for r in records:

@@ -32,7 +32,8 @@ MAX_RESTARTS_IN_WINDOW = 5
 
 class Supervisor:
     def __init__(self, *, n_workers: int, frontend: str, backend: str, worker_args: list[str],
-                 broker_args: list[str], log_dir: str | None = None, log_level: str = "info"):
+                 broker_args: list[str], log_dir: str | None = None, log_level: str = "info",
+                 curve_dir: str | None = None):
         self.n_workers = n_workers
         self.frontend = frontend
         self.backend = backend
@@ -40,6 +41,7 @@ class Supervisor:
         self.broker_args = broker_args
         self.log_dir = Path(log_dir) if log_dir else None
         self.log_level = log_level
+        self.curve_dir = curve_dir
         self.broker: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, list[float]] = {}
@@ -116,7 +118,8 @@ class Supervisor:
                 self.start_worker(f"w{i}")
             self.say(f"broker listening for clients on {info['frontend']}, workers on {info['backend']}"
                      + (f", metrics {info['metrics']}/metrics" if info.get("metrics") else ""))
-            launcher.wait_for_workers(info["frontend"], self.n_workers, startup_timeout, list(self.workers.values()))
+            launcher.wait_for_workers(info["frontend"], self.n_workers, startup_timeout, list(self.workers.values()),
+                                      curve_dir=self.curve_dir)
             self.say(f"all {self.n_workers} workers ready; submit with: tinyloop submit --connect {info['frontend']} \"prompt\"")
             return self.supervise()
         except (RuntimeError, TimeoutError) as exc:

@@ -53,6 +53,8 @@ def worker_options(fn):
         click.option("--heartbeat-interval", default=1.0, show_default=True, help="Seconds between heartbeats."),
         click.option("--threads", type=int, default=None,
                      help="torch CPU threads per worker (serve default: cores / workers, so workers do not fight)."),
+        click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -60,12 +62,13 @@ def worker_options(fn):
 
 
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                heartbeat_interval, threads) -> list[str]:
+                heartbeat_interval, threads, curve_dir) -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
             "--heartbeat-interval", str(heartbeat_interval)]
     for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
-                        ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads)):
+                        ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads),
+                        ("--curve-dir", curve_dir)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -87,9 +90,12 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port (0: any free port).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--ready-file", default=None, help="Write the bound endpoints here as JSON once listening.")
+@click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--log-level", default="info", show_default=True)
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
-                   max_worker_memory, max_handles_limit, metrics_port, metrics_host, ready_file, log_level) -> None:
+                   max_worker_memory, max_handles_limit, metrics_port, metrics_host, ready_file, curve_dir,
+                   log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     from broker.broker import Broker
     from broker.metrics import serve_http
@@ -97,7 +103,8 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
     setup_logging(log_level)
     broker = Broker(frontend, backend, max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                     default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
-                    max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit)
+                    max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
+                    curve_dir=curve_dir)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
         server = serve_http(broker.metrics, metrics_host, metrics_port)
@@ -122,7 +129,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @click.option("--log-level", default="info", show_default=True)
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
-                   prefix_file, heartbeat_interval, threads, plan_only, log_level) -> None:
+                   prefix_file, heartbeat_interval, threads, curve_dir, plan_only, log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
 
@@ -132,7 +139,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
     opts = WorkerOptions(connect=connect, name=name or f"worker-{os.getpid()}", model_path=model_path,
                          max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
                          vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
-                         threads=threads, plan_only=plan_only)
+                         threads=threads, curve_dir=curve_dir, plan_only=plan_only)
     sys.exit(run_worker(opts))
 
 
@@ -153,7 +160,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, device_budget, skip_plan_check, log_dir,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget,
+                  skip_plan_check, log_dir,
                   startup_timeout, log_level) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.supervisor import Supervisor
@@ -164,10 +172,12 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     if threads is None and (device or "cpu").startswith("cpu"):
         threads = max(1, (os.cpu_count() or 1) // n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                        heartbeat_interval, threads)
+                        heartbeat_interval, threads, curve_dir)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval)]
-                            + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
+                            + (["--metrics-port", str(metrics_port)] if metrics_port is not None else [])
+                            + (["--curve-dir", curve_dir] if curve_dir else []),
+                            curve_dir=curve_dir,
                             log_dir=log_dir, log_level=log_level)
     sys.exit(supervisor.run(check_plan=not skip_plan_check, device_budget=device_budget, startup_timeout=startup_timeout))
 
@@ -190,8 +200,10 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
 @click.option("--timeout", default=120.0, show_default=True, help="Request deadline in seconds.")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole answer instead of streaming tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final reply as JSON.")
+@click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, seed, stop, timeout,
-                   no_stream, as_json) -> None:
+                   no_stream, as_json, curve_dir) -> None:
     """Send one request to a running service and stream the answer."""
     from broker.client import Client, ServiceError
 
@@ -201,7 +213,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
     if loops is None:
         config.pop("loops")
     try:
-        with Client(connect, timeout=timeout) as client:
+        with Client(connect, timeout=timeout, curve_dir=curve_dir) as client:
             if no_stream or as_json:
                 reply = client.submit(op, {"prompt": prompt, **config}, timeout=timeout).result()
                 if as_json:
@@ -228,12 +240,14 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 @click.option("--connect", default=DEFAULT_FRONTEND, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--timeout", default=5.0, show_default=True)
-def status_command(connect, as_json, timeout) -> None:
+@click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
+def status_command(connect, as_json, timeout, curve_dir) -> None:
     """Show the service's workers, queue and handles."""
     from broker.client import Client, ServiceError
 
     try:
-        with Client(connect) as client:
+        with Client(connect, curve_dir=curve_dir) as client:
             status = client.status(timeout=timeout)
     except ServiceError as exc:
         click.echo(f"error: {exc}", err=True)
@@ -269,8 +283,10 @@ def status_command(connect, as_json, timeout) -> None:
 @click.option("--side-by-side", is_flag=True,
               help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
 @click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
+@click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     side_by_side, model_path) -> None:
+                     side_by_side, model_path, curve_dir) -> None:
     """Load a running service (or, with --side-by-side, services it starts) and report latency and throughput."""
     from broker import loadtest
 
@@ -280,18 +296,30 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
     else:
         results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
                                     prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
-                                    seed=seed, progress=True)
+                                    seed=seed, progress=True, curve_dir=curve_dir)
         click.echo(loadtest.format_summary(results))
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2))
         click.echo(f"results written to {json_path}", err=True)
 
 
-SERVICE_COMMANDS = (serve_command, broker_command, worker_command, submit_command, status_command, loadtest_command)
+@click.command("keys")
+@click.argument("directory", type=click.Path(file_okay=False))
+def keys_command(directory) -> None:
+    """Create CURVE keys for the broker and its clients/workers in DIRECTORY."""
+    from broker.security import create_keys
+
+    path = create_keys(directory)
+    click.echo(f"keys written to {path}: give the broker --curve-dir {path}; clients and workers need "
+               f"broker.key and client.key_secret from it (--curve-dir with those two files)")
+
+
+SERVICE_COMMANDS = (serve_command, broker_command, worker_command, submit_command, status_command, loadtest_command,
+                    keys_command)
 
 
 def add_service_commands(group: click.Group) -> None:
-    """Register serve, broker, worker, submit, status and loadtest on a click group."""
+    """Register serve, broker, worker, submit, status, loadtest and keys on a click group."""
     for command in SERVICE_COMMANDS:
         group.add_command(command)
 

@@ -42,7 +42,7 @@ from broker.client import (  # noqa: E402
 
 HEARTBEAT = 0.2  # seconds; a dead peer is noticed after 3 missed beats
 
-# A worker process with an echo engine. argv: endpoint name delay max_handles plan_bytes
+# A worker process with an echo engine. argv: endpoint name delay max_handles plan_bytes [curve_dir]
 ECHO_WORKER = r"""
 import sys, time
 from workers.worker import WorkerProcess
@@ -50,6 +50,7 @@ from workers.handles import EngineError, HandleRegistry
 from broker.protocol import Codes
 
 endpoint, name, delay, max_handles, plan_bytes = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+curve_dir = sys.argv[6] if len(sys.argv) > 6 else None
 
 class EchoEngine:
     ops = ["ping", "generate", "build_handle", "resume", "release_handle"]
@@ -89,7 +90,7 @@ class EchoEngine:
                  "first_token_ms": delay * 1000, "decode_ms": delay * 1000 * len(tokens), "stop_reason": stop}
         return {"tokens": tokens, "text": "".join(map(chr, tokens)), "stats": stats}
 
-process = WorkerProcess(EchoEngine(), endpoint, name=name, heartbeat_interval=%(hb)s)
+process = WorkerProcess(EchoEngine(), endpoint, name=name, heartbeat_interval=%(hb)s, curve_dir=curve_dir)
 process.engine.handles.id_prefix = process.identity
 process.install_signal_handlers()
 sys.exit(process.run())
@@ -99,11 +100,15 @@ sys.exit(process.run())
 class Service:
     """A broker process plus echo workers, on ipc endpoints in a private temp dir."""
 
-    def __init__(self, *broker_args: str):
+    def __init__(self, *broker_args: str, tcp: bool = False, curve_dir: str | None = None):
+        self.curve_dir = curve_dir  # the key directory clients of this fixture use
         # ipc paths must be short (about 100 bytes), so not under pytest's long tmp_path.
         self.dir = Path(tempfile.mkdtemp(prefix="tlb-", dir="/tmp"))
-        self.frontend = f"ipc://{self.dir}/front"
-        self.backend = f"ipc://{self.dir}/back"
+        if tcp:  # the broker picks free ports; start_broker reads them back from its ready file
+            self.frontend = self.backend = "tcp://127.0.0.1:*"
+        else:
+            self.frontend = f"ipc://{self.dir}/front"
+            self.backend = f"ipc://{self.dir}/back"
         self.broker_args = broker_args
         self.workers: dict[str, subprocess.Popen] = {}
         self.broker: subprocess.Popen | None = None
@@ -117,11 +122,13 @@ class Service:
             self.dir / "broker.log",
         )
         self.info = launcher.wait_for_file(ready, self.broker, 20)
+        self.frontend, self.backend = self.info["frontend"], self.info["backend"]
 
     def start_worker(self, name: str, delay: float = 0.0, max_handles: int = 4, plan_bytes: int = 1000,
-                     wait: bool = True) -> subprocess.Popen:
+                     wait: bool = True, curve_dir: str | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, "-c", ECHO_WORKER, self.backend, name, str(delay), str(max_handles), str(plan_bytes)],
+            [sys.executable, "-c", ECHO_WORKER, self.backend, name, str(delay), str(max_handles), str(plan_bytes),
+             *([str(curve_dir)] if curve_dir else [])],
             env=launcher.child_env(), cwd=str(REPO), stdout=open(self.dir / f"{name}.log", "ab"), stderr=subprocess.STDOUT,
         )
         self.workers[name] = proc
@@ -131,7 +138,7 @@ class Service:
 
     def wait_workers(self, predicate, timeout: float = 20.0) -> list[dict]:
         deadline = time.monotonic() + timeout
-        with Client(self.frontend) as client:
+        with Client(self.frontend, curve_dir=self.curve_dir) as client:
             while time.monotonic() < deadline:
                 workers = client.status(timeout=5)["workers"]
                 if predicate(workers):
@@ -140,7 +147,7 @@ class Service:
         raise AssertionError(f"workers never matched; last: {workers}")
 
     def client(self, timeout: float = 20.0) -> Client:
-        return Client(self.frontend, timeout=timeout)
+        return Client(self.frontend, timeout=timeout, curve_dir=self.curve_dir)
 
     def close(self) -> None:
         for proc in [*self.workers.values(), self.broker]:
@@ -196,6 +203,18 @@ def test_requests_spread_over_idle_workers(service):
         workers = [p.result().worker for p in pendings]
     assert set(workers) == {"w1", "w2"}
     # One request at a time per worker: 8 requests of 0.2 s on 2 workers take about 0.8 s.
+
+
+def test_tcp_endpoints_on_free_ports():
+    svc = Service(tcp=True)
+    try:
+        svc.start_broker()
+        assert svc.frontend.startswith("tcp://127.0.0.1:") and svc.frontend != svc.backend
+        svc.start_worker("w1")
+        with svc.client() as client:
+            assert client.generate("over tcp").text == "over tcp"
+    finally:
+        svc.close()
 
 
 def test_busy_when_queue_full(service):

@@ -64,6 +64,7 @@ class WorkerOptions:
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    curve_dir: str | None = None  # CURVE key directory (see broker/security.py)
     plan_only: bool = False  # print the memory plan as JSON and exit (used by `tinyloop serve`)
 
 
@@ -110,7 +111,7 @@ def run_worker(opts: WorkerOptions) -> int:
     engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
                          prefixes=prefixes)
     process = WorkerProcess(engine, opts.connect, name=opts.name, heartbeat_interval=opts.heartbeat_interval,
-                            heartbeat_liveness=opts.heartbeat_liveness)
+                            heartbeat_liveness=opts.heartbeat_liveness, curve_dir=opts.curve_dir)
     engine.set_identity(process.identity)
     process.install_signal_handlers()
     log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s), ops %s", opts.name, device,

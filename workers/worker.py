@@ -80,6 +80,7 @@ class WorkerProcess:
         heartbeat_liveness: int = 3,
         reconnect_max_s: float = 8.0,
         drain_timeout_s: float = 30.0,
+        curve_dir: str | None = None,
         context: zmq.Context | None = None,
     ):
         self.engine = engine
@@ -92,6 +93,7 @@ class WorkerProcess:
         self.heartbeat_expiry = heartbeat_interval * heartbeat_liveness
         self.reconnect_max_s = reconnect_max_s
         self.drain_timeout_s = drain_timeout_s
+        self.curve_dir = curve_dir
         self.ctx = context or zmq.Context.instance()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}  # jobs accepted and not yet answered (guarded by the GIL; small)
@@ -132,9 +134,10 @@ class WorkerProcess:
             if outbox in events:
                 while True:
                     try:
-                        self.dealer.send_multipart(outbox.recv_multipart(zmq.NOBLOCK))
+                        frames = outbox.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    self.send_frames(frames)
             if self.dealer in events:
                 while True:
                     try:
@@ -172,6 +175,10 @@ class WorkerProcess:
         self.dealer.setsockopt(zmq.IDENTITY, self.identity.encode())
         self.dealer.linger = 0
         self.dealer.sndhwm = 0
+        if self.curve_dir is not None:
+            from broker.security import make_client
+
+            make_client(self.dealer, self.curve_dir)
         self.dealer.connect(self.endpoint)
         self.send_ready()
 
@@ -188,7 +195,16 @@ class WorkerProcess:
         )
 
     def send(self, msg_type: str, **fields: Any) -> None:
-        self.dealer.send_multipart(protocol.encode(WORKER_TO_BROKER, msg_type, **fields))
+        self.send_frames(protocol.encode(WORKER_TO_BROKER, msg_type, **fields))
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        # Never block the I/O thread: with no connection at all (e.g. a CURVE handshake the broker
+        # keeps refusing) a blocking send would stall heartbeats and reconnects. The broker treats
+        # whatever is lost like a dead worker's work.
+        try:
+            self.dealer.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("worker %s: no connection to the broker; dropped a message", self.name)
 
     def on_broker_frames(self, frames: list[bytes]) -> int | None:
         """Handle one broker message; returns an exit code when the worker must stop."""
