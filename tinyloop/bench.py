@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .batch import bench_batch
+from .bench_reuse import bench_cache_reuse, bench_warm_start
 from .cache import CACHE_MODES
 from .generate import GenerateConfig, generate
 from .runtime import Model, load_model
@@ -93,6 +94,8 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "decode": bench_decode,
     "cache_agreement": bench_cache_agreement,
     "batch": bench_batch,
+    "cache_reuse": bench_cache_reuse,
+    "warm_start": bench_warm_start,
 }
 
 

@@ -98,10 +98,10 @@ def _generate_from(model: Model, pc: PrefixCache | None, ids: list[int], cfg: Ge
         # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
         decoder = Decoder(model, loops, cache, cfg.early_exit_threshold)
         return decode_from(model, decoder, ids, 0, cfg, on_token, stats)
-    pc.restore(cache)
     net = model.net
 
     def first(rest: list[int], start: int) -> torch.Tensor:
+        pc.restore(cache)  # here, so the copy counts in stats.prefill_ms
         if not rest:  # the prompt is the prefix: its logits were kept
             return pc.logits
         x = torch.tensor([rest], device=model.device)
