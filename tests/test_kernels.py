@@ -168,3 +168,94 @@ def test_greedy_generation_through_triton_equals_torch(make_artifact, monkeypatc
     got = tinyloop.generate(model, "def add(a", cfg)
     assert got.tokens == want.tokens and len(got.tokens) == 8
     assert len(calls) == 7 * 4  # 7 decode steps x (prelude + 2 loops x 1 core + coda) slots
+
+
+# --- the lean decode step (tinyloop/kernels/lean.py) -------------------------------------------------------
+ARCHS = [dict(), dict(injection="add", sandwich_norm=True, tie_embeddings=False, state_init="normal", n_prelude=0,
+                      n_coda=2, n_kv_heads=1),
+         dict(injection="none", state_init="embed", n_kv_heads=4, ffn_hidden=200)]
+
+
+def decode_both_ways(cfg: ModelConfig, mode: str, window: int, lengths: list[int], steps: int = 4, loops: int = 3,
+                     ways: tuple[bool, ...] = (False, True)):
+    """Logits of `steps` greedy lockstep decode steps over lanes of different lengths, plain path vs lean."""
+    from tinyloop.kernels.lean import decode_forward, set_enabled
+    torch.manual_seed(0)
+    net = LoopedLM(cfg, 64).to(DEV).eval().requires_grad_(False)
+    runs = []
+    for lean in ways:
+        set_enabled(lean)
+        try:
+            cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window)
+            cache.reset()
+            gen = torch.Generator().manual_seed(1)
+            with torch.inference_mode():
+                for lane, n in enumerate(lengths):  # per-lane prefill, as generate_batch does
+                    ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(DEV)
+                    net(ids, loops, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n), cache.lane_view(lane))
+                pos = torch.tensor(lengths, device=DEV).unsqueeze(1)
+                tok = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen).to(DEV)
+                out = []
+                for _ in range(steps):
+                    logits = decode_forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), cache)
+                    out.append(logits)
+                    tok, pos = logits.argmax(-1), pos + 1
+        finally:
+            set_enabled(None)
+        runs.append(torch.stack(out))
+    return runs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", range(len(ARCHS)))
+def test_lean_step_equals_plain_path(mode, arch, monkeypatch):
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    cfg = ModelConfig(**{**dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=2,
+                                max_loops=3), **ARCHS[arch]})
+    for window, lengths in ((0, [1]), (0, [9, 2, 5]), (4, [9, 2, 5])):
+        plain, lean = decode_both_ways(cfg, mode, window, lengths)
+        assert torch.equal(plain.argmax(-1), lean.argmax(-1))
+        # the same operations in the same order: on CPU the bits agree (tolerance for other BLAS builds)
+        torch.testing.assert_close(lean, plain, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ("int8", "int4"))
+def test_lean_step_through_triton_kernels_matches(mode, monkeypatch):
+    """The lean step's kernel path (fused norm, RoPE, quantise-on-write, attention), ring wrapped."""
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2,
+                      sandwich_norm=mode == "int8")
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    plain, = decode_both_ways(cfg, mode, 4, [6, 2], steps=3, loops=2, ways=(False,))
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")
+    lean, = decode_both_ways(cfg, mode, 4, [6, 2], steps=3, loops=2, ways=(True,))
+    assert torch.equal(plain.argmax(-1), lean.argmax(-1))
+    torch.testing.assert_close(lean, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_is_token_identical_with_and_without_lean_step(make_artifact, mode, monkeypatch):
+    from tinyloop.kernels.lean import set_enabled
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    model = tinyloop.load_model(make_artifact(), 128, device=DEV, dtype=torch.float32, cache_mode=mode)
+    results = []
+    for lean in (False, True):
+        set_enabled(lean)
+        try:
+            results.append([tinyloop.generate(model, p, tinyloop.GenerateConfig(max_tokens=24, loops=l, cache_window=w)).tokens
+                            for p, l, w in (("def add(a, b):", 4, 0), ("import os", 2, 6))])
+        finally:
+            set_enabled(None)
+    assert results[0] == results[1]
+    assert all(len(t) > 0 for t in results[0])
+
+
+def test_decode_threads_policy(monkeypatch):
+    from tinyloop.kernels.lean import decode_threads
+    monkeypatch.delenv("TINYLOOP_DECODE_THREADS", raising=False)
+    small, big = ModelConfig(d_model=256), ModelConfig(d_model=768, n_heads=12, n_kv_heads=4)
+    assert decode_threads(1, small) == 1 and decode_threads(16, big) == 0
+    monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "3")
+    assert decode_threads(1, small) == 3
+    monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "many")
+    with pytest.raises(ConfigError, match="TINYLOOP_DECODE_THREADS"):
+        decode_threads(1, small)

@@ -12,6 +12,7 @@ import torch
 from .cache import KVCache
 from .env import env_number
 from .errors import ConfigError
+from .kernels.lean import decode_forward
 from .modes import check_modes
 from .runtime import Model
 from .sampling import apply_repetition_penalty, sample_token
@@ -126,7 +127,7 @@ class Decoder:
             self.loop_counts.append(int(used[0]))
             return logits[0]
         self.loop_counts.append(self.loops)  # every forward yields one sampled token
-        return self.net(x, self.loops, step, self.cache)[0]
+        return decode_forward(self.net, x, self.loops, step, self.cache)[0]  # lean when one token (kernels/lean.py)
 
 
 def generate_stream(model: Model, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None) -> GenerateResult:

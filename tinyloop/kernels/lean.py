@@ -1,0 +1,345 @@
+"""The lean decode step: one token per lane through the looped model with as little overhead as the math allows.
+
+The plain path (LoopedLM.forward with a KVCache) is general: chunks of any length, tree masks, module calls,
+per-layer index tensors and masks rebuilt in every layer. For one token per lane most of that is fixed per
+step, so here it is computed once per step and shared by every layer and loop:
+  - lane/cell indices, the causal (or window) mask and the rotary factors of the step
+  - attention projections fused: one [q|k|v] matmul, one [gate|up] matmul (weights concatenated once per model)
+  - RoPE of q and k in one pass, no nn.Module calls
+Every operation is the same arithmetic as the plain path, in the same order, so on CPU the logits are the same
+bits (tests check greedy tokens and logits). On CUDA (or TINYLOOP_TRITON=1) the cache write and attention go
+through the Triton kernels of this package, and `CudaGraphStep` replays the whole step as one CUDA graph.
+
+TINYLOOP_LEAN=0 turns it off (the plain path, the baseline of `tinyloop bench kernels`).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache, dequant_int4, dequant_int8, quant_int4, quant_int8
+from ..errors import ConfigError
+from ..model import LoopedLM, Step
+from .dispatch import use_triton
+
+_enabled: bool | None = None
+
+
+def set_enabled(on: bool | None) -> None:
+    """Force the lean step on or off for this process (None: follow TINYLOOP_LEAN)."""
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    if _enabled is not None:
+        return _enabled
+    value = os.environ.get("TINYLOOP_LEAN", "").strip() or "1"
+    if value not in ("0", "1"):
+        raise ConfigError(f"environment TINYLOOP_LEAN={value!r} is not one of ('0', '1')")
+    return value == "1"
+
+
+@dataclass
+class BlockWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # [d + 2 kv_dim, d]: rows of wq, wk, wv
+    wkv: torch.Tensor   # view of the wk|wv rows (int4 store-h recomputes K and V from h)
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    wgu: torch.Tensor   # [2 ffn, d]: rows of w_gate, w_up
+    w_down: torch.Tensor
+    attn_out_norm: torch.Tensor | None
+    mlp_out_norm: torch.Tensor | None
+
+
+def _block_weights(block) -> BlockWeights:
+    a, m = block.attn, block.mlp
+    wqkv = torch.cat((a.wq.weight, a.wk.weight, a.wv.weight))
+    return BlockWeights(block.attn_norm.weight, wqkv, wqkv[a.wq.weight.shape[0]:], a.wo.weight, block.mlp_norm.weight,
+                        torch.cat((m.w_gate.weight, m.w_up.weight)), m.w_down.weight,
+                        block.attn_out_norm.weight if block.sandwich else None,
+                        block.mlp_out_norm.weight if block.sandwich else None)
+
+
+_weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
+
+
+def model_weights(net: LoopedLM) -> tuple[list[BlockWeights], list[BlockWeights], list[BlockWeights]]:
+    """Fused weights of (prelude, core, coda), built once per model (the concatenations are copies: the
+    attention and MLP weights are held twice while the model lives)."""
+    ws = _weights.get(net)
+    if ws is None or ws[0] is not net.embed.weight:
+        with torch.no_grad():
+            ws = (net.embed.weight, [_block_weights(b) for b in net.prelude], [_block_weights(b) for b in net.core],
+                  [_block_weights(b) for b in net.coda])
+        _weights[net] = ws
+    return ws[1], ws[2], ws[3]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one call, composed in C++ of the same ops as RMSNorm (same bits in fp32)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w  # tinyloop.model.RMSNorm, op for op
+
+
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[cos, cos] and [-sin, sin]: rotate-half RoPE as x * cos2 + swap_halves(x) * sin2."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """apply_rope with three fewer ops and the same bits: x1 cos + x2 (-sin) == x1 cos - x2 sin in IEEE."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
+
+
+class StepContext:
+    """What every layer of one decode step shares: indices, mask and rotary factors (built once per step)."""
+
+    def __init__(self, net: LoopedLM, cache: KVCache, step: Step):
+        pos = step.pos  # [B, 1]
+        B, dev = pos.shape[0], pos.device
+        self.B, self.end, self.pos = B, step.end, pos
+        self.lane = torch.arange(B, device=dev).unsqueeze(1)
+        self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, 1, 1, hd]: broadcast over heads
+        self.triton = use_triton(dev)
+        self.step = step
+        W = cache.window
+        if self.triton:  # the kernels take positions and tables directly
+            return
+        if W:
+            self.cells = pos % cache.ring
+            self.mask = None  # per slot: the ring's cells carry their own positions
+        else:
+            self.cells = pos
+            kpos = torch.arange(step.end, device=dev)
+            # every lane at the same length: all keys up to end are visible, SDPA needs no mask (same bits)
+            self.mask = None if B == 1 else (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1))
+            if cache.mode == "int4":
+                kp = kpos.expand(B, step.end)
+                self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+
+
+class LeanStep:
+    """One decode step (one token per lane) over `cache`, with the model's weights pre-fused."""
+
+    def __init__(self, net: LoopedLM):
+        self.net, self.cfg = net, net.cfg
+        self.prelude, self.core, self.coda = model_weights(net)
+
+    def forward(self, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
+        """Logits [B, 1, V] for ids [B, 1] at step.pos [B, 1]: LoopedLM.forward(ids, loops, step, cache)."""
+        net, cfg = self.net, self.cfg
+        ctx = StepContext(net, cache, step)
+        x = net.embed(ids)
+        for i, w in enumerate(self.prelude):
+            x = self.block(w, x, ctx, cache, i)
+        e = x
+        s = net.init_state(e, step)
+        for k in range(loops):
+            inj = cfg.injection
+            x = s if inj == "none" else s + e if inj == "add" else F.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
+            for j, w in enumerate(self.core):
+                x = self.block(w, x, ctx, cache, cfg.core_slot(k, j))
+            s = x
+        for i, w in enumerate(self.coda):
+            s = self.block(w, s, ctx, cache, cfg.coda_slot(i))
+        s = rms_norm(s, net.norm.weight, net.norm.eps)
+        return s @ net.embed.weight.t() if net.lm_head is None else F.linear(s, net.lm_head.weight)
+
+    def block(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        B, H, KV, hd = ctx.B, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if ctx.triton:  # CUDA: fused kernels (tinyloop/kernels), written to be captured in a CUDA graph
+            return self.block_triton(w, x, ctx, cache, slot)
+        h = rms_norm(x, w.attn_norm, eps)
+        qkv = F.linear(h, w.wqkv)  # [B, 1, d + 2 kv]
+        qk = rotate(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
+        out = self.attend(w, q, h, k, v, ctx, cache, slot)
+        a = F.linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
+        x = x + (rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+        gate, up = F.linear(rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+        # contiguous like the plain path's gate: silu's vector loop and its scalar tail round differently
+        m = F.linear(F.silu(gate.contiguous()) * up, w.w_down)
+        return x + (rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+
+    def block_triton(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
+        from .attention import decode_attend
+        from .norm import add_rmsnorm
+        from .rope import rope
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        B, H, KV, hd = ctx.B, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        _, h = add_rmsnorm(x, None, w.attn_norm, eps)
+        qkv = F.linear(h, w.wqkv)
+        qk = rope(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.pos, ctx.step.table_cos, ctx.step.table_sin)
+        v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
+        out = decode_attend(cache, _KVProxy(w), slot, ctx.step, qk[:, :, :H], h, qk[:, :, H:], v)
+        a = F.linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
+        if w.attn_out_norm is not None:
+            x, h = add_rmsnorm(x, add_rmsnorm(a, None, w.attn_out_norm, eps)[1], w.mlp_norm, eps)
+        else:
+            x, h = add_rmsnorm(x, a, w.mlp_norm, eps)  # residual add fused with the MLP's norm
+        gate, up = F.linear(h, w.wgu).chunk(2, dim=-1)
+        m = F.linear(F.silu(gate) * up, w.w_down)
+        return x + (rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+
+    def attend(self, w: BlockWeights, q, h, k, v, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
+        """KVCache.update + SDPA for one token per lane, with the step's shared indices (torch path)."""
+        st, mode, B = cache.store, cache.mode, ctx.B
+        if mode == "fp16":
+            new = {"k": k, "v": v}
+        elif mode == "int8":
+            (kq, ks), (vq, vs) = quant_int8(k), quant_int8(v)
+            new = {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+        else:
+            hq, hs = quant_int4(h)
+            new = {"h": hq, "h_scale": hs}
+        if cache.window:  # as KVCache.update: attend over the ring as it was plus the token, then store it
+            data = {name: torch.cat((st[name][slot, :B], t), dim=1) for name, t in new.items()}
+            kpos = torch.cat((cache.cell_pos[slot, :B], ctx.pos), dim=1)
+            kp, qp = kpos.unsqueeze(1), ctx.pos.unsqueeze(-1)
+            mask = ((kp >= 0) & (kp <= qp) & (kp > qp - cache.window)).unsqueeze(1)
+            keys, values = self.decode(w, data, mode, cache.dtype, B, kpos, ctx)
+            for name, t in new.items():
+                st[name][slot, ctx.lane, ctx.cells] = t
+            cache.cell_pos[slot, ctx.lane, ctx.cells] = ctx.pos
+        else:
+            for name, t in new.items():
+                st[name][slot, ctx.lane, ctx.cells] = t
+            data = {name: t[slot, :B, :ctx.end] for name, t in st.items()}
+            keys, values = self.decode(w, data, mode, cache.dtype, B, None, ctx)
+            mask = ctx.mask
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask, enable_gqa=True)
+
+    def decode(self, w: BlockWeights, data, mode: str, dtype, B: int, kpos, ctx: StepContext):
+        if mode == "fp16":
+            return data["k"], data["v"]
+        if mode == "int8":
+            return dequant_int8(data["k"], data["k_scale"], dtype), dequant_int8(data["v"], data["v_scale"], dtype)
+        h = dequant_int4(data["h"], data["h_scale"], dtype)
+        n, KV, hd = h.shape[1], self.cfg.n_kv_heads, self.cfg.head_dim
+        kv = F.linear(h, w.wkv)
+        cos, sin = (ctx.kcos, ctx.ksin) if kpos is None else rope_factors(*ctx.step.rope_at(kpos.clamp_min(0)))
+        k = rotate(kv[..., :KV * hd].view(B, n, KV, hd), cos, sin)
+        return k, kv[..., KV * hd:].view(B, n, KV, hd)
+
+
+class _KVProxy:
+    """What the Triton attention needs of an Attention module: wk and wv (views of the fused weights)."""
+
+    def __init__(self, w: BlockWeights):
+        kv = w.wkv.shape[0] // 2
+        self.wk, self.wv = _W(w.wkv[:kv]), _W(w.wkv[kv:])
+
+
+class _W:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
+_steps: "weakref.WeakKeyDictionary[LoopedLM, LeanStep]" = weakref.WeakKeyDictionary()
+
+
+def lean_step(net: LoopedLM) -> LeanStep:
+    s = _steps.get(net)
+    if s is None or s.prelude is not model_weights(net)[0]:
+        s = _steps[net] = LeanStep(net)
+    return s
+
+
+def decode_threads(lanes: int, cfg) -> int:
+    """Intra-op threads for a CPU decode step (0: leave torch's setting).
+
+    A batch-1 step of a small model is hundreds of operations of a few microseconds each; splitting them
+    over threads costs more in wake-ups than it saves, and on a busy machine spinning threads wait for
+    cores (measured in docs/kernels.md). Below ~2M multiply-adds per projection one thread runs the step.
+    TINYLOOP_DECODE_THREADS=n forces n (0 = torch's setting).
+    """
+    value = os.environ.get("TINYLOOP_DECODE_THREADS", "").strip()
+    if value:
+        if not value.isdigit():
+            raise ConfigError(f"environment TINYLOOP_DECODE_THREADS={value!r} is not an integer >= 0")
+        return int(value)
+    return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 21 else 0
+
+
+def decode_forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
+    """Drop-in for net(ids, loops, step, cache) when every lane brings one token: lean when enabled."""
+    if ids.shape[1] != 1 or not enabled() or getattr(step, "cells", None) is not None \
+            or getattr(step, "mask", None) is not None:
+        return net(ids, loops, step, cache)
+    if ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled():
+        return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
+    threads = decode_threads(ids.shape[0], net.cfg) if ids.device.type == "cpu" else 0
+    before = torch.get_num_threads()
+    if threads and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        return lean_step(net).forward(ids, loops, step, cache)
+    finally:
+        if threads and threads != before:
+            torch.set_num_threads(before)
+
+
+# --- CUDA graphs ------------------------------------------------------------------------------------------
+def graphs_enabled() -> bool:
+    return os.environ.get("TINYLOOP_CUDA_GRAPHS", "1").strip() != "0"
+
+
+class CudaGraphStep:
+    """The lean step captured once as a CUDA graph and replayed per token (one launch instead of hundreds).
+
+    Shapes must not change between replays, so the graph reads the cache at its full length (Step.end =
+    max_len, or the ring's cells): the Triton attention skips cells past each lane's own length, which it
+    reads from the positions on the device, so the work still follows the real lengths. Tokens and positions
+    are copied into static buffers before each replay; the logits buffer is overwritten by the next replay.
+    """
+
+    def __init__(self, net: LoopedLM, cache: KVCache, lanes: int, loops: int):
+        self.net, self.cache, self.loops = net, cache, loops
+        dev = net.embed.weight.device
+        self.ids = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
+        self.graph, self.logits = None, None
+
+    def _step(self) -> torch.Tensor:
+        n = self.cache.ring if self.cache.window else self.cache.max_len
+        step = Step(self.pos, n, self.net.rope_cos, self.net.rope_sin)
+        return lean_step(self.net).forward(self.ids, self.loops, step, self.cache)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        if self.graph is None:
+            # Warm-up (compiles the Triton kernels) runs the real token: its cache writes are the ones the
+            # replay below makes again, so running it twice is harmless.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()
+        self.graph.replay()
+        return self.logits.clone()  # the next replay overwrites the graph's buffer
+
+
+_graphs: "weakref.WeakKeyDictionary[KVCache, dict]" = weakref.WeakKeyDictionary()
+
+
+def cuda_graph(net: LoopedLM, cache: KVCache, lanes: int, loops: int) -> CudaGraphStep:
+    """One captured step per (cache, model, lanes, loops): the graph holds the cache's addresses."""
+    per_cache = _graphs.setdefault(cache, {})
+    key = (id(net), lanes, loops)
+    if key not in per_cache:
+        per_cache[key] = CudaGraphStep(net, cache, lanes, loops)
+    return per_cache[key]
