@@ -101,14 +101,22 @@ def modes() -> None:
 @main.command()
 @click.option("--out", default="default.tinyloop", show_default=True)
 @click.option("--steps", default=900, show_default=True)
+@click.option("--lr", default=3e-3, show_default=True)
 @click.option("--seq-len", default=256, show_default=True)
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def train(out, steps, seq_len, batch_size, seed) -> None:
-    """Train a looped model from scratch on the Python standard library (the bundled model's recipe)."""
+@click.option("--init-from", default=None, help="Continue from a .ckpt written by an earlier run.")
+@click.option("--state-init", type=click.Choice(["zeros", "embed", "normal"]), default=None)
+@click.option("--init-sigma", type=float, default=None)
+def train(out, steps, lr, seq_len, batch_size, seed, init_from, state_init, init_sigma) -> None:
+    """Train a looped model on the Python standard library. The bundled model's recipe (docs/model.md):
+    `tinyloop train --out stage1.tinyloop` then
+    `tinyloop train --init-from stage1.tinyloop.ckpt --state-init normal --init-sigma 8 --steps 400 --lr 1.5e-3 --seed 1`."""
     from tinyloop.train import train as run_train
 
-    run_train(out, steps=steps, seq_len=seq_len, batch_size=batch_size, seed=seed, log=lambda m: click.echo(m))
+    overrides = {k: v for k, v in (("state_init", state_init), ("init_sigma", init_sigma)) if v is not None}
+    run_train(out, steps=steps, lr=lr, seq_len=seq_len, batch_size=batch_size, seed=seed, init_from=init_from,
+              cfg_overrides=overrides, log=lambda m: click.echo(m))
 
 
 try:  # the service commands live beside the service code

@@ -78,7 +78,10 @@ def measure_beta(model: LoopedLM, data: torch.Tensor, seq_len: int = 128, n_seqs
 
 def train(out_path: str, steps: int = 2000, seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3,
           max_train_loops: int = 12, grad_loops: int = 4, vocab_size: int = 4096, seed: int = 0,
-          cfg_overrides: dict | None = None, log=print) -> dict:
+          cfg_overrides: dict | None = None, init_from: str | None = None, log=print) -> dict:
+    """Train and write a .tinyloop artifact. `init_from` continues from a checkpoint (.ckpt) written by an
+    earlier run (its tokenizer and weights), with `cfg_overrides` applied to its config: the bundled model is
+    two stages, the second switching to Huginn-style random state init (see docs/model.md)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     t_start = time.time()
@@ -87,7 +90,8 @@ def train(out_path: str, steps: int = 2000, seq_len: int = 256, batch_size: int 
     held_out = texts[::50]
     train_texts = [t for i, t in enumerate(texts) if i % 50]
     log(f"corpus: {len(texts)} files, {sum(map(len, texts)) / 1e6:.1f} MB of Python source")
-    codec = TextCodec(train_tokenizer(train_texts, vocab_size))
+    start = torch.load(init_from, weights_only=True) if init_from else None
+    codec = TextCodec.from_json(start["tokenizer"]) if start else TextCodec(train_tokenizer(train_texts, vocab_size))
     eos = codec.eos_id
 
     def to_ids(ts: list[str]) -> torch.Tensor:
@@ -100,8 +104,11 @@ def train(out_path: str, steps: int = 2000, seq_len: int = 256, batch_size: int 
     train_ids, eval_ids = to_ids(train_texts), to_ids(held_out)
     log(f"tokens: {len(train_ids) / 1e6:.2f}M train, {len(eval_ids) / 1e6:.2f}M held out "
         f"({time.time() - t_start:.0f}s)")
-    cfg = ModelConfig(**{**dict(vocab_size=codec.vocab_size, bos_id=eos, eos_id=eos), **(cfg_overrides or {})}).validate()
+    base = start["cfg"] if start else dict(vocab_size=codec.vocab_size, bos_id=eos, eos_id=eos)
+    cfg = ModelConfig(**{**base, **(cfg_overrides or {})}).validate()
     model = LoopedLM(cfg, max_seq_len=max(seq_len, 2048))
+    if start:
+        model.load_state_dict(start["state"])
     log(f"model: {model.num_params() / 1e6:.2f}M parameters, config {cfg.to_dict()}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
@@ -129,7 +136,8 @@ def train(out_path: str, steps: int = 2000, seq_len: int = 256, batch_size: int 
     table = evaluate(model, eval_ids, seq_len)
     beta = measure_beta(model, eval_ids)
     log("held-out loss by loops: " + ", ".join(f"L={k}: {v:.3f}" for k, v in table.items()) + f"; beta {beta:.3f}")
-    provenance = {"script": "tinyloop train", "corpus": "Python standard library source (*.py), 1 file in 50 held out",
+    provenance = {"script": "tinyloop train", "init_from": init_from or "scratch",
+                  "stage_config": cfg_overrides or {}, "corpus": "Python standard library source (*.py), 1 file in 50 held out",
                   "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr,
                   "max_train_loops": max_train_loops, "grad_loops": grad_loops, "seed": seed,
                   "train_tokens": int(len(train_ids)), "seconds": round(time.time() - t_start),
