@@ -51,6 +51,12 @@ class Step:
     table_cos: torch.Tensor
     table_sin: torch.Tensor
     window: int = 0  # sliding-window width for the cache-free path (the cache applies its own window)
+    # Tree chunks (speculative decoding): positions repeat across branches, so each token gets its own cache
+    # cell, the cells read carry their positions, and attention follows an explicit ancestor mask [B, T, end].
+    # `end` is then 1 + the largest cell read. All None on the plain paths: cell = position, causal mask.
+    cells: torch.Tensor | None = None
+    key_pos: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     def __post_init__(self):
         self.cos, self.sin = self.rope_at(self.pos)
