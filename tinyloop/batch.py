@@ -20,6 +20,7 @@ from .cache import KVCache
 from .errors import ConfigError
 from .generate import (Decoder, GenerateConfig, GenerateResult, GenerateStats, check_length, make_generator)
 from .grammar import GrammarState
+from .kernels.lean import decode_forward
 from .modes import check_modes
 from .runtime import Model
 from .sampling import apply_repetition_penalty, sample_token
@@ -138,7 +139,7 @@ def decode_lanes(model: Model, prompts: list[list[int]], cfgs: list[GenerateConf
         if adaptive:
             out, used = net.forward_adaptive(ids, loops, step, cache, early_exit)
         else:
-            out, used = net(ids, loops, step, cache), None
+            out, used = decode_forward(net, ids, loops, step, cache), None  # generate's one-token path, batched
         logits = out[:, -1]
         for lane in lanes:
             if live[lane.index]:  # a stopped lane keeps its frozen position: its writes land past its output

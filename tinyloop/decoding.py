@@ -26,6 +26,7 @@ from .cache import KVCache
 from .errors import ConfigError
 from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length
 from .grammar import GrammarState
+from .kernels.lean import decode_forward
 from .modes import check_modes
 from .runtime import Model
 from .sampling import apply_repetition_penalty
@@ -177,7 +178,7 @@ def _beam_search(model: Model, ids: list[int], cfg: GenerateConfig, cache: KVCac
             out, used = net.forward_adaptive(x, loops, step, cache, cfg.early_exit_threshold)
             loop_counts += [int(u) for u in used]
         else:
-            out = net(x, loops, step, cache)
+            out = decode_forward(net, x, loops, step, cache)
             loop_counts += [loops] * len(beams)
         logits = out[:, -1]
         pos += 1
