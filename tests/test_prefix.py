@@ -22,8 +22,8 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(1, 320, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
-@pytest.mark.parametrize("arch", list(ARCHS))
+# every cache mode on one architecture, every architecture on the fp16 cache
+@pytest.mark.parametrize("mode,arch", [("int8", "huginn"), ("int4", "huginn")] + [("fp16", a) for a in ARCHS])
 def test_prefix_cache_equals_generate(make_artifact, mode, arch):
     model = tinyloop.load_model(make_artifact(**ARCHS[arch]), 128, cache_mode=mode)
     prefix = ids(37, 1)

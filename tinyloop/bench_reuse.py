@@ -69,7 +69,7 @@ def bench_cache_reuse(model_path: str | None, quick: bool) -> list[str]:
 
 
 def bench_warm_start(model_path: str | None, quick: bool) -> list[str]:
-    n_prompt, n_tokens, repeats = (256, 8, 1) if quick else (768, 16, 2)
+    n_prompt, n_tokens, repeats = (256, 4, 1) if quick else (896, 4, 2)  # prompt-heavy: decode is not skipped
     model = load_model(model_path, 1024)
     ids = scaffold_ids(model, n_prompt)
     generate(model, ids[:32], GenerateConfig(max_tokens=2, loops=4))  # warm up
