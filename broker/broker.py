@@ -157,6 +157,9 @@ class Broker:
         # the one-final-reply promise. Output per request is bounded by max_tokens.
         sock.sndhwm = 0
         sock.rcvhwm = 0
+        # A worker that reconnects keeps its identity (its handle ids name it): let the new
+        # connection take the identity over instead of being refused as a duplicate.
+        sock.router_handover = 1
         if self.curve_dir is not None:
             from broker.security import make_server
 

@@ -33,6 +33,9 @@ PROMPT = "def fibonacci(n):\n"
 
 @pytest.fixture(scope="module")
 def model():
+    import torch
+
+    torch.set_num_threads(1)  # like the workers: on a busy 2-core machine more threads only contend
     m = tinyloop.load_model(MODEL, MAX_SEQ_LEN)
     yield m
     tinyloop.free_model(m)
@@ -44,7 +47,7 @@ def service(tmp_path_factory):
     prefix_file.write_text(json.dumps([{"prefix": SCAFFOLD}]))
     worker_args = [*MODEL_ARGS, "--max-seq-len", str(MAX_SEQ_LEN), "--max-handles", "3", "--threads", "1",
                    "--prefix-file", str(prefix_file)]
-    with launcher.LocalService(2, worker_args, heartbeat_interval=0.3, startup_timeout=120) as svc:
+    with launcher.LocalService(2, worker_args, heartbeat_interval=0.3, startup_timeout=300) as svc:
         yield svc
 
 
