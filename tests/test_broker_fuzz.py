@@ -44,7 +44,7 @@ def expected_reply(frames: list[bytes]) -> tuple[str, str | None]:
     return "none", None  # a valid request is queued (no worker); a cancel has no reply of its own
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(frames=fuzz_frames)
 def test_broker_answers_garbage_and_survives(live, frames):

@@ -186,7 +186,7 @@ fuzz_frames = st.one_of(
 )
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(frames=fuzz_frames, direction=st.sampled_from([CLIENT_TO_BROKER, WORKER_TO_BROKER, BROKER_TO_WORKER]))
 def test_decoder_raises_only_protocol_errors(frames, direction):
     try:

@@ -1,5 +1,6 @@
 """`tinyloop serve` with the real model: kill a worker under concurrent load, restart,
-clean shutdown on SIGTERM, and the launcher's summed memory-plan check."""
+clean shutdown on SIGTERM, and the launcher's summed memory-plan check (one test: each
+start of the service loads the model in every worker, which is the slow part)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ def tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_kill_worker_under_load_then_restart_and_clean_shutdown(tmp):
+def test_kill_worker_under_load_restart_clean_shutdown_and_plan_check(tmp):
     serve = start_serve(tmp)
     try:
         status = launcher.wait_for_workers(f"ipc://{tmp}/f", 2, 300, [serve])
         pids = {w["name"]: w["pid"] for w in status["workers"]}
+        plan_bytes = status["workers"][0]["plan_bytes"]
         with Client(f"ipc://{tmp}/f", timeout=60) as client:
             streamed = [client.submit("generate", {"prompt": f"def f{i}(x):\n", "max_tokens": 24}, stream=True)
                         for i in range(4)]
@@ -109,20 +111,15 @@ def test_kill_worker_under_load_then_restart_and_clean_shutdown(tmp):
         assert serve.wait(60) == 0
         _, err = serve.communicate(timeout=5)
         assert "all 2 workers ready" in err and "restarting it" in err and "stopped" in err
+
+        # Room for one and a half workers: the launcher refuses before starting anything.
+        shutil.rmtree(tmp / "logs")
+        serve = start_serve(tmp, "--device-budget", str(int(plan_bytes * 1.5)))
+        _, err = serve.communicate(timeout=300)
+        assert serve.returncode == 3, err
+        assert "refusing to start: 2 workers" in err and "decode cache" in err
+        assert not (tmp / "logs" / "broker.log").exists()
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait(10)
-
-
-def test_serve_refuses_when_workers_do_not_fit_together(tmp):
-    import tinyloop
-
-    model = tinyloop.load_model(MODEL, 256)  # the plan one worker of WORKER_ARGS computes
-    one = tinyloop.plan_memory(model, max_seq_len=256, cache_mode=model.cache_mode, max_handles=8).total_bytes
-    tinyloop.free_model(model)
-    serve = start_serve(tmp, "--device-budget", str(int(one * 1.5)))
-    _, err = serve.communicate(timeout=300)
-    assert serve.returncode == 3, err
-    assert "refusing to start: 2 workers" in err and "decode cache" in err
-    assert not (tmp / "logs" / "broker.log").exists()  # nothing was started
