@@ -13,6 +13,8 @@ from .handles import Handle, free_handle
 from .prefix import (PrefixCache, PrefixPool, PoolStats, create_prefix_cache, create_prefix_pool, generate_from_prefix_cache,
                      generate_with_pool, register_prefix)
 from .resume import ResumeHandle, build_resume_handle, resume_generate
+from .speculative import (SpeculativeChoice, SpeculativeConfig, SpeculativeStats, choose_speculative, generate_speculative,
+                          speculative_from_env)
 
 __all__ = [
     "Hypothesis", "beam_search", "generate_batch",
@@ -23,4 +25,6 @@ __all__ = [
     "Handle", "free_handle", "PrefixCache", "PrefixPool", "PoolStats", "create_prefix_cache", "create_prefix_pool",
     "generate_from_prefix_cache", "generate_with_pool", "register_prefix", "ResumeHandle", "build_resume_handle",
     "resume_generate",
+    "SpeculativeChoice", "SpeculativeConfig", "SpeculativeStats", "choose_speculative", "generate_speculative",
+    "speculative_from_env",
 ]

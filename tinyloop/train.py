@@ -66,7 +66,7 @@ def evaluate(model: LoopedLM, data: torch.Tensor, seq_len: int, loops_list=EVAL_
 def measure_beta(model: LoopedLM, data: torch.Tensor, seq_len: int = 128, n_seqs: int = 8) -> float:
     """Median over tokens of |s_L - s_{L-1}| / |s_{L-1} - s_{L-2}| at the default loop count."""
     model.eval()
-    L = max(model.cfg.default_loops, 3)
+    L = max(model.cfg.default_loops, 2)  # s_{L-2} exists from L = 2 (s_0 is the initial state)
     g = torch.Generator().manual_seed(99)
     starts = torch.randint(0, len(data) - seq_len, (n_seqs,), generator=g)
     x = torch.stack([data[s:s + seq_len] for s in starts])
