@@ -14,6 +14,7 @@ from .batch import bench_batch
 from .bench_reuse import bench_cache_reuse, bench_warm_start
 from .cache import CACHE_MODES
 from .generate import GenerateConfig, generate
+from .kernels.bench import bench_kernels
 from .runtime import Model, load_model
 
 PROMPT = "def fibonacci(n):\n    "
@@ -42,10 +43,10 @@ def naive_decode(model: Model, prompt_ids: list[int], n_tokens: int, loops: int)
 def bench_decode(model_path: str | None, quick: bool) -> list[str]:
     """Batch-1 decode tokens/s per cache mode at loops 1, 4, 8 against the no-cache baseline."""
     n_tokens = 16 if quick else 64
-    lines = [f"decode, batch 1, {n_tokens} tokens after a {len(PROMPT)}-char prompt (tokens/s; ratio = cached / naive recompute)"]
     models = {mode: load_model(model_path, 1024, cache_mode=mode) for mode in CACHE_MODES}
     base = models["fp16"]
     ids = base.encode_prompt(PROMPT * 4)
+    lines = [f"decode, batch 1, {n_tokens} tokens after a {len(ids)}-token prompt (tokens/s; ratio = cached / naive recompute)"]
     lines.append(f"  {'loops':>5} {'naive':>9} " + " ".join(f"{m:>9} {'ratio':>6}" for m in CACHE_MODES))
     for loops in (1, 4, 8):
         cfg = GenerateConfig(max_tokens=n_tokens, loops=loops, stop_sequences=())
@@ -96,6 +97,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "batch": bench_batch,
     "cache_reuse": bench_cache_reuse,
     "warm_start": bench_warm_start,
+    "kernels": bench_kernels,
 }
 
 
