@@ -176,6 +176,9 @@ def test_pool_evicts_least_recently_used(tiny_model):
     assert tinyloop.generate_with_pool(tiny_model, pool, c + [5], cfg).stats.prefix_hit_tokens == 20
     st = pool.stats
     assert (st.entries, st.hits, st.misses, st.evictions) == (2, 3, 2, 2)
+    tinyloop.free_handle(pool.entries[(tuple(c), 4)])  # an entry freed by hand leaves the pool at the next lookup
+    assert tinyloop.generate_with_pool(tiny_model, pool, c + [5], cfg).stats.prefix_hit_tokens == 0
+    assert pool.stats.entries == 1
 
 
 def test_pool_rules(tiny_model, make_artifact):

@@ -202,19 +202,24 @@ class PrefixPool(Handle):
         ids = key[0]
         return block_hashes(list(ids))[len(ids) // BLOCK]
 
+    def drop(self, key: tuple) -> None:
+        pc = self.entries.pop(key)
+        self.index[self._key_hash(key)].discard(key)
+        pc.release()
+        pc.freed = True
+
     def add(self, pc: PrefixCache) -> None:
         key = (tuple(pc.ids), pc.n_loops)
         while len(self.entries) >= self.capacity:
-            old_key, old = self.entries.popitem(last=False)
-            self.index[self._key_hash(old_key)].discard(old_key)
-            old.release()
-            old.freed = True
+            self.drop(next(iter(self.entries)))
             self.evictions += 1
         self.entries[key] = pc
         self.index.setdefault(self._key_hash(key), set()).add(key)
 
     def lookup(self, ids: list[int], n_loops: int) -> PrefixCache | None:
         """The longest registered prefix of ids at n_loops loops (marked most recently used), or None."""
+        for key in [k for k, pc in self.entries.items() if pc.freed]:  # entries freed by free_handle
+            self.drop(key)
         hs = block_hashes(ids)
         for i in range(len(hs) - 1, -1, -1):
             best = None
