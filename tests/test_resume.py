@@ -132,3 +132,29 @@ def test_handle_bytes_match_memory_plan(make_artifact, mode):
     assert handle.nbytes == len(prompt) * (held_slots * per_slot + 2 * cfg.d_model * d_bytes)
     plan = tinyloop.plan_memory(model, max_handles=3, handle_tokens=len(prompt))
     assert 3 * handle.nbytes <= plan.bytes_of("handles")
+
+
+MODE_SETTINGS = {"fp16": {}, "int8": {}, "int4": {}, "grammar": dict(grammar={"regex": "[a-z ]+"}),
+                 "cache_window": dict(cache_window=8), "beam": dict(beam_size=2)}
+
+
+@pytest.mark.parametrize("mode", tinyloop.modes.MODES)
+def test_mode_matrix_prefix_and_warm_start_columns(make_artifact, mode):
+    """Each row of the matrix, read from the data: a "yes" cell runs and equals generate, a "no" raises ModeError."""
+    model = tinyloop.load_model(make_artifact(), 64, cache_mode=mode if mode in tinyloop.CACHE_MODES else "fp16")
+    prefix, suffix = ids(14, 9), ids(3, 10)
+    cfg = G(max_tokens=5, loops=3, **MODE_SETTINGS[mode])
+    pc = tinyloop.create_prefix_cache(model, prefix, 3)
+    pool = tinyloop.create_prefix_pool(1)
+    tinyloop.register_prefix(pool, model, prefix, 3)
+    handle = tinyloop.build_resume_handle(model, prefix + suffix, 2, cache_window=cfg.cache_window)
+    calls = {"prefix": [lambda: tinyloop.generate_from_prefix_cache(model, pc, suffix, cfg),
+                        lambda: tinyloop.generate_with_pool(model, pool, prefix + suffix, cfg)],
+             "warm_start": [lambda: tinyloop.resume_generate(handle, 3, cfg)]}
+    for column, fns in calls.items():
+        for fn in fns:
+            if tinyloop.MATRIX[(mode, column)] == "no":
+                with pytest.raises(tinyloop.ModeError, match=f"{mode} x {column}"):
+                    fn()
+            else:
+                assert fn().tokens == tinyloop.generate(model, prefix + suffix, cfg).tokens
