@@ -272,10 +272,7 @@ def generate_with_pool(model: Model, pool: PrefixPool, prompt, cfg: GenerateConf
     cfg = _check_call(model, cfg, None)
     ids = model.encode_prompt(prompt)
     with pool.using(model):
-        pc = pool.lookup(ids, cfg.resolved_loops(model))
-        if pc is None:
-            pool.misses += 1
-        else:
-            pool.hits += 1
-            pool.hit_tokens += len(pc)
-        return _generate_from(model, pc, ids, cfg, on_token)
+        out = _generate_from(model, pool.lookup(ids, cfg.resolved_loops(model)), ids, cfg, on_token)
+        hit = out.stats.prefix_hit_tokens
+        pool.hits, pool.misses, pool.hit_tokens = pool.hits + (hit > 0), pool.misses + (hit == 0), pool.hit_tokens + hit
+        return out
