@@ -185,18 +185,20 @@ def one_token_side_by_side(model_path: str | None, frontend: str, prompt: str, r
 
 
 def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tokens: int = 16, concurrency: int = 4,
-                 echo: Callable[[str], None] = print) -> dict:
+                 threads: int | None = None, echo: Callable[[str], None] = print) -> dict:
+    """threads: torch threads per model (default: all cores for one model, cores / 2 for each of two)."""
     from broker.launcher import LocalService
 
     cores = os.cpu_count() or 1
     base_args = ["--max-seq-len", "512", "--max-handles", "0"] + (["--model", model_path] if model_path else [])
     prompt = DEFAULT_PROMPTS[0]
     reps = max(10, n_requests)
-    results: dict[str, Any] = {"cores": cores}
+    results: dict[str, Any] = {"cores": cores, "threads": threads, "load_average": os.getloadavg()}
+    per_model = lambda n: threads or max(1, cores // n)  # noqa: E731
 
     echo(f"[1/3] one-token request: direct generate vs through the broker ({reps} sequential requests each)")
-    with LocalService(1, base_args + ["--threads", str(cores)]) as svc:
-        direct, brokered = one_token_side_by_side(model_path, svc.frontend, prompt, reps, cores)
+    with LocalService(1, base_args + ["--threads", str(per_model(1))]) as svc:
+        direct, brokered = one_token_side_by_side(model_path, svc.frontend, prompt, reps, per_model(1))
     d, b = summarize([t * 1000 for t in direct]), summarize([t * 1000 for t in brokered])
     results["one_token"] = {"direct_ms": d, "broker_ms": b, "overhead_ms_p50": b["p50"] - d["p50"],
                             "ratio_p50": b["p50"] / d["p50"]}
@@ -206,7 +208,7 @@ def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tok
     echo(f"[2/3] throughput, closed loop, concurrency {concurrency}, {n_requests} requests x {max_tokens} tokens: 1 vs 2 workers")
     throughput = {}
     for n in (1, 2):
-        with LocalService(n, base_args + ["--threads", str(max(1, cores // n))]) as svc:
+        with LocalService(n, base_args + ["--threads", str(per_model(n))]) as svc:
             run_load(svc.frontend, mode="closed", concurrency=n, n_requests=2 * n, max_tokens=2)  # warm up
             throughput[n] = run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=n_requests,
                                      max_tokens=max_tokens)

@@ -283,16 +283,18 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--side-by-side", is_flag=True,
               help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
 @click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
+@click.option("--threads", type=int, default=None,
+              help="--side-by-side: torch threads per model (default: cores for one model, cores/2 for each of two).")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     side_by_side, model_path, curve_dir) -> None:
+                     side_by_side, model_path, threads, curve_dir) -> None:
     """Load a running service (or, with --side-by-side, services it starts) and report latency and throughput."""
     from broker import loadtest
 
     if side_by_side:
         results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests, max_tokens=max_tokens,
-                                        concurrency=concurrency, echo=click.echo)
+                                        concurrency=concurrency, threads=threads, echo=click.echo)
     else:
         results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
                                     prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
