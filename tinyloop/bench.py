@@ -16,6 +16,7 @@ from .cache import CACHE_MODES
 from .generate import GenerateConfig, generate
 from .kernels.bench import bench_kernels
 from .runtime import Model, load_model
+from .speculative import bench_speculative
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -98,6 +99,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "cache_reuse": bench_cache_reuse,
     "warm_start": bench_warm_start,
     "kernels": bench_kernels,
+    "speculative": bench_speculative,
 }
 
 
