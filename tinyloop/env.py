@@ -4,6 +4,8 @@ TINYLOOP_CACHE_MODE     fp16 | int8 | int4       default cache mode of load_mode
 TINYLOOP_EARLY_EXIT     float >= 0               default GenerateConfig.early_exit_threshold (0 = off)
 TINYLOOP_CACHE_WINDOW   int >= 0                 default GenerateConfig.cache_window (0 = full attention)
 TINYLOOP_LOOPS          int >= 1                 default GenerateConfig.loops (unset = the model's default)
+TINYLOOP_SPECULATIVE    draft:verify:ahead[:width]  default SpeculativeConfig of generate_speculative / choose_speculative
+                                                  (read by tinyloop.speculative.speculative_from_env; e.g. 2:8:4)
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 
 from .errors import ConfigError
 
-ENV_VARS = ("TINYLOOP_CACHE_MODE", "TINYLOOP_EARLY_EXIT", "TINYLOOP_CACHE_WINDOW", "TINYLOOP_LOOPS")
+ENV_VARS = ("TINYLOOP_CACHE_MODE", "TINYLOOP_EARLY_EXIT", "TINYLOOP_CACHE_WINDOW", "TINYLOOP_LOOPS", "TINYLOOP_SPECULATIVE")
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
