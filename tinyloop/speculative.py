@@ -46,6 +46,7 @@ from .cache import KVCache
 from .errors import ConfigError
 from .generate import GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length, generate, make_generator
 from .kernels import lean
+from .kernels.dispatch import use_triton
 from .model import Step
 from .modes import check_modes
 from .runtime import Model, load_model
@@ -155,6 +156,7 @@ class Speculator:
         self.threshold = cfg.early_exit_threshold
         self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
         self.lean = not self.adaptive and lean.enabled()  # single draft tokens through the fused decode step
+        self.lean_verify = self.lean and not use_triton(model.device)  # chain chunks too (torch path only)
         self.greedy = cfg.temperature == 0
         self.gen = make_generator(cfg.seed)
         self.history: list[int] = []  # prompt + tokens taken so far (repetition penalty)
@@ -245,6 +247,40 @@ class Speculator:
         h = lean.rms_norm(h, net.norm.weight, net.norm.eps)
         return s, e, h @ net.embed.weight.t() if net.lm_head is None else F.linear(h, net.lm_head.weight)
 
+    def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:
+        """Loops draft_loops..verify_loops and the coda over a plain-position chunk with the lean step's fused
+        weights and shared per-step indices (kernels/lean.py), plus a causal mask inside the chunk. Logits."""
+        net, cfg, cache = self.net, self.model.cfg, self.cache
+        ls, ctx = lean.lean_step(net), lean.StepContext(net, cache, step)
+        if not cache.window:  # StepContext is built for one token per lane; a chunk needs the causal mask
+            ctx.mask = (torch.arange(step.end, device=s.device) <= step.pos.unsqueeze(-1)).unsqueeze(1)
+        for k in range(self.D, self.V):
+            x = s if cfg.injection == "none" else s + e if cfg.injection == "add" else \
+                F.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
+            for j, w in enumerate(ls.core):
+                x = self.chunk_block(ls, w, x, ctx, cfg.core_slot(k, j))
+            s = x
+        for i, w in enumerate(ls.coda):
+            s = self.chunk_block(ls, w, s, ctx, cfg.coda_slot(i))
+        s = lean.rms_norm(s, net.norm.weight, net.norm.eps)
+        return s @ net.embed.weight.t() if net.lm_head is None else F.linear(s, net.lm_head.weight)
+
+    def chunk_block(self, ls, w, x: torch.Tensor, ctx, slot: int) -> torch.Tensor:
+        """LeanStep.block for T tokens: pre-norm attention (fused qkv) + SwiGLU (fused gate|up)."""
+        cfg, eps = self.model.cfg, self.model.cfg.norm_eps
+        B, T, _ = x.shape
+        H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = lean.rms_norm(x, w.attn_norm, eps)
+        qkv = F.linear(h, w.wqkv)
+        qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, T, H + KV, hd), ctx.cos, ctx.sin)
+        v = qkv[..., (H + KV) * hd:].view(B, T, KV, hd)
+        out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], v, ctx, self.cache, slot)
+        a = F.linear(out.transpose(1, 2).reshape(B, T, H * hd), w.wo)
+        x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+        gate, up = F.linear(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+        m = F.linear(F.silu(gate.contiguous()) * up, w.w_down)
+        return x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+
     def fill_skipped(self, cell: int, last: int) -> None:
         at = torch.tensor([[cell]], device=self.model.device)
         for k in range(last + 1, self.V):
@@ -307,9 +343,14 @@ class Speculator:
         step = self.make_step(pos, cells, tree)
         if cache.window:
             cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        s, steps = self.deepen(torch.cat(states, 1), torch.cat(embeds, 1), step, pos, cells, tree, self.D, self.V, used, done)
+        if self.lean_verify and tree is None:
+            logits = self.verify_lean(torch.cat(states, 1), torch.cat(embeds, 1), step)[0]
+            used, steps = [self.V] * N, N * (self.V - self.D)
+        else:
+            s, steps = self.deepen(torch.cat(states, 1), torch.cat(embeds, 1), step, pos, cells, tree, self.D, self.V,
+                                   used, done)
+            logits = net.decode_head(s, step, cache)[0]
         self.verify_loop_steps += steps
-        logits = net.decode_head(s, step, cache)[0]
 
         # accept: walk down the tree from the root
         out, accepted, node = [], [], 0
