@@ -45,6 +45,18 @@ def test_greedy_with_a_sliding_window_rolls_the_ring_back(make_artifact, mode):
         assert spec.stats.accepted < spec.stats.drafted  # some drafts were rejected and rolled back
 
 
+@pytest.mark.parametrize("mode,window", [("fp16", 0), ("int4", 5)])
+def test_greedy_exact_on_the_module_path(make_artifact, mode, window):
+    """TINYLOOP_LEAN=0: drafts and verification through LoopedLM's modules instead of the fused lean step."""
+    from tinyloop.kernels import lean
+    model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
+    lean.set_enabled(False)
+    try:
+        same_as_plain(model, SpeculativeConfig(2, 6, 4), cache_window=window, repetition_penalty=1.3)
+    finally:
+        lean.set_enabled(None)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(state_init="normal", init_sigma=0.7),
     dict(state_init="embed", injection="add"),
