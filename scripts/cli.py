@@ -30,8 +30,10 @@ def fail(err: Exception) -> None:
 @click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None)
 @click.option("--cache-window", type=int, default=None)
 @click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+@click.option("--speculative", default=None, metavar="D:V:A[:W]",
+              help="Self-speculative decode: draft loops, verify loops, draft-ahead tokens, tree width (e.g. 2:8:4).")
 def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-             cache_mode, cache_window, early_exit) -> None:
+             cache_mode, cache_window, early_exit, speculative) -> None:
     """Generate a continuation of PROMPT, streamed, then print the stats line."""
     import tinyloop
 
@@ -56,7 +58,13 @@ def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, r
             printed = text
             return True
 
-        result = tinyloop.generate_stream(model, prompt, cfg, on_token)
+        if speculative:
+            from tinyloop.speculative import parse_speculative
+
+            sc = parse_speculative(speculative, "--speculative")
+            result = tinyloop.generate_speculative(model, prompt, sc, cfg, on_token=on_token)
+        else:
+            result = tinyloop.generate_stream(model, prompt, cfg, on_token)
         click.echo(result.text[len(printed):])
         click.echo(result.stats.line(), err=True)
     except tinyloop.TinyLoopError as e:

@@ -16,6 +16,15 @@ def test_generate_prints_continuation_and_stats():
     assert "stop=" in out.stderr and "tok/s" in out.stderr and "loops 8.00" in out.stderr
 
 
+def test_generate_speculative_matches_plain_greedy():
+    plain = tinyloop_cli("generate", "import os", "--max-tokens", "16")
+    spec = tinyloop_cli("generate", "import os", "--max-tokens", "16", "--speculative", "2:8:3")
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    bad = tinyloop_cli("generate", "x", "--speculative", "2:8")
+    assert bad.returncode == 2 and "--speculative='2:8' must be draft:verify:ahead" in bad.stderr
+
+
 def test_generate_reports_bad_input_clearly():
     out = tinyloop_cli("generate", "x", "--loops", "99")
     assert out.returncode == 2 and "GenerateConfig.loops must be an integer in 1..16" in out.stderr

@@ -87,19 +87,21 @@ class SpeculativeConfig:
         return v
 
 
-def speculative_from_env() -> SpeculativeConfig | None:
-    """TINYLOOP_SPECULATIVE="draft:verify:ahead[:width]" (e.g. "2:8:4"); unset or empty = None."""
-    value = os.environ.get("TINYLOOP_SPECULATIVE", "").strip()
-    if not value:
-        return None
-    parts = value.split(":")
+def parse_speculative(value: str, source: str = "speculative") -> SpeculativeConfig:
+    """"draft:verify:ahead[:width]" (e.g. "2:8:4") -> SpeculativeConfig; ConfigError names `source`."""
     try:
-        nums = [int(x) for x in parts]
+        nums = [int(x) for x in value.split(":")]
     except ValueError:
         nums = []
     if len(nums) not in (3, 4):
-        raise ConfigError(f"environment TINYLOOP_SPECULATIVE={value!r} must be draft:verify:ahead[:width], e.g. 2:8:4")
+        raise ConfigError(f"{source}={value!r} must be draft:verify:ahead[:width], e.g. 2:8:4")
     return SpeculativeConfig(*nums).validate()
+
+
+def speculative_from_env() -> SpeculativeConfig | None:
+    """TINYLOOP_SPECULATIVE="draft:verify:ahead[:width]"; unset or empty = None."""
+    value = os.environ.get("TINYLOOP_SPECULATIVE", "").strip()
+    return parse_speculative(value, "environment TINYLOOP_SPECULATIVE") if value else None
 
 
 @dataclass
