@@ -8,6 +8,20 @@ import tinyloop
 from tinyloop.model import LoopedLM
 from tinyloop.tokenizer import TextCodec, train_tokenizer
 
+# Three architectures of the family: Huginn-style (the default below), Ouro-style, and the remaining options.
+ARCHS = {
+    "huginn": dict(),
+    "ouro": dict(n_prelude=0, n_coda=0, injection="none", exit_gate=True),
+    "add-normal-sandwich": dict(injection="add", state_init="normal", sandwich_norm=True, n_prelude=2, n_coda=2),
+}
+
+
+def ids(n: int, seed: int) -> list[int]:
+    """n random token ids of the tiny vocabulary, reproducible by seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 320, (n,), generator=g).tolist()
+
+
 TINY_TEXT = ["def add(a, b):\n    return a + b\n" * 40, "import os\nprint(os.getcwd())\n" * 30,
              "class Point:\n    x: int = 0\n    y: int = 0\n" * 30]
 

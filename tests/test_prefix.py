@@ -7,19 +7,10 @@ import pytest
 import torch
 
 import tinyloop
+from conftest import ARCHS, ids
 from tinyloop import GenerateConfig as G
 from tinyloop.prefix import BLOCK
 
-ARCHS = {
-    "huginn": dict(),
-    "ouro": dict(n_prelude=0, n_coda=0, injection="none", exit_gate=True),
-    "add-normal-sandwich": dict(injection="add", state_init="normal", sandwich_norm=True, n_prelude=2, n_coda=2),
-}
-
-
-def ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 320, (n,), generator=g).tolist()
 
 
 # every cache mode on one architecture, every architecture on the fp16 cache
