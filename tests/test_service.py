@@ -149,3 +149,17 @@ def test_submit_and_status_commands(service):
                          env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "2 worker(s)" in out.stdout and " w1 " in out.stdout and " w2 " in out.stdout
+
+
+def test_speculative_equals_plain_decode(service, model):
+    with Client(service.frontend, timeout=60) as client:
+        assert "speculative" in client.status()["workers"][0]["ops"]
+        with client.stream(PROMPT, op="speculative", draft_loops=2, verify_loops=6, draft_ahead=3,
+                           max_tokens=10) as stream:
+            streamed = [event.token for event in stream]
+        reply = stream.result()
+        with pytest.raises(InvalidRequest) as err:  # speculative x grammar: rejected by the mode matrix
+            client.call("speculative", prompt=PROMPT, draft_loops=2, verify_loops=6, grammar="[a-z]+")
+        assert err.value.code == "mode_error"
+    assert reply.tokens == streamed == direct(model, PROMPT, max_tokens=10, loops=6).tokens
+    assert 0.0 <= reply.stats["draft_accept_rate"] <= 1.0
