@@ -253,7 +253,7 @@ def test_decode_threads_policy(monkeypatch):
     from tinyloop.kernels.lean import decode_threads
     monkeypatch.delenv("TINYLOOP_DECODE_THREADS", raising=False)
     small, big = ModelConfig(d_model=256), ModelConfig(d_model=768, n_heads=12, n_kv_heads=4)
-    assert decode_threads(1, small) == 1 and decode_threads(16, big) == 0
+    assert decode_threads(1, small) == 1 and decode_threads(16, small) == 0 and decode_threads(1, big) == 0
     monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "3")
     assert decode_threads(1, small) == 3
     monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "many")

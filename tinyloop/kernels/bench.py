@@ -26,16 +26,20 @@ BIG = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hi
 
 
 @contextmanager
-def variant(lean_on: bool, threads: str | None):
-    """Plain path (lean off) or lean step, with TINYLOOP_DECODE_THREADS set for the duration."""
+def variant(lean_on: bool, threads: str | None, torch_n: int = 0):
+    """Plain path (lean off) or lean step, with TINYLOOP_DECODE_THREADS (and torch's threads) set for the duration."""
     old = os.environ.get("TINYLOOP_DECODE_THREADS")
     lean.set_enabled(lean_on)
+    before = torch.get_num_threads()
+    if torch_n:
+        torch.set_num_threads(torch_n)
     if threads is not None:
         os.environ["TINYLOOP_DECODE_THREADS"] = threads
     try:
         yield
     finally:
         lean.set_enabled(None)
+        torch.set_num_threads(before)
         if threads is not None:
             if old is None:
                 os.environ.pop("TINYLOOP_DECODE_THREADS")
@@ -74,8 +78,8 @@ def side_by_side(net, caches, prompts, n_tokens, loops, variants, rounds) -> dic
     first = {B: prefill(net, caches[B], prompts[B], loops) for B in prompts}
     for _ in range(rounds):
         for B in prompts:
-            for name, (on, threads) in variants.items():
-                with variant(on, threads):
+            for name, (on, threads, *torch_n) in variants.items():
+                with variant(on, threads, *torch_n):
                     s, t = decode_run(net, caches[B], first[B], prompts[B].shape[1], n_tokens, loops)
                 best[name, B] = min(best.get((name, B), float("inf")), s)
                 toks[name, B] = t
@@ -151,34 +155,38 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
     ids = torch.tensor([model.encode_prompt(PROMPT)])
     prompts = {B: ids.expand(B, -1).contiguous() for B in (1, 16)}
     caches = {B: KVCache(cfg, B, 512, "fp16", dtype=model.dtype) for B in prompts}
-    variants = {"plain": (False, "0"), "lean, same threads": (True, "0"), "lean": (True, None)}
+    variants = {"plain": (False, "0"), "lean, same threads": (True, "0"), "lean": (True, None),
+                "plain, 1 thread": (False, "0", 1)}
     r = side_by_side(net, caches, prompts, n_tokens, loops, variants, rounds)
     best, toks = r["best"], r["tokens"]
     n_threads = torch.get_num_threads()
     lines = [f"decode on the model ({net.num_params() / 1e6:.1f}M params, {loops} loops, fp16 cache, CPU, torch threads "
              f"{n_threads}): {n_tokens} greedy tokens per lane after a {ids.shape[1]}-token prompt, best of {rounds}",
-             f"  {'batch':>5} {'plain tok/s':>12} {'lean same-threads':>18} {'ratio':>6} {'lean':>10} {'ratio':>6}  tokens identical"]
+             f"  {'batch':>5} {'plain tok/s':>12} {'lean same-threads':>18} {'ratio':>6} {'lean':>10} {'ratio':>6}"
+             f"  {'plain 1-thread':>14} {'lean/it':>7}  tokens identical"]
     for B in prompts:
         plain = B * n_tokens / best["plain", B]
         same = B * n_tokens / best["lean, same threads", B]
         full = B * n_tokens / best["lean", B]
-        same_tokens = toks["plain", B] == toks["lean", B] == toks["lean, same threads", B]
-        lines.append(f"  {B:>5} {plain:>12.1f} {same:>18.1f} {same / plain:>5.2f}x {full:>10.1f} {full / plain:>5.2f}x  "
-                     f"{'yes' if same_tokens else 'NO'}")
+        one = B * n_tokens / best["plain, 1 thread", B]
+        same_tokens = all(toks[name, B] == toks["plain", B] for name in variants)
+        lines.append(f"  {B:>5} {plain:>12.1f} {same:>18.1f} {same / plain:>5.2f}x {full:>10.1f} {full / plain:>5.2f}x"
+                     f"  {one:>14.1f} {full / one:>6.2f}x  {'yes' if same_tokens else 'NO'}")
     policy = {B: lean.decode_threads(B, cfg) or n_threads for B in prompts}
     lines.append(f"  (lean thread policy: {policy[1]} thread(s) at batch 1, {policy[16]} at batch 16)")
     floors = {}
     for _ in range(rounds):
         for B in prompts:
-            for t in {n_threads, policy[B]}:
+            for t in {n_threads, policy[B], 1}:
                 with torch_threads(t):
                     f = arithmetic_floor(net, B, loops, ids.shape[1] + n_tokens // 2, repeats=1)
                 floors[t, B] = min(floors.get((t, B), float("inf")), f)
     lines.append("  where a step's time goes (ms per step; floor = the step's matmuls + attention kernels alone, "
                  "back to back, at the same threads):")
     for B in prompts:
-        for name in ("plain", "lean, same threads", "lean"):
-            step, floor = best[name, B] / n_tokens, floors[policy[B] if name == "lean" else n_threads, B]
+        for name in ("plain", "lean, same threads", "lean", "plain, 1 thread"):
+            t = policy[B] if name == "lean" else 1 if name == "plain, 1 thread" else n_threads
+            step, floor = best[name, B] / n_tokens, floors[t, B]
             lines.append(f"  {B:>5} {name:>18}: step {step * 1e3:7.2f}, floor {floor * 1e3:6.2f}, "
                          f"everything else {max(0.0, step - floor) * 1e3:6.2f} ({max(0.0, 1 - floor / step):4.0%})")
 

@@ -260,7 +260,8 @@ def decode_threads(lanes: int, cfg) -> int:
 
     A batch-1 step of a small model is hundreds of operations of a few microseconds each; splitting them
     over threads costs more in wake-ups than it saves, and on a busy machine spinning threads wait for
-    cores (measured in docs/kernels.md). Below ~2M multiply-adds per projection one thread runs the step.
+    cores (measured in docs/kernels.md). Below ~262K multiply-adds per d x d projection (batch 1 of a model
+    up to d_model 512) one thread runs the step; at batch 16 of the shipped model two threads already win.
     TINYLOOP_DECODE_THREADS=n forces n (0 = torch's setting).
     """
     value = os.environ.get("TINYLOOP_DECODE_THREADS", "").strip()
@@ -268,7 +269,7 @@ def decode_threads(lanes: int, cfg) -> int:
         if not value.isdigit():
             raise ConfigError(f"environment TINYLOOP_DECODE_THREADS={value!r} is not an integer >= 0")
         return int(value)
-    return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 21 else 0
+    return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 18 else 0
 
 
 def decode_forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
