@@ -259,3 +259,19 @@ def test_decode_threads_policy(monkeypatch):
     monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "many")
     with pytest.raises(ConfigError, match="TINYLOOP_DECODE_THREADS"):
         decode_threads(1, small)
+
+
+def test_lean_step_follows_weight_updates(monkeypatch):
+    """The fused weight copies are rebuilt when the model's parameters change in place."""
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    from tinyloop.kernels.lean import lean_step
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
+    torch.manual_seed(0)
+    net = LoopedLM(cfg, 16).eval().requires_grad_(False)
+    ids, pos = torch.tensor([[5]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        lean_step(net).forward(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+        net.core[0].mlp.w_up.weight.mul_(3.0)
+        want = net(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+        got = lean_step(net).forward(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

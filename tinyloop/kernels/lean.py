@@ -72,10 +72,12 @@ _weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictiona
 def model_weights(net: LoopedLM) -> tuple[list[BlockWeights], list[BlockWeights], list[BlockWeights]]:
     """Fused weights of (prelude, core, coda), built once per model (the concatenations are copies: the
     attention and MLP weights are held twice while the model lives)."""
+    # the parameters' version counters move on any in-place change (load_state_dict, training): rebuild then
+    version = tuple(p._version for p in net.parameters())
     ws = _weights.get(net)
-    if ws is None or ws[0] is not net.embed.weight:
+    if ws is None or ws[0] != version:
         with torch.no_grad():
-            ws = (net.embed.weight, [_block_weights(b) for b in net.prelude], [_block_weights(b) for b in net.core],
+            ws = (version, [_block_weights(b) for b in net.prelude], [_block_weights(b) for b in net.core],
                   [_block_weights(b) for b in net.coda])
         _weights[net] = ws
     return ws[1], ws[2], ws[3]
