@@ -11,7 +11,6 @@ with the real model are in test_service.py.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess

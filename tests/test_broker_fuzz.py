@@ -10,7 +10,6 @@ import msgpack
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
