@@ -275,3 +275,27 @@ def test_lean_step_follows_weight_updates(monkeypatch):
         want = net(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
         got = lean_step(net).forward(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):
+    """What CudaGraphStep captures, run eagerly: Step.end fixed at the cache's full length (shapes never change
+    between replays) and the kernels follow each lane's own length from the positions on the device."""
+    from tinyloop.kernels.lean import CudaGraphStep
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    plain, = decode_both_ways(cfg, "int8", 0, [6, 2], steps=1, loops=2, ways=(False,))
+    torch.manual_seed(0)
+    net = LoopedLM(cfg, 64).to(DEV).eval().requires_grad_(False)
+    cache = KVCache(cfg, 2, 64, "int8", device=DEV)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for lane, n in enumerate([6, 2]):
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(DEV)
+            net(ids, 2, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n), cache.lane_view(lane))
+        tok = torch.randint(0, cfg.vocab_size, (2, 1), generator=gen).to(DEV)
+        monkeypatch.setenv("TINYLOOP_TRITON", "1")
+        graph_step = CudaGraphStep(net, cache, 2, 2)
+        graph_step.ids.copy_(tok)
+        graph_step.pos.copy_(torch.tensor([[6], [2]]))
+        got = graph_step._step()
+    torch.testing.assert_close(got, plain[0], atol=1e-5, rtol=1e-5)
