@@ -25,7 +25,6 @@ import pytest
 import zmq
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from broker import launcher, protocol  # noqa: E402
 from broker.client import (  # noqa: E402

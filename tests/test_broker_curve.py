@@ -9,7 +9,6 @@ import pytest
 import zmq
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from broker.client import Client, RequestTimeout  # noqa: E402
 from broker.security import create_keys  # noqa: E402

@@ -12,7 +12,6 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from broker import protocol  # noqa: E402
 from broker.protocol import CLIENT_TO_BROKER, ProtocolError  # noqa: E402

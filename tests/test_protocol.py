@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from broker import protocol  # noqa: E402
 from broker.client import ERROR_CLASSES, ServiceError  # noqa: E402

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from broker import launcher  # noqa: E402
 from broker.client import Client, ServiceError, WorkerLost  # noqa: E402
