@@ -30,10 +30,12 @@ def fail(err: Exception) -> None:
 @click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None)
 @click.option("--cache-window", type=int, default=None)
 @click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+@click.option("--beam-size", type=int, default=1, show_default=True, help="Beam search width (greedy only).")
+@click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode: draft loops, verify loops, draft-ahead tokens, tree width (e.g. 2:8:4).")
 def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-             cache_mode, cache_window, early_exit, speculative) -> None:
+             cache_mode, cache_window, early_exit, beam_size, grammar, speculative) -> None:
     """Generate a continuation of PROMPT, streamed, then print the stats line."""
     import tinyloop
 
@@ -41,7 +43,7 @@ def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, r
         model = tinyloop.load_model(model_path, cache_mode=cache_mode)
         cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
-                                      stop_sequences=list(stop))
+                                      stop_sequences=list(stop), beam_size=beam_size, grammar=grammar)
         if cache_window is not None:
             cfg.cache_window = cache_window
         if early_exit is not None:

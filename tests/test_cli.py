@@ -25,6 +25,14 @@ def test_generate_speculative_matches_plain_greedy():
     assert bad.returncode == 2 and "--speculative='2:8' must be draft:verify:ahead" in bad.stderr
 
 
+def test_generate_with_grammar_and_beam():
+    out = tinyloop_cli("generate", "x = ", "--max-tokens", "12", "--grammar", "[0-9]{3}", "--beam-size", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("x = ")
+    digits = out.stdout[len("x = "):].strip()
+    assert len(digits) == 3 and digits.isdigit() and "grammar_complete" in out.stderr
+
+
 def test_generate_reports_bad_input_clearly():
     out = tinyloop_cli("generate", "x", "--loops", "99")
     assert out.returncode == 2 and "GenerateConfig.loops must be an integer in 1..16" in out.stderr
