@@ -57,11 +57,23 @@ class BlockWeights:
     mlp_out_norm: torch.Tensor | None
 
 
+def _fuse(*linears) -> torch.Tensor:
+    """Concatenate the linears' weights by rows and rebind each linear's weight to its rows of the result,
+    so the fused matrix is the only copy (plan_memory counts the weights once)."""
+    fused = torch.cat([lin.weight for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
+        row += n
+    return fused
+
+
 def _block_weights(block) -> BlockWeights:
     a, m = block.attn, block.mlp
-    wqkv = torch.cat((a.wq.weight, a.wk.weight, a.wv.weight))
+    wqkv = _fuse(a.wq, a.wk, a.wv)
     return BlockWeights(block.attn_norm.weight, wqkv, wqkv[a.wq.weight.shape[0]:], a.wo.weight, block.mlp_norm.weight,
-                        torch.cat((m.w_gate.weight, m.w_up.weight)), m.w_down.weight,
+                        _fuse(m.w_gate, m.w_up), m.w_down.weight,
                         block.attn_out_norm.weight if block.sandwich else None,
                         block.mlp_out_norm.weight if block.sandwich else None)
 
@@ -70,15 +82,16 @@ _weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictiona
 
 
 def model_weights(net: LoopedLM) -> tuple[list[BlockWeights], list[BlockWeights], list[BlockWeights]]:
-    """Fused weights of (prelude, core, coda), built once per model (the concatenations are copies: the
-    attention and MLP weights are held twice while the model lives)."""
+    """Fused weights of (prelude, core, coda), built once per model; the model's own linear weights become
+    views of them, so nothing is held twice."""
     # the parameters' version counters move on any in-place change (load_state_dict, training): rebuild then
     version = tuple(p._version for p in net.parameters())
     ws = _weights.get(net)
     if ws is None or ws[0] != version:
-        with torch.no_grad():
-            ws = (version, [_block_weights(b) for b in net.prelude], [_block_weights(b) for b in net.core],
-                  [_block_weights(b) for b in net.coda])
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: they keep version counters
+            blocks = ([_block_weights(b) for b in net.prelude], [_block_weights(b) for b in net.core],
+                      [_block_weights(b) for b in net.coda])
+            ws = (tuple(p._version for p in net.parameters()), *blocks)  # rebinding made new parameters
         _weights[net] = ws
     return ws[1], ws[2], ws[3]
 
