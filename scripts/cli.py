@@ -129,12 +129,9 @@ def train(out, steps, lr, seq_len, batch_size, seed, init_from, state_init, init
               cfg_overrides=overrides, log=lambda m: click.echo(m))
 
 
-try:  # the service commands live beside the service code
-    from scripts.service_cli import add_service_commands
-except ImportError:  # pragma: no cover - only while the service is not yet part of the tree
-    add_service_commands = None
-if add_service_commands is not None:
-    add_service_commands(main)
+from scripts.service_cli import add_service_commands  # noqa: E402 - the service commands live beside the service code
+
+add_service_commands(main)
 
 if __name__ == "__main__":
     main()
