@@ -214,10 +214,10 @@ def bench_batch(model_path: str | None, quick: bool) -> list[str]:
     cfg = GenerateConfig(max_tokens=n)
     long_cfgs = [GenerateConfig(max_tokens=8 * n)] + [cfg] * (len(prompts) - 1)  # lane 0 runs 8x longer
     generate_batch(model, prompts[:2], GenerateConfig(max_tokens=2))  # warm up allocator and kernels
-    # One intra-op thread for both sides: a small model's prefill split over threads stalls on a shared machine
-    # (tens of times slower when the cores are busy), which would measure the load instead of the batching.
+    # Both sides run as the product does: torch's threads, with the lean decode step's thread policy (one thread
+    # for a batch-1 step, all for a 16-lane step). On a busy machine, pass TINYLOOP_DECODE_THREADS=1 and run
+    # with torch.set_num_threads(1) to measure batching rather than the load.
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     runs = {
         "seq": lambda: [generate(model, p, cfg) for p in prompts],
         "b4": lambda: [r for i in range(0, len(prompts), 4) for r in generate_batch(model, prompts[i:i + 4], cfg)],
@@ -227,17 +227,14 @@ def bench_batch(model_path: str | None, quick: bool) -> list[str]:
     }
     best = {k: float("inf") for k in runs}
     out: dict[str, list[GenerateResult]] = {}
-    try:
-        for _ in range(rounds):
-            for k, fn in runs.items():
-                t = time.perf_counter()
-                out[k] = fn()
-                best[k] = min(best[k], time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(threads)
+    for _ in range(rounds):
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            out[k] = fn()
+            best[k] = min(best[k], time.perf_counter() - t)
     tps = {k: sum(r.stats.generated_tokens for r in out[k]) / best[k] for k in runs}
     lines = [f"static batching, {len(prompts)} prompts, greedy, up to {n} tokens each (cache {model.cache_mode}, "
-             f"loops {cfg.resolved_loops(model)}), 1 thread, best of {rounds} alternating rounds",
+             f"loops {cfg.resolved_loops(model)}), {threads} torch threads, best of {rounds} alternating rounds",
              f"  {'lanes':>5} {'tok/s':>9} {'vs sequential':>14}"]
     for key, label in (("seq", "seq"), ("b4", "4"), ("b16", "16")):
         same = [r.tokens for r in out[key]] == [r.tokens for r in out["seq"]]
