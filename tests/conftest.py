@@ -28,6 +28,15 @@ TINY_TEXT = ["def add(a, b):\n    return a + b\n" * 40, "import os\nprint(os.get
              "class Point:\n    x: int = 0\n    y: int = 0\n" * 30]
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models are overhead-bound: one intra-op thread is faster and immune to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_codec() -> TextCodec:
     return TextCodec(train_tokenizer(TINY_TEXT, 320))

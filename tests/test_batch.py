@@ -8,13 +8,7 @@ import tinyloop
 from tinyloop import BusyError, ConfigError, GenerateConfig, ModeError, generate, generate_batch, generate_stream
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is faster and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ARCHS = {
     "huginn": dict(),  # prelude/core/coda, adapter injection, zero init

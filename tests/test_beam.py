@@ -13,13 +13,7 @@ from tinyloop.decoding import LENGTH_PENALTY
 PROMPTS = ["def add(a, b):\n    return", "import os\n", [11, 12, 13], "class Point:\n    x: int = 0\n    y"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is faster and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.inference_mode()

@@ -20,13 +20,7 @@ EBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
 EBNF_AS_REGEX = r"\([0-9x](,[0-9x])*\)"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is faster and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def check_schema(text: str) -> None:

@@ -29,13 +29,7 @@ MODE_SETTINGS = {"fp16": {}, "int8": {}, "int4": {}, "grammar": {"grammar": {"re
 QUANT_TOL = 0.1  # largest logit gap between a quantised-cache pick and the exact argmax (tiny model: logit std ~0.16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is faster and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -193,6 +193,16 @@ def run_decode(model: Model, decoder: Decoder, prompt_ids: list[int], cached: in
         pos += 1
     if stop_reason in ("eos", "max_tokens") and not emit(matcher.flush()):
         stop_reason = "cancelled"
+    tokens, text = finish(model, matcher, emitted, stop_reason, stats, t0, t_prefill)
+    counts = decoder.loop_counts
+    stats.loops_mean = sum(counts) / len(counts) if counts else float(decoder.loops)
+    return GenerateResult(tokens, text, stats)
+
+
+def finish(model: Model, matcher: StopMatcher, emitted: int, stop_reason: str, stats: GenerateStats, t0: float,
+           t_prefill: float) -> tuple[list[int], str]:
+    """The tokens and text a finished decode returns (only what was streamed, if cancelled); fills in the
+    stats' token count, stop reason and decode/total times."""
     t_end = time.perf_counter()
     tokens = matcher.tokens[:emitted] if stop_reason == "cancelled" else matcher.tokens
     text = model.codec.decode(tokens) if stop_reason != "stop_sequence" or not matcher.strings else matcher.text
@@ -200,9 +210,7 @@ def run_decode(model: Model, decoder: Decoder, prompt_ids: list[int], cached: in
     stats.decode_ms = (t_end - t_prefill) * 1000
     stats.total_ms = (t_end - t0) * 1000
     stats.stop_reason = stop_reason
-    counts = decoder.loop_counts
-    stats.loops_mean = sum(counts) / len(counts) if counts else float(decoder.loops)
-    return GenerateResult(tokens, text, stats)
+    return tokens, text
 
 
 def generate(model: Model, prompt, cfg: GenerateConfig | None = None) -> GenerateResult:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .errors import ConfigError
-from .generate import GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length, generate, make_generator
+from .generate import GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length, finish, generate, make_generator
 from .kernels import lean
 from .kernels.dispatch import use_triton
 from .model import Step
@@ -453,13 +453,7 @@ class Speculator:
                 if keep is False:
                     stop_reason = "cancelled"
                     break
-        t_end = time.perf_counter()
-        tokens = matcher.tokens[:emitted] if stop_reason == "cancelled" else matcher.tokens
-        text = model.codec.decode(tokens) if stop_reason != "stop_sequence" or not matcher.strings else matcher.text
-        stats.generated_tokens = len(tokens)
-        stats.decode_ms = (t_end - t_prefill) * 1000
-        stats.total_ms = (t_end - t0) * 1000
-        stats.stop_reason = stop_reason
+        tokens, text = finish(model, matcher, emitted, stop_reason, stats, t0, t_prefill)
         # as plain decode counts it: the prefill, then one forward per sampled token but the last
         counts = [self.V] + [self.used_at[P + i] for i in range(count - 1) if P + i in self.used_at]
         stats.loops_mean = sum(counts) / len(counts)
