@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tinyloop
 from tinyloop import BusyError, ConfigError, GenerateConfig, ModeError, generate, generate_batch, generate_stream

@@ -3,7 +3,6 @@ reply carrying the code the schema predicts (or handles a valid message), and ke
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import msgpack

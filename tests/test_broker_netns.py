@@ -5,7 +5,6 @@ over TCP with CURVE. Needs root for `ip netns`."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid

@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import tinyloop
 
 
 def tinyloop_cli(*args, timeout=300):

@@ -7,7 +7,6 @@ real-model path is covered in test_service.py.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 

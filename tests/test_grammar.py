@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-import torch
 
 import tinyloop
 from tinyloop import ConfigError, GenerateConfig, generate, generate_batch, generate_stream

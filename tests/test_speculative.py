@@ -8,7 +8,6 @@ import torch
 
 import tinyloop
 from tinyloop import GenerateConfig, SpeculativeConfig, generate, generate_speculative
-from tinyloop.cache import KVCache
 from tinyloop.errors import ConfigError, ModeError
 from tinyloop.model import LoopedLM
 from tinyloop.sampling import filter_logits

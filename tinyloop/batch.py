@@ -110,7 +110,7 @@ def decode_lanes(model: Model, prompts: list[list[int]], cfgs: list[GenerateConf
                  on_token: OnLaneToken | None = None) -> list[GenerateResult]:
     """Prefill each lane of `cache` in turn, then decode all lanes in lockstep (configs already checked)."""
     t_call = time.perf_counter()
-    net, dev, N = model.net, model.device, len(prompts)
+    net, dev = model.net, model.device
     loops, early_exit = cfgs[0].resolved_loops(model), cfgs[0].early_exit_threshold
     adaptive = early_exit > 0 or net.exit_gate is not None
     lanes = [Lane(model, i, p, c, on_token, t_call) for i, (p, c) in enumerate(zip(prompts, cfgs))]

@@ -5,7 +5,6 @@ other parts of the runtime add (batching, cache reuse, speculative, kernels) reg
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -16,19 +15,10 @@ from .cache import CACHE_MODES
 from .generate import GenerateConfig, generate
 from .kernels.bench import bench_kernels
 from .runtime import Model, load_model
+from .timing import timed
 from .speculative import bench_speculative
 
 PROMPT = "def fibonacci(n):\n    "
-
-
-def timed(fn: Callable[[], object], repeats: int = 1) -> float:
-    """Best wall-clock seconds of `repeats` runs (the minimum is the least noisy estimate)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @torch.inference_mode()

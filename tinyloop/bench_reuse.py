@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from .generate import GenerateConfig, generate
 from .prefix import create_prefix_pool, generate_with_pool, register_prefix
 from .resume import build_resume_handle, resume_generate

@@ -8,7 +8,6 @@ its slot (core layers own one slot per loop) and attends over everything the slo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -18,6 +18,7 @@ from ..cache import KVCache
 from ..config import ModelConfig
 from ..model import LoopedLM
 from ..runtime import load_model
+from ..timing import timed
 from . import lean
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -108,25 +109,15 @@ def arithmetic_floor(net: LoopedLM, B: int, loops: int, context: int, repeats: i
             for _ in range(loops):
                 F.linear(torch.cat((x, x), -1), net.adapter.weight)
         F.linear(x, net.embed.weight)
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t)
-    return best
+    run()  # warm up
+    return timed(run, repeats)
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     """Best fp32 GFLOP/s of one n x n x n matmul with torch's threads: the machine's measured peak."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+    a @ b  # warm up
+    return 2 * n ** 3 / timed(lambda: a @ b, repeats) / 1e9
 
 
 def flops_per_token(cfg: ModelConfig, loops: int, context: int) -> float:
