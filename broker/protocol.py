@@ -199,6 +199,14 @@ class Field:
 
 REQUEST_ID = Field(text(128, min_len=1))
 MAX_TIMEOUT_S = 24 * 3600.0
+# A streamed token and a final result look the same on both legs (worker -> broker -> client).
+TOKEN_FIELDS = {
+    "id": REQUEST_ID,
+    "token": Field(int_in(0, 2**31 - 1)),
+    "pos": Field(int_in(0, 2**31 - 1)),
+    "text": Field(text(1 << 16)),
+}
+DONE_FIELDS = {"id": REQUEST_ID, "result": Field(plain_map(64))}
 
 MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
     CLIENT_TO_BROKER: {
@@ -217,13 +225,8 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
         "status": {"id": REQUEST_ID},
     },
     BROKER_TO_CLIENT: {
-        "token": {
-            "id": REQUEST_ID,
-            "token": Field(int_in(0, 2**31 - 1)),
-            "pos": Field(int_in(0, 2**31 - 1)),
-            "text": Field(text(1 << 16)),
-        },
-        "done": {"id": REQUEST_ID, "result": Field(plain_map(64))},
+        "token": TOKEN_FIELDS,
+        "done": DONE_FIELDS,
         "error": {
             "id": Field(optional(text(128)), required=False),
             "code": Field(text(64, min_len=1)),
@@ -243,13 +246,8 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "model": Field(text(1024)),
         },
         "heartbeat": {"handles": Field(int_in(0, 1 << 20))},
-        "token": {
-            "id": REQUEST_ID,
-            "token": Field(int_in(0, 2**31 - 1)),
-            "pos": Field(int_in(0, 2**31 - 1)),
-            "text": Field(text(1 << 16)),
-        },
-        "done": {"id": REQUEST_ID, "result": Field(plain_map(64))},
+        "token": TOKEN_FIELDS,
+        "done": DONE_FIELDS,
         "error": {
             "id": REQUEST_ID,
             "code": Field(text(64, min_len=1)),

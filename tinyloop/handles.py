@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -32,7 +33,7 @@ def tensor_bytes(*groups) -> int:
     return total
 
 
-class Handle:
+class Handle(ABC):
     """Bound to the model that built it (model_id); not reentrant (a second concurrent call raises BusyError)."""
 
     kind = "handle"
@@ -43,8 +44,9 @@ class Handle:
         self._lock = threading.Lock()
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
-        raise NotImplementedError
+        """Bytes of tensors the handle holds (every concrete handle says what it keeps)."""
 
     def release(self) -> None:
         """Drop the tensors the handle holds (free_handle)."""
