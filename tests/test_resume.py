@@ -148,3 +148,48 @@ def test_mode_matrix_prefix_and_warm_start_columns(make_artifact, mode):
                     fn()
             else:
                 assert fn().tokens == tinyloop.generate(model, prefix + suffix, cfg).tokens
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
+def test_refine_verifies_the_draft_in_one_chunk(mode):
+    # the bundled model's drafts at 4 loops mostly agree with 16, so the refine reuses a long stretch
+    model = tinyloop.load_model(None, 256, cache_mode=mode)
+    prompt = "def fibonacci(n):\n    "
+    handle = tinyloop.build_resume_handle(model, prompt, 4)
+    cfg = G(max_tokens=20)
+    draft = tinyloop.resume_generate(handle, 4, cfg)
+    assert draft.stats.draft_reused_tokens == 0 and handle.draft == draft.tokens
+    again = tinyloop.resume_generate(handle, 4, cfg)  # the same call again: every token comes from the chunk
+    assert again.tokens == draft.tokens and again.stats.draft_reused_tokens == len(draft.tokens) - 1
+    refined = tinyloop.resume_generate(handle, 16, cfg)
+    assert refined.tokens == tinyloop.generate(model, prompt, G(max_tokens=20, loops=16)).tokens
+    reused = refined.stats.draft_reused_tokens
+    assert reused == min(common_prefix(refined.tokens, draft.tokens), len(refined.tokens) - 1) and reused > 0
+    assert refined.stats.loops_mean == 16
+
+
+def test_any_draft_keeps_the_output_exact(tiny_model):
+    prompt = ids(16, 9)
+    handle = tinyloop.build_resume_handle(tiny_model, prompt, 2)
+    for guess, cfg in ((ids(30, 1), G(max_tokens=12, loops=6)),
+                       (None, G(max_tokens=12, loops=6)),  # the right answer as the draft
+                       (ids(5, 2), G(max_tokens=12, loops=5, temperature=0.9, top_k=20, seed=4, repetition_penalty=1.2)),
+                       (None, G(max_tokens=12, loops=5, temperature=0.9, top_k=20, seed=4, repetition_penalty=1.2)),
+                       (None, G(max_tokens=12, loops=5, stop_sequences=[[tiny_model.encode_prompt(ids(1, 3))[0]]])),
+                       (None, G(max_tokens=12, loops=4, grammar={"regex": "[a-z ]+"}))):
+        ref = tinyloop.generate(tiny_model, prompt, cfg)
+        if guess is None:  # the last call's output is the draft; make it this call's answer
+            handle.draft = ref.tokens + [1, 2, 3]
+        else:
+            handle.draft = guess
+        out = tinyloop.resume_generate(handle, cfg.loops, cfg)
+        assert out.tokens == ref.tokens and out.stats.stop_reason == ref.stats.stop_reason
+        if guess is None and cfg.grammar is None:
+            assert out.stats.draft_reused_tokens == min(len(ref.tokens), cfg.max_tokens - 1)

@@ -8,6 +8,13 @@ and the state at the deepest depth D it has computed, plus the KV entries of the
 the same operations `generate(..., loops=L)` performs, minus the first D loops.
 Every resume deeper than D stores the new state and entries, so 4 -> 8 -> 16 each reuse the deepest state.
 Resuming at L < D recomputes loops 0..L-1 from e (only the prelude is skipped): the handle keeps one state.
+
+The handle also keeps the tokens its last call produced (the draft). While a refine's sampled tokens follow
+the draft, their logits come from verifying the draft piece by piece (4 tokens, then 8, 16, ...) in one chunk
+each, instead of one-token decode steps; at the first difference it goes on with plain decode (the causal
+mask hides the rest of the piece until decode overwrites it). Any draft keeps the output exact, since every
+sampled token still comes from the refine's own logits and generator; a good draft only makes it cheaper.
+`stats.draft_reused_tokens` counts the tokens whose logits came from those chunks.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ class ResumeHandle(Handle):
         self.s: torch.Tensor | None = None
         self.entries: dict[str, torch.Tensor] = {}  # slots 0..P + R*depth - 1, positions kept_from..T-1
         self.kept_from = max(0, len(ids) - cache_window) if cache_window else 0
+        self.draft: list[int] = []  # the tokens of the last resume_generate: the next one verifies them in a chunk
 
     @property
     def l_used(self) -> int:
@@ -102,6 +110,34 @@ class ResumeHandle(Handle):
         return net.decode_head(s, step, cache)[0]
 
 
+class RefiningDecoder(PrefilledDecoder):
+    """Follows a guessed continuation (the handle's last draft): while the sampled tokens equal it, the logits
+    come from verifying the next piece of the guess in one chunk (4 tokens, doubling while they are all
+    taken), not from one-token steps. A piece is only started on a token already sampled, so a guess that
+    diverges wastes at most the rest of one piece."""
+
+    def __init__(self, model: Model, loops: int, cache: KVCache, first, guess: list[int]):
+        super().__init__(model, loops, cache, 0.0, first)
+        self.guess, self.following, self.reused = guess, True, 0
+        self.piece, self.rows, self.rows_from = 4, None, 0
+
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        if self.first is not None:
+            self.base = start + len(ids)
+            return super().forward(ids, start)
+        i = start - self.base
+        if self.following and i < len(self.guess) and ids == [self.guess[i]]:
+            if i >= self.rows_from + (0 if self.rows is None else len(self.rows)):
+                self.rows, self.rows_from = super().forward(self.guess[i:i + self.piece], start), i
+                self.loop_counts.pop()  # counted per token below
+                self.piece *= 2
+            self.reused += 1
+            self.loop_counts.append(self.loops)
+            return self.rows[i - self.rows_from:i - self.rows_from + 1]
+        self.following = False  # positions the chunk wrote past here are rewritten before they are read
+        return super().forward(ids, start)
+
+
 def _window_default() -> int:
     return GenerateConfig().cache_window
 
@@ -151,6 +187,14 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
         if len(ids) == 1 and adaptive(model, cfg):
             # generate runs a one-token prompt with early exit; match it by a plain prefill
             return decode_from(model, Decoder(model, L, cache, cfg.early_exit_threshold), ids, 0, cfg, on_token, stats)
-        decoder = PrefilledDecoder(model, L, cache, cfg.early_exit_threshold,
-                                   lambda rest, start: handle.prefill(cache, L, stats))
-        return decode_from(model, decoder, ids, len(ids), cfg, on_token, stats)
+        prefill = lambda rest, start: handle.prefill(cache, L, stats)
+        if adaptive(model, cfg) or cfg.cache_window:
+            # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells
+            out = decode_from(model, PrefilledDecoder(model, L, cache, cfg.early_exit_threshold, prefill),
+                              ids, len(ids), cfg, on_token, stats)
+        else:
+            decoder = RefiningDecoder(model, L, cache, prefill, handle.draft[:cfg.max_tokens - 1])
+            out = decode_from(model, decoder, ids, len(ids), cfg, on_token, stats)
+            stats.draft_reused_tokens = decoder.reused
+        handle.draft = out.tokens
+        return out
