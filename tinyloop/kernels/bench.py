@@ -1,9 +1,10 @@
 """`tinyloop bench kernels`: the lean decode step against the plain (foundation) path, side by side in one run.
 
   1. the model (bundled by default): greedy lockstep decode tokens/s at batch 1 and 16, plain path vs lean
-     step with torch's thread setting vs lean step with its thread policy (what generate runs)
+     step with torch's thread setting vs lean step with its thread policy (what generate runs), and the lean
+     step with packed weights (TINYLOOP_LEAN_WEIGHTS=packed); each checked for the plain path's greedy tokens
   2. a random ~100M-parameter config at batch 16: decode FLOP/s as a fraction of the machine's fp32 matmul
-     peak, measured in the same run
+     peak, measured in the same run (plain, lean, lean packed; all fp32)
 Variants run interleaved, round after round, and each keeps its best round: the machines are noisy.
 """
 from __future__ import annotations
@@ -27,10 +28,12 @@ BIG = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hi
 
 
 @contextmanager
-def variant(lean_on: bool, threads: str | None, torch_n: int = 0):
-    """Plain path (lean off) or lean step, with TINYLOOP_DECODE_THREADS (and torch's threads) set for the duration."""
+def variant(lean_on: bool, threads: str | None, torch_n: int = 0, layout: str = "exact"):
+    """Plain path (lean off) or lean step in a weight layout, with TINYLOOP_DECODE_THREADS (and torch's threads)
+    set for the duration."""
     old = os.environ.get("TINYLOOP_DECODE_THREADS")
     lean.set_enabled(lean_on)
+    lean.set_layout(layout)
     before = torch.get_num_threads()
     if torch_n:
         torch.set_num_threads(torch_n)
@@ -40,6 +43,7 @@ def variant(lean_on: bool, threads: str | None, torch_n: int = 0):
         yield
     finally:
         lean.set_enabled(None)
+        lean.set_layout(None)
         torch.set_num_threads(before)
         if threads is not None:
             if old is None:
@@ -79,8 +83,8 @@ def side_by_side(net, caches, prompts, n_tokens, loops, variants, rounds) -> dic
     first = {B: prefill(net, caches[B], prompts[B], loops) for B in prompts}
     for _ in range(rounds):
         for B in prompts:
-            for name, (on, threads, *torch_n) in variants.items():
-                with variant(on, threads, *torch_n):
+            for name, spec in variants.items():
+                with variant(*spec):
                     s, t = decode_run(net, caches[B], first[B], prompts[B].shape[1], n_tokens, loops)
                 best[name, B] = min(best.get((name, B), float("inf")), s)
                 toks[name, B] = t
@@ -146,25 +150,26 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
     ids = torch.tensor([model.encode_prompt(PROMPT)])
     prompts = {B: ids.expand(B, -1).contiguous() for B in (1, 16)}
     caches = {B: KVCache(cfg, B, 512, "fp16", dtype=model.dtype) for B in prompts}
-    variants = {"plain": (False, "0"), "lean, same threads": (True, "0"), "lean": (True, None),
-                "plain, 1 thread": (False, "0", 1)}
+    # name: (lean on, TINYLOOP_DECODE_THREADS, torch threads (0: as set), weight layout)
+    variants = {"plain": (False, "0"), "plain, 1 thread": (False, "0", 1), "lean, same threads": (True, "0"),
+                "lean": (True, None), "lean packed": (True, None, 0, "packed")}
     r = side_by_side(net, caches, prompts, n_tokens, loops, variants, rounds)
     best, toks = r["best"], r["tokens"]
     n_threads = torch.get_num_threads()
-    lines = [f"decode on the model ({net.num_params() / 1e6:.1f}M params, {loops} loops, fp16 cache, CPU, torch threads "
-             f"{n_threads}): {n_tokens} greedy tokens per lane after a {ids.shape[1]}-token prompt, best of {rounds}",
-             f"  {'batch':>5} {'plain tok/s':>12} {'lean same-threads':>18} {'ratio':>6} {'lean':>10} {'ratio':>6}"
-             f"  {'plain 1-thread':>14} {'lean/it':>7}  tokens identical"]
-    for B in prompts:
-        plain = B * n_tokens / best["plain", B]
-        same = B * n_tokens / best["lean, same threads", B]
-        full = B * n_tokens / best["lean", B]
-        one = B * n_tokens / best["plain, 1 thread", B]
-        same_tokens = all(toks[name, B] == toks["plain", B] for name in variants)
-        lines.append(f"  {B:>5} {plain:>12.1f} {same:>18.1f} {same / plain:>5.2f}x {full:>10.1f} {full / plain:>5.2f}x"
-                     f"  {one:>14.1f} {full / one:>6.2f}x  {'yes' if same_tokens else 'NO'}")
     policy = {B: lean.decode_threads(B, cfg) or n_threads for B in prompts}
-    lines.append(f"  (lean thread policy: {policy[1]} thread(s) at batch 1, {policy[16]} at batch 16)")
+    threads = {"plain": n_threads, "plain, 1 thread": 1, "lean, same threads": n_threads}
+    lines = [f"decode on the model ({net.num_params() / 1e6:.1f}M params, {loops} loops, fp16 cache, CPU, torch threads "
+             f"{n_threads}): {n_tokens} greedy tokens per lane after a {ids.shape[1]}-token prompt, best of {rounds} "
+             f"interleaved rounds. plain = the foundation path (LoopedLM.forward); lean = the lean step (exact weights, "
+             f"the plain path's bits); lean packed = TINYLOOP_LEAN_WEIGHTS=packed (fp32, other summation order)",
+             f"  {'batch':>5} {'variant':>18} {'threads':>7} {'tok/s':>8} {'vs plain':>8} {'vs plain 1-thread':>17}"
+             f"  greedy tokens = plain"]
+    for B in prompts:
+        plain, one = B * n_tokens / best["plain", B], B * n_tokens / best["plain, 1 thread", B]
+        for name in variants:
+            rate = B * n_tokens / best[name, B]
+            lines.append(f"  {B:>5} {name:>18} {threads.get(name, policy[B]):>7} {rate:>8.1f} {rate / plain:>7.2f}x "
+                         f"{rate / one:>16.2f}x  {'yes' if toks[name, B] == toks['plain', B] else 'NO'}")
     floors = {}
     for _ in range(rounds):
         for B in prompts:
@@ -172,12 +177,11 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
                 with torch_threads(t):
                     f = arithmetic_floor(net, B, loops, ids.shape[1] + n_tokens // 2, repeats=1)
                 floors[t, B] = min(floors.get((t, B), float("inf")), f)
-    lines.append("  where a step's time goes (ms per step; floor = the step's matmuls + attention kernels alone, "
-                 "back to back, at the same threads):")
+    lines.append("  where a step's time goes (ms per step; floor = the step's matmuls (exact layout) + attention kernels "
+                 "alone, back to back, at the same threads):")
     for B in prompts:
-        for name in ("plain", "lean, same threads", "lean", "plain, 1 thread"):
-            t = policy[B] if name == "lean" else 1 if name == "plain, 1 thread" else n_threads
-            step, floor = best[name, B] / n_tokens, floors[t, B]
+        for name in variants:
+            step, floor = best[name, B] / n_tokens, floors[threads.get(name, policy[B]), B]
             lines.append(f"  {B:>5} {name:>18}: step {step * 1e3:7.2f}, floor {floor * 1e3:6.2f}, "
                          f"everything else {max(0.0, step - floor) * 1e3:6.2f} ({max(0.0, 1 - floor / step):4.0%})")
 
@@ -190,18 +194,21 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
     fpt = flops_per_token(BIG, loops_big, 16 + n_big // 2)
     lines.append(f"random {big.num_params() / 1e6:.0f}M config (d {BIG.d_model}, {BIG.n_prelude}+{BIG.n_core}x{loops_big}+"
                  f"{BIG.n_coda} blocks, {fpt / 1e9:.2f} GFLOP/token), batch {B}, {n_big} tokens: decode FLOP/s against the "
-                 f"fp32 matmul peak (2048^3) at the same threads, same run, best of {rounds}")
+                 f"fp32 matmul peak (MKL, 2048^3) at the same threads, same run, best of {rounds}; every variant "
+                 f"computes in fp32")
+    big_variants = {"plain": (False, "0"), "lean": (True, "0"), "lean packed": (True, "0", 0, "packed")}
     for t in sorted({n_threads, 1}, reverse=True):
-        big_best, peak = {}, 0.0
+        big_best, big_toks, peak = {}, {}, 0.0
         with torch_threads(t):
             for _ in range(rounds):
                 peak = max(peak, matmul_peak(repeats=2))
-                for name, on in (("plain", False), ("lean", True)):
-                    with variant(on, "0"):
-                        s, _ = decode_run(big, cache, first, 16, n_big, loops_big)
+                for name, spec in big_variants.items():
+                    with variant(*spec):
+                        s, big_toks[name] = decode_run(big, cache, first, 16, n_big, loops_big)
                     big_best[name] = min(big_best.get(name, float("inf")), s)
-        for name in ("plain", "lean"):
+        for name in big_variants:
             rate = B * n_big / big_best[name]
-            lines.append(f"  {t} thread(s), peak {peak:6.1f} GFLOP/s, {name:>5}: {rate:7.1f} tok/s = "
-                         f"{rate * fpt / 1e9:6.1f} GFLOP/s = {rate * fpt / 1e9 / peak:5.1%} of peak")
+            same = "same greedy tokens as plain" if big_toks[name] == big_toks["plain"] else "greedy tokens DIFFER"
+            lines.append(f"  {t} thread(s), peak {peak:6.1f} GFLOP/s, {name:>11}: {rate:7.1f} tok/s = "
+                         f"{rate * fpt / 1e9:6.1f} GFLOP/s = {rate * fpt / 1e9 / peak:5.1%} of peak  ({same})")
     return lines

@@ -11,6 +11,11 @@ bits (tests check greedy tokens and logits). On CUDA (or TINYLOOP_TRITON=1) the 
 through the Triton kernels of this package, and `CudaGraphStep` replays the whole step as one CUDA graph.
 
 TINYLOOP_LEAN=0 turns it off (the plain path, the baseline of `tinyloop bench kernels`).
+
+Weight layouts (TINYLOOP_LEAN_WEIGHTS, CPU fp32 models): `exact` (default) multiplies by the fused weights as
+stored, the plain path's bits. `packed` keeps a second, GEMM-friendly copy of every matrix the step multiplies
+by (pre-transposed at one lane, oneDNN's blocked layout for more lanes): still fp32 arithmetic, but the sums
+run in another order, so logits differ from the plain path in the last bits (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from ..model import LoopedLM, Step
 from .dispatch import use_triton
 
 _enabled: bool | None = None
+_layout: str | None = None
+LAYOUTS = ("exact", "packed")
 
 
 def set_enabled(on: bool | None) -> None:
@@ -42,6 +49,23 @@ def enabled() -> bool:
     if value not in ("0", "1"):
         raise ConfigError(f"environment TINYLOOP_LEAN={value!r} is not one of ('0', '1')")
     return value == "1"
+
+
+def set_layout(name: str | None) -> None:
+    """Force the lean step's weight layout for this process (None: follow TINYLOOP_LEAN_WEIGHTS)."""
+    global _layout
+    if name is not None and name not in LAYOUTS:
+        raise ConfigError(f"lean weight layout {name!r} is not one of {LAYOUTS}")
+    _layout = name
+
+
+def layout() -> str:
+    if _layout is not None:
+        return _layout
+    value = os.environ.get("TINYLOOP_LEAN_WEIGHTS", "").strip() or "exact"
+    if value not in LAYOUTS:
+        raise ConfigError(f"environment TINYLOOP_LEAN_WEIGHTS={value!r} is not one of {LAYOUTS}")
+    return value
 
 
 @dataclass
@@ -96,6 +120,35 @@ def model_weights(net: LoopedLM) -> tuple[list[BlockWeights], list[BlockWeights]
     return ws[1], ws[2], ws[3]
 
 
+def matmul(w: torch.Tensor, name: str, lanes: int):
+    """x -> F.linear(x, w) with w held in weight layout `name` (see the module doc), tuned for `lanes` rows."""
+    if name == "exact":
+        return lambda x: F.linear(x, w)
+    if name == "packed" and lanes == 1:
+        wt = w.t().contiguous()  # a row times a [K, N] matrix: MKL's faster GEMV form (30 % here), oneDNN's is slower
+        return lambda x: x @ wt
+    # oneDNN's blocked layout for `lanes` rows: its GEMM streams the weights at 80 % of the fp32 matmul peak
+    # where MKL reaches 45 % on the same [16 x 768] x [768 x 2048] product (one thread; docs/kernels.md)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, lanes)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+class Matmuls:
+    """Every matrix one decode step multiplies by, in one weight layout for one lane count: ctx.linear(x, w)."""
+
+    def __init__(self, weights: list[torch.Tensor], name: str, lanes: int):
+        self.fns = {id(w): matmul(w, name, lanes) for w in weights}
+        self.weights = weights  # keeps the ids above valid
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.fns[id(w)](x)
+
+
+def layout_applies(net: LoopedLM, device: torch.device) -> bool:
+    """The packed layout is for CPU kernels (MKL, oneDNN) and fp32 models; elsewhere the step runs exact."""
+    return device.type == "cpu" and net.embed.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one call, composed in C++ of the same ops as RMSNorm (same bits in fp32)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
@@ -124,6 +177,8 @@ class StepContext:
         self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, 1, 1, hd]: broadcast over heads
         self.triton = use_triton(dev)
         self.step = step
+        self.linear = F.linear  # LeanStep.forward swaps in the packed weights' Matmuls
+        self.row = None
         W = cache.window
         if self.triton:  # the kernels take positions and tables directly
             return
@@ -132,9 +187,14 @@ class StepContext:
             self.mask = None  # per slot: the ring's cells carry their own positions
         else:
             self.cells = pos
+            # every lane writing the newest cell (lockstep decode, always at batch 1): the write is a slice copy,
+            # a quarter of the cost of the index_put it replaces; reading pos here is free on CPU
+            self.row = step.end - 1 if dev.type == "cpu" and pos.shape[1] == 1 and bool((pos == step.end - 1).all()) \
+                else None
             kpos = torch.arange(step.end, device=dev)
-            # every lane at the same length: all keys up to end are visible, SDPA needs no mask (same bits)
-            self.mask = None if B == 1 else (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1))
+            # every lane at the same length: all keys up to end are visible, SDPA needs no mask (same bits; a
+            # boolean mask costs SDPA a conversion per call, half its time at batch 16)
+            self.mask = None if B == 1 or self.row is not None else (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1))
             if cache.mode == "int4":
                 kp = kpos.expand(B, step.end)
                 self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
@@ -146,11 +206,29 @@ class LeanStep:
     def __init__(self, net: LoopedLM):
         self.net, self.cfg = net, net.cfg
         self.prelude, self.core, self.coda = model_weights(net)
+        self._matmuls: dict[tuple[str, int], Matmuls] = {}
+
+    def head_weight(self) -> torch.Tensor:
+        return self.net.embed.weight if self.net.lm_head is None else self.net.lm_head.weight
+
+    def matmuls(self, name: str, lanes: int) -> Matmuls:
+        """The step's matrices in layout `name` for `lanes` rows, built on first use (a second copy of the weights)."""
+        key = (name, lanes)
+        if key not in self._matmuls:
+            if len(self._matmuls) >= 2:  # lane counts change rarely: keep the memory bounded
+                self._matmuls.clear()
+            ws = [t for w in self.prelude + self.core + self.coda for t in (w.wqkv, w.wo, w.wgu, w.w_down)]
+            ws += [self.head_weight()] + ([self.net.adapter.weight] if self.net.adapter is not None else [])
+            self._matmuls[key] = Matmuls(ws, name, lanes)
+        return self._matmuls[key]
 
     def forward(self, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
         """Logits [B, 1, V] for ids [B, 1] at step.pos [B, 1]: LoopedLM.forward(ids, loops, step, cache)."""
         net, cfg = self.net, self.cfg
         ctx = StepContext(net, cache, step)
+        name = layout()
+        if name != "exact" and not ctx.triton and layout_applies(net, ids.device):
+            ctx.linear = self.matmuls(name, ids.shape[0])
         x = net.embed(ids)
         for i, w in enumerate(self.prelude):
             x = self.block(w, x, ctx, cache, i)
@@ -158,13 +236,15 @@ class LeanStep:
         s = net.init_state(e, step)
         for k in range(loops):
             inj = cfg.injection
-            x = s if inj == "none" else s + e if inj == "add" else F.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
+            x = s if inj == "none" else s + e if inj == "add" else ctx.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
             for j, w in enumerate(self.core):
                 x = self.block(w, x, ctx, cache, cfg.core_slot(k, j))
             s = x
         for i, w in enumerate(self.coda):
             s = self.block(w, s, ctx, cache, cfg.coda_slot(i))
         s = rms_norm(s, net.norm.weight, net.norm.eps)
+        if ctx.linear is not F.linear:
+            return ctx.linear(s, self.head_weight())
         return s @ net.embed.weight.t() if net.lm_head is None else F.linear(s, net.lm_head.weight)
 
     def block(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
@@ -172,17 +252,18 @@ class LeanStep:
         B, H, KV, hd = ctx.B, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if ctx.triton:  # CUDA: fused kernels (tinyloop/kernels), written to be captured in a CUDA graph
             return self.block_triton(w, x, ctx, cache, slot)
+        linear = ctx.linear
         h = rms_norm(x, w.attn_norm, eps)
-        qkv = F.linear(h, w.wqkv)  # [B, 1, d + 2 kv]
+        qkv = linear(h, w.wqkv)  # [B, 1, d + 2 kv]
         qk = rotate(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
         q, k = qk[:, :, :H], qk[:, :, H:]
         v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
         out = self.attend(w, q, h, k, v, ctx, cache, slot)
-        a = F.linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
+        a = linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
         x = x + (rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-        gate, up = F.linear(rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+        gate, up = linear(rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
         # contiguous like the plain path's gate: silu's vector loop and its scalar tail round differently
-        m = F.linear(F.silu(gate.contiguous()) * up, w.w_down)
+        m = linear(F.silu(gate.contiguous()) * up, w.w_down)
         return x + (rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
     def block_triton(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
@@ -227,7 +308,10 @@ class LeanStep:
             cache.cell_pos[slot, ctx.lane, ctx.cells] = ctx.pos
         else:
             for name, t in new.items():
-                st[name][slot, ctx.lane, ctx.cells] = t
+                if ctx.row is not None:
+                    st[name][slot, :B, ctx.row] = t[:, 0]
+                else:
+                    st[name][slot, ctx.lane, ctx.cells] = t
             data = {name: t[slot, :B, :ctx.end] for name, t in st.items()}
             keys, values = self.decode(w, data, mode, cache.dtype, B, None, ctx)
             mask = ctx.mask
