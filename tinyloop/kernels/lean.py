@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache, dequant_int4, dequant_int8, quant_int4, quant_int8
+from ..env import env_choice
 from ..errors import ConfigError
 from ..model import LoopedLM, Step
 from .dispatch import use_triton
@@ -62,10 +63,7 @@ def set_layout(name: str | None) -> None:
 def layout() -> str:
     if _layout is not None:
         return _layout
-    value = os.environ.get("TINYLOOP_LEAN_WEIGHTS", "").strip() or "exact"
-    if value not in LAYOUTS:
-        raise ConfigError(f"environment TINYLOOP_LEAN_WEIGHTS={value!r} is not one of {LAYOUTS}")
-    return value
+    return env_choice("TINYLOOP_LEAN_WEIGHTS", LAYOUTS, "exact")
 
 
 @dataclass
