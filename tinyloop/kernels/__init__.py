@@ -5,7 +5,7 @@
   norm.py       residual add + RMSNorm
   rope.py       rotary embedding at per-token positions
   dispatch.py   Triton on CUDA, torch on CPU; TINYLOOP_TRITON=1 forces Triton (interpreted on CPU)
-  lean.py       the lean decode step (fewer ops, no per-token allocation, optional torch.compile / CUDA graph)
+  lean.py       the lean decode step (fewer ops, fused and optionally packed weights, CUDA graph on CUDA)
 
 The kernel modules import triton; nothing here is imported by `import tinyloop` except dispatch.
 """
