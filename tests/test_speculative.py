@@ -67,6 +67,23 @@ def test_greedy_exact_across_architectures(make_artifact, overrides):
         same_as_plain(model, SpeculativeConfig(3, 5, 3, width))
 
 
+def test_half_precision_proposals_choose_the_same_drafts(bundled_model, monkeypatch):
+    """The draft's coda and head run on fp16 copies (they only propose); outputs stay exact and the drafts, so
+    the acceptance, stay those of the fp32 proposals but for near ties."""
+    from tinyloop import speculative
+    model, sc = bundled_model, SpeculativeConfig(2, 8, 6)
+    cfg = GenerateConfig(max_tokens=48, loops=8)
+    prompt = "def read_config(path):\n    with open(path) as f:\n        "
+    half = generate_speculative(model, prompt, sc, cfg)
+    assert isinstance(speculative.cpu_weights(model.net, speculative.HalfProposer), speculative.HalfProposer)
+    build = speculative.cpu_weights
+    monkeypatch.setattr(speculative, "cpu_weights",  # the fp32 coda and head propose
+                        lambda net, kind: None if kind is speculative.HalfProposer else build(net, kind))
+    full = generate_speculative(model, prompt, sc, cfg)
+    assert half.tokens == full.tokens == generate(model, prompt, cfg).tokens
+    assert half.stats.drafted > 20 and abs(half.stats.accepted - full.stats.accepted) <= 2
+
+
 def test_tree_accepts_more_than_the_chain_on_the_same_model(make_artifact):
     model = tinyloop.load_model(make_artifact(), 128)
     _, chain = same_as_plain(model, SpeculativeConfig(2, 8, 4, 1), max_tokens=40)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ from .errors import ConfigError
 from .generate import GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length, finish, generate, make_generator
 from .kernels import lean
 from .kernels.dispatch import use_triton
-from .model import Step
+from .model import LoopedLM, Step
 from .modes import check_modes
 from .runtime import Model, load_model
 from .sampling import apply_repetition_penalty, filter_logits, sample_token
@@ -122,6 +123,71 @@ class SpeculativeStats(GenerateStats):
 
 
 # --- the speculator ------------------------------------------------------------------------------------
+class HalfProposer:
+    """The draft's coda and head with fp16 copies of their matrices (CPU, fp32 models).
+
+    They only choose the next draft token: verification rewrites the coda's cache entries for the whole chunk
+    and recomputes every logit it accepts by, so their rounding changes no output (greedy stays identical to
+    plain decode; sampled drafts are still draws from the q they are judged by). What it saves is bytes: a
+    one-token step streams every weight matrix it uses, and on CPU the draft's coda and 4096-row head moved
+    the prelude and core out of the caches; in half precision a draft step costs a good deal less
+    (docs/speculative.md). Attention and norms run in fp32 on the fp32 cache.
+    """
+
+    def __init__(self, net: LoopedLM):
+        self.net, self.cfg = net, net.cfg
+        half = lambda w: dataclasses.replace(w, **{m: getattr(w, m).half() for m in ("wqkv", "wo", "wgu", "w_down")})
+        self.coda = [half(w) for w in lean.lean_step(net).coda]  # norms stay fp32, wkv (int4 recompute) too
+        self.head = (net.embed.weight if net.lm_head is None else net.lm_head.weight).half()
+
+    def logits(self, s: torch.Tensor, ctx, cache: KVCache) -> torch.Tensor:
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        ls, B, H, KV, hd = lean.lean_step(self.net), s.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        mm = lambda x, w: F.linear(x.to(torch.float16), w).float()
+        x = s
+        for i, w in enumerate(self.coda):
+            h = lean.rms_norm(x, w.attn_norm, eps)
+            qkv = mm(h, w.wqkv)
+            qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
+            out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], qkv[..., (H + KV) * hd:].view(B, 1, KV, hd), ctx, cache,
+                            cfg.coda_slot(i))
+            a = mm(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
+            x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+            gate, up = mm(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+            m = mm(F.silu(gate) * up, w.w_down)
+            x = x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+        return mm(lean.rms_norm(x, self.net.norm.weight, self.net.norm.eps), self.head)
+
+
+class PackedMatmuls:
+    """linear(x, w) for verify chunks through oneDNN's blocked copy of w (CPU, fp32 models).
+
+    A chunk of a few rows is a small GEMM, where oneDNN's blocked layout streams the weights faster than the
+    plain row-major product (a 7-token verify chunk: ~1 ms of ~7 ms on the bundled model). Same fp32 math in
+    another summation order: verify logits move in the last bits, as they already differ from one-token decode.
+    """
+
+    def __init__(self, net: LoopedLM):
+        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(w) -> (w, its blocked copy)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        entry = self.packed.get(id(w))
+        if entry is None:
+            entry = self.packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w, 8))
+        return torch.ops.mkldnn._linear_pointwise(x, entry[1], None, "none", [], "")
+
+
+_cpu_weights: "weakref.WeakKeyDictionary[LoopedLM, dict]" = weakref.WeakKeyDictionary()
+
+
+def cpu_weights(net: LoopedLM, kind: type):
+    """The model's HalfProposer or PackedMatmuls, built on first use and kept while the model lives."""
+    per_net = _cpu_weights.setdefault(net, {})
+    if kind not in per_net:
+        per_net[kind] = kind(net)
+    return per_net[kind]
+
+
 class TreeShape:
     """Cells and ancestor mask of one round's tree: token i (0 = root) sits in cell p + i.
 
@@ -159,6 +225,10 @@ class Speculator:
         self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
         self.lean = not self.adaptive and lean.enabled()  # single draft tokens through the fused decode step
         self.lean_verify = self.lean and not use_triton(model.device)  # chain chunks too (torch path only)
+        cpu32 = self.lean_verify and model.device.type == "cpu" and model.dtype == torch.float32
+        self.proposer = cpu_weights(self.net, HalfProposer) if cpu32 else None
+        self.chunk_linear = cpu_weights(self.net, PackedMatmuls) if cpu32 and torch.backends.mkldnn.is_available() \
+            else F.linear
         self.greedy = cfg.temperature == 0
         self.gen = make_generator(cfg.seed)
         self.history: list[int] = []  # prompt + tokens taken so far (repetition penalty)
@@ -243,6 +313,8 @@ class Speculator:
             s = x
         if not head:
             return s, e, None
+        if self.proposer is not None:
+            return s, e, self.proposer.logits(s, ctx, cache)
         h = s
         for i, w in enumerate(ls.coda):
             h = ls.block(w, h, ctx, cache, cfg.coda_slot(i))
@@ -258,29 +330,30 @@ class Speculator:
             ctx.mask = (torch.arange(step.end, device=s.device) <= step.pos.unsqueeze(-1)).unsqueeze(1)
         for k in range(self.D, self.V):
             x = s if cfg.injection == "none" else s + e if cfg.injection == "add" else \
-                F.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
+                self.chunk_linear(torch.cat((s, e), dim=-1), net.adapter.weight)
             for j, w in enumerate(ls.core):
                 x = self.chunk_block(ls, w, x, ctx, cfg.core_slot(k, j))
             s = x
         for i, w in enumerate(ls.coda):
             s = self.chunk_block(ls, w, s, ctx, cfg.coda_slot(i))
         s = lean.rms_norm(s, net.norm.weight, net.norm.eps)
-        return s @ net.embed.weight.t() if net.lm_head is None else F.linear(s, net.lm_head.weight)
+        return self.chunk_linear(s, net.embed.weight if net.lm_head is None else net.lm_head.weight)
 
     def chunk_block(self, ls, w, x: torch.Tensor, ctx, slot: int) -> torch.Tensor:
         """LeanStep.block for T tokens: pre-norm attention (fused qkv) + SwiGLU (fused gate|up)."""
+        linear = self.chunk_linear
         cfg, eps = self.model.cfg, self.model.cfg.norm_eps
         B, T, _ = x.shape
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = lean.rms_norm(x, w.attn_norm, eps)
-        qkv = F.linear(h, w.wqkv)
+        qkv = linear(h, w.wqkv)
         qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, T, H + KV, hd), ctx.cos, ctx.sin)
         v = qkv[..., (H + KV) * hd:].view(B, T, KV, hd)
         out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], v, ctx, self.cache, slot)
-        a = F.linear(out.transpose(1, 2).reshape(B, T, H * hd), w.wo)
+        a = linear(out.transpose(1, 2).reshape(B, T, H * hd), w.wo)
         x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-        gate, up = F.linear(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
-        m = F.linear(F.silu(gate.contiguous()) * up, w.w_down)
+        gate, up = linear(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+        m = linear(F.silu(gate.contiguous()) * up, w.w_down)
         return x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
     def fill_skipped(self, cell: int, last: int) -> None:
