@@ -127,19 +127,28 @@ def matmul(w: torch.Tensor, name: str, lanes: int):
         return lambda x: x @ wt
     # oneDNN's blocked layout for `lanes` rows: its GEMM streams the weights at 80 % of the fp32 matmul peak
     # where MKL reaches 45 % on the same [16 x 768] x [768 x 2048] product (one thread; docs/kernels.md)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, lanes)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), lanes)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 class Matmuls:
-    """Every matrix one decode step multiplies by, in one weight layout for one lane count: ctx.linear(x, w)."""
+    """Every matrix one decode step multiplies by, in one weight layout for one lane count: ctx.linear(x, w);
+    and its RMSNorms as ctx.norm(x, w, eps) (see `norm`)."""
 
-    def __init__(self, weights: list[torch.Tensor], name: str, lanes: int):
+    def __init__(self, weights: list[torch.Tensor], norms: list[torch.Tensor], name: str, lanes: int):
         self.fns = {id(w): matmul(w, name, lanes) for w in weights}
-        self.weights = weights  # keeps the ids above valid
+        self.doubled = {id(w): torch.cat((w, w)) for w in norms}
+        self.weights = weights + norms  # keeps the ids above valid
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.fns[id(w)](x)
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm as LayerNorm of [x, -x]: that has mean 0 and variance mean(x^2), so its first half is
+        x / sqrt(mean(x^2) + eps) * w. LayerNorm is one fused CPU kernel where rms_norm is ten small ops
+        (9.6 -> 6.2 us at d_model 256); the reductions round differently, so only for the packed layout."""
+        d = x.shape[-1]
+        return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * d,), self.doubled[id(w)], None, eps)[..., :d]
 
 
 def layout_applies(net: LoopedLM, device: torch.device) -> bool:
@@ -175,7 +184,7 @@ class StepContext:
         self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, 1, 1, hd]: broadcast over heads
         self.triton = use_triton(dev)
         self.step = step
-        self.linear = F.linear  # LeanStep.forward swaps in the packed weights' Matmuls
+        self.linear, self.norm = F.linear, rms_norm  # LeanStep.forward swaps in the packed weights' Matmuls
         self.row = None
         W = cache.window
         if self.triton:  # the kernels take positions and tables directly
@@ -217,7 +226,9 @@ class LeanStep:
                 self._matmuls.clear()
             ws = [t for w in self.prelude + self.core + self.coda for t in (w.wqkv, w.wo, w.wgu, w.w_down)]
             ws += [self.head_weight()] + ([self.net.adapter.weight] if self.net.adapter is not None else [])
-            self._matmuls[key] = Matmuls(ws, name, lanes)
+            norms = [t for w in self.prelude + self.core + self.coda
+                     for t in (w.attn_norm, w.mlp_norm, w.attn_out_norm, w.mlp_out_norm) if t is not None]
+            self._matmuls[key] = Matmuls(ws, norms + [self.net.norm.weight], name, lanes)
         return self._matmuls[key]
 
     def forward(self, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
@@ -226,7 +237,8 @@ class LeanStep:
         ctx = StepContext(net, cache, step)
         name = layout()
         if name != "exact" and not ctx.triton and layout_applies(net, ids.device):
-            ctx.linear = self.matmuls(name, ids.shape[0])
+            packed = self.matmuls(name, ids.shape[0])
+            ctx.linear, ctx.norm = packed, packed.norm
         x = net.embed(ids)
         for i, w in enumerate(self.prelude):
             x = self.block(w, x, ctx, cache, i)
@@ -240,7 +252,7 @@ class LeanStep:
             s = x
         for i, w in enumerate(self.coda):
             s = self.block(w, s, ctx, cache, cfg.coda_slot(i))
-        s = rms_norm(s, net.norm.weight, net.norm.eps)
+        s = ctx.norm(s, net.norm.weight, net.norm.eps)
         if ctx.linear is not F.linear:
             return ctx.linear(s, self.head_weight())
         return s @ net.embed.weight.t() if net.lm_head is None else F.linear(s, net.lm_head.weight)
@@ -250,19 +262,19 @@ class LeanStep:
         B, H, KV, hd = ctx.B, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if ctx.triton:  # CUDA: fused kernels (tinyloop/kernels), written to be captured in a CUDA graph
             return self.block_triton(w, x, ctx, cache, slot)
-        linear = ctx.linear
-        h = rms_norm(x, w.attn_norm, eps)
+        linear, norm = ctx.linear, ctx.norm
+        h = norm(x, w.attn_norm, eps)
         qkv = linear(h, w.wqkv)  # [B, 1, d + 2 kv]
         qk = rotate(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
         q, k = qk[:, :, :H], qk[:, :, H:]
         v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
         out = self.attend(w, q, h, k, v, ctx, cache, slot)
         a = linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
-        x = x + (rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-        gate, up = linear(rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+        x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+        gate, up = linear(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
         # contiguous like the plain path's gate: silu's vector loop and its scalar tail round differently
         m = linear(F.silu(gate.contiguous()) * up, w.w_down)
-        return x + (rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+        return x + (norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
     def block_triton(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
         from .attention import decode_attend
