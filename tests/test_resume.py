@@ -158,21 +158,31 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
-def test_refine_verifies_the_draft_in_one_chunk(mode):
-    # the bundled model's drafts at 4 loops mostly agree with 16, so the refine reuses a long stretch
+def test_refine_reuses_the_draft(mode):
+    # the bundled model's drafts at 4 loops mostly agree with 16, so a refine takes many tokens from drafts
     model = tinyloop.load_model(None, 256, cache_mode=mode)
     prompt = "def fibonacci(n):\n    "
     handle = tinyloop.build_resume_handle(model, prompt, 4)
     cfg = G(max_tokens=20)
     draft = tinyloop.resume_generate(handle, 4, cfg)
     assert draft.stats.draft_reused_tokens == 0 and handle.draft == draft.tokens
-    again = tinyloop.resume_generate(handle, 4, cfg)  # the same call again: every token comes from the chunk
+    again = tinyloop.resume_generate(handle, 4, cfg)  # the same call again: every token is verified in chunks
     assert again.tokens == draft.tokens and again.stats.draft_reused_tokens == len(draft.tokens) - 1
+    # greedy refine: self-speculation drafted at the handle's depth, continued to 16 loops
     refined = tinyloop.resume_generate(handle, 16, cfg)
     assert refined.tokens == tinyloop.generate(model, prompt, G(max_tokens=20, loops=16)).tokens
-    reused = refined.stats.draft_reused_tokens
-    assert reused == min(common_prefix(refined.tokens, draft.tokens), len(refined.tokens) - 1) and reused > 0
-    assert refined.stats.loops_mean == 16
+    st = refined.stats
+    assert (st.draft_loops, st.verify_loops, st.draft_ahead) == (4, 16, 6) and st.skipped_loops == 4 * handle_len(model, prompt)
+    assert st.draft_reused_tokens == st.accepted > 0 and st.verify_steps < len(refined.tokens)
+    # a sampled refine follows the last output (the greedy refine) while its tokens agree with it
+    sampled = G(max_tokens=20, loops=16, temperature=0.5, seed=1)
+    out = tinyloop.resume_generate(handle, 16, sampled)
+    assert out.tokens == tinyloop.generate(model, prompt, sampled).tokens
+    assert out.stats.draft_reused_tokens == min(common_prefix(out.tokens, refined.tokens), len(out.tokens) - 1)
+
+
+def handle_len(model, prompt) -> int:
+    return len(model.encode_prompt(prompt))
 
 
 def test_any_draft_keeps_the_output_exact(tiny_model):

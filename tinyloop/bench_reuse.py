@@ -3,7 +3,8 @@
 cache_reuse: time to first token with a PrefixPool hit versus a plain prefill, for a long shared scaffold
              and short suffixes (whole calls with max_tokens=1, wall clock, best of the repeats).
 warm_start:  a draft at 4 loops then a refine at 16, through one ResumeHandle (build 4, resume 4, resume 16)
-             versus generate at 4 then a fresh generate at 16, on a prompt-heavy request.
+             versus generate at 4 then a fresh generate at 16, on a prompt-heavy request; then the same with a
+             32-token answer, where the refine also reuses the draft (self-speculation from the handle's depth).
 """
 from __future__ import annotations
 
@@ -120,8 +121,8 @@ def bench_warm_start(model_path: str | None, quick: bool) -> list[str]:
 
 
 def refine_with_answer(model: Model, n_prompt: int, n_tokens: int, repeats: int) -> list[str]:
-    """Draft @4 then refine @16 with a longer answer: besides the prompt's loops, the refine verifies the draft's
-    tokens in chunks while it agrees with them, so its saving depends on how far the two depths agree."""
+    """Draft @4 then refine @16 with a longer answer: besides the prompt's loops, the greedy refine decodes by
+    self-speculation drafted at the handle's depth, so its saving also depends on how far the depths agree."""
     fresh = refine = 0.0
     reused = produced = 0
     same = True
@@ -141,5 +142,5 @@ def refine_with_answer(model: Model, n_prompt: int, n_tokens: int, repeats: int)
         reused, produced = reused + out.stats.draft_reused_tokens, produced + len(out.tokens)
     return [f"  draft @4 then refine @16 with a {n_tokens}-token answer, {len(SUFFIXES)} prompts ({n_prompt}-token scaffold + "
             f"suffix): fresh generate @16 {fresh:.2f} s, refine via the handle {refine:.2f} s: {1 - refine / fresh:.1%} "
-            f"saved; the refine took {reused} of {produced} tokens' logits from verifying the draft; "
+            f"saved; {reused} of the {produced} answer tokens came from accepted drafts; "
             f"equal to generate: {'yes' if same else 'NO'}"]

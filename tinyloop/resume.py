@@ -9,12 +9,14 @@ the same operations `generate(..., loops=L)` performs, minus the first D loops.
 Every resume deeper than D stores the new state and entries, so 4 -> 8 -> 16 each reuse the deepest state.
 Resuming at L < D recomputes loops 0..L-1 from e (only the prelude is skipped): the handle keeps one state.
 
-The handle also keeps the tokens its last call produced (the draft). While a refine's sampled tokens follow
-the draft, their logits come from verifying the draft piece by piece (4 tokens, then 8, 16, ...) in one chunk
-each, instead of one-token decode steps; at the first difference it goes on with plain decode (the causal
-mask hides the rest of the piece until decode overwrites it). Any draft keeps the output exact, since every
-sampled token still comes from the refine's own logits and generator; a good draft only makes it cheaper.
-`stats.draft_reused_tokens` counts the tokens whose logits came from those chunks.
+A refine also saves on its answer. Greedy (at more loops than the handle holds): it decodes by
+self-speculation, drafting at the handle's depth D and continuing the drafts to L (speculative.py), which
+gives plain decode's tokens. Otherwise the handle's last output (the draft) is the guess: while the sampled
+tokens follow it, their logits come from verifying it piece by piece (4 tokens, then 8, 16, ...) in one chunk
+each instead of one-token steps; at the first difference plain decode goes on (the causal mask hides the
+rest of the piece until decode overwrites it). Any guess keeps the output exact, since every token is still
+sampled from the refine's own logits and generator. `stats.draft_reused_tokens` counts the tokens taken from
+drafts either way.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, On
 from .handles import Handle, PrefilledDecoder, adaptive, decode_from, encode_tokens, tensor_bytes
 from .modes import check_modes
 from .runtime import Model
+from .speculative import SpeculativeConfig, speculate
+
+REFINE_AHEAD = 6  # draft_ahead of a greedy refine (the best chain in `tinyloop bench --section speculative`)
 
 
 class ResumeHandle(Handle):
@@ -188,7 +193,13 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
             # generate runs a one-token prompt with early exit; match it by a plain prefill
             return decode_from(model, Decoder(model, L, cache, cfg.early_exit_threshold), ids, 0, cfg, on_token, stats)
         prefill = lambda rest, start: handle.prefill(cache, L, stats)
-        if adaptive(model, cfg) or cfg.cache_window:
+        if L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive(model, cfg) \
+                and not cfg.cache_window:
+            # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
+            sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
+            out = speculate(model, ids, sc, cfg, cache, L, on_token, lambda st: handle.prefill(cache, L, st)[-1])
+            out.stats.draft_reused_tokens = out.stats.accepted
+        elif adaptive(model, cfg) or cfg.cache_window:
             # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells
             out = decode_from(model, PrefilledDecoder(model, L, cache, cfg.early_exit_threshold, prefill),
                               ids, len(ids), cfg, on_token, stats)

@@ -37,7 +37,7 @@ import dataclasses
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -462,13 +462,18 @@ class Speculator:
 
     # -- the whole generation -------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, prompt_ids: list[int], on_token: OnToken | None, stats: SpeculativeStats) -> GenerateResult:
+    def run(self, prompt_ids: list[int], on_token: OnToken | None, stats: SpeculativeStats,
+            prefill: Callable[[], torch.Tensor] | None = None) -> GenerateResult:
+        """Prefill (or `prefill()`: the prompt's last logits, the cache filled by a handle) and decode."""
         cfg, model, net = self.cfg, self.model, self.net
         t0 = time.perf_counter()
         P = len(prompt_ids)
         stats.prompt_tokens, stats.cache_mode = P, model.cache_mode
-        step = net.make_step(torch.arange(P, device=model.device).unsqueeze(0), P)
-        logits = net(torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache)[0, -1]
+        if prefill is not None:
+            logits = prefill()
+        else:
+            step = net.make_step(torch.arange(P, device=model.device).unsqueeze(0), P)
+            logits = net(torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache)[0, -1]
         t_prefill = time.perf_counter()
         stats.prefill_ms = (t_prefill - t0) * 1000
         self.history = list(prompt_ids)
@@ -557,17 +562,26 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
             cache = KVCache(model.cfg, 1, model.max_seq_len, model.cache_mode, device=model.device, dtype=model.dtype,
                             window=cfg.cache_window, ring=cfg.cache_window + sc.draft_ahead + 1)
         cache.reset()
-        stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
-                                 tree_width=sc.tree_width)
-        # small steps run best on one thread (kernels/lean.py: decode_threads); the verify chunk is the largest
-        threads, before = lean.decode_threads(1 + sc.draft_ahead * sc.tree_width, model.cfg), torch.get_num_threads()
-        if model.device.type == "cpu" and threads and threads != before:
-            torch.set_num_threads(threads)
-        try:
-            return Speculator(model, sc, cfg, cache, verify_loops).run(ids, on_token, stats)
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
+        return speculate(model, ids, sc, cfg, cache, verify_loops, on_token)
+
+
+def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache,
+              verify_loops: int, on_token: OnToken | None, prefill: Callable[[SpeculativeStats], torch.Tensor] | None = None,
+              ) -> GenerateResult:
+    """Speculative decode of `ids` over `cache` (the model held by the caller); `prefill(stats)`, when given,
+    fills the cache for the prompt and returns its last logits (resume_generate's refine)."""
+    stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
+                             tree_width=sc.tree_width)
+    # small steps run best on one thread (kernels/lean.py: decode_threads); the verify chunk is the largest
+    threads, before = lean.decode_threads(1 + sc.draft_ahead * sc.tree_width, model.cfg), torch.get_num_threads()
+    if model.device.type == "cpu" and threads and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        return Speculator(model, sc, cfg, cache, verify_loops).run(
+            ids, on_token, stats, None if prefill is None else lambda: prefill(stats))
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 # --- pattern 5: benchmark, then choose ---------------------------------------------------------------------
