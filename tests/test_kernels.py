@@ -25,6 +25,9 @@ from tinyloop.kernels.quant import write_tokens, write_tokens_ref  # noqa: E402
 from tinyloop.kernels.rope import rope_ref, rope_triton  # noqa: E402
 from tinyloop.model import LoopedLM  # noqa: E402
 
+# tiny shapes: one intra-op thread (two stall on a busy machine: 0.2 s tests took 35 s with the other core taken)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MODES = ("fp16", "int8", "int4")
 
