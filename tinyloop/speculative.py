@@ -168,13 +168,13 @@ class PackedMatmuls:
     """
 
     def __init__(self, net: LoopedLM):
-        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(w) -> (w, its blocked copy)
+        self.fns: dict[int, tuple[torch.Tensor, Callable]] = {}  # id(w) -> (w, x -> x w^T on its blocked copy)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        entry = self.packed.get(id(w))
+        entry = self.fns.get(id(w))
         if entry is None:
-            entry = self.packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w, 8))
-        return torch.ops.mkldnn._linear_pointwise(x, entry[1], None, "none", [], "")
+            entry = self.fns[id(w)] = (w, lean.matmul(w, "packed", 8))  # chunks of 2-9 rows
+        return entry[1](x)
 
 
 _cpu_weights: "weakref.WeakKeyDictionary[LoopedLM, dict]" = weakref.WeakKeyDictionary()
