@@ -80,7 +80,7 @@ class GenerateStats:
     cache_mode: str = ""
     prefix_hit_tokens: int = 0
     skipped_loops: int = 0
-    draft_reused_tokens: int = 0  # resume_generate: tokens whose logits came from verifying the handle's draft
+    draft_reused_tokens: int = 0  # resume_generate: answer tokens taken from drafts (docs/cache-reuse.md)
     draft_accept_rate: float = 0.0
 
     def to_dict(self) -> dict:

@@ -51,7 +51,7 @@ class ResumeHandle(Handle):
         self.s: torch.Tensor | None = None
         self.entries: dict[str, torch.Tensor] = {}  # slots 0..P + R*depth - 1, positions kept_from..T-1
         self.kept_from = max(0, len(ids) - cache_window) if cache_window else 0
-        self.draft: list[int] = []  # the tokens of the last resume_generate: the next one verifies them in a chunk
+        self.draft: list[int] = []  # the last resume_generate's tokens: the next call's guess (RefiningDecoder)
 
     @property
     def l_used(self) -> int:
