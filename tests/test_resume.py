@@ -181,6 +181,20 @@ def test_refine_reuses_the_draft(mode):
     assert out.stats.draft_reused_tokens == min(common_prefix(out.tokens, refined.tokens), len(out.tokens) - 1)
 
 
+def test_greedy_refine_verifies_a_right_draft_in_growing_pieces(make_artifact):
+    model = tinyloop.load_model(make_artifact(), 128)
+    prompt, cfg = ids(12, 6), G(max_tokens=40)
+    answer = tinyloop.generate(model, prompt, G(max_tokens=40, loops=6)).tokens
+    for draft, most_rounds in ((answer, 4), ([], 40), (answer[:9] + [(answer[9] + 1) % 64] + answer[10:], 40)):
+        handle = tinyloop.build_resume_handle(model, prompt, 2)
+        handle.draft = draft  # as if the draft at 2 loops had produced it
+        out = tinyloop.resume_generate(handle, 6, cfg)
+        assert out.tokens == answer
+        # a right draft: pieces of 4, 8, 16, 32 tokens, one verification each; a wrong one: drafting takes over
+        assert out.stats.verify_steps <= most_rounds, (len(draft), out.stats.verify_steps)
+        assert (out.stats.verify_steps <= 4) == (draft == answer)
+
+
 def handle_len(model, prompt) -> int:
     return len(model.encode_prompt(prompt))
 

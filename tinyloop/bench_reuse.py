@@ -122,7 +122,7 @@ def bench_warm_start(model_path: str | None, quick: bool) -> list[str]:
 
 def refine_with_answer(model: Model, n_prompt: int, n_tokens: int, repeats: int) -> list[str]:
     """Draft @4 then refine @16 with a longer answer: besides the prompt's loops, the greedy refine decodes by
-    self-speculation drafted at the handle's depth, so its saving also depends on how far the depths agree."""
+    self-speculation from the handle's depth following the draft, so its saving depends on how far the depths agree."""
     fresh = refine = 0.0
     reused = produced = 0
     same = True

@@ -9,14 +9,14 @@ the same operations `generate(..., loops=L)` performs, minus the first D loops.
 Every resume deeper than D stores the new state and entries, so 4 -> 8 -> 16 each reuse the deepest state.
 Resuming at L < D recomputes loops 0..L-1 from e (only the prelude is skipped): the handle keeps one state.
 
-A refine also saves on its answer. Greedy (at more loops than the handle holds): it decodes by
-self-speculation, drafting at the handle's depth D and continuing the drafts to L (speculative.py), which
-gives plain decode's tokens. Otherwise the handle's last output (the draft) is the guess: while the sampled
-tokens follow it, their logits come from verifying it piece by piece (4 tokens, then 8, 16, ...) in one chunk
-each instead of one-token steps; at the first difference plain decode goes on (the causal mask hides the
-rest of the piece until decode overwrites it). Any guess keeps the output exact, since every token is still
-sampled from the refine's own logits and generator. `stats.draft_reused_tokens` counts the tokens taken from
-drafts either way.
+A refine also saves on its answer, using the handle's last output (the draft) as a guess. Greedy, at more
+loops than the handle holds: self-speculation from the handle's depth D (speculative.py); while the output
+follows the draft, rounds verify pieces of it (4, 8, 16 ... tokens), then drafts at D go on token by token.
+Otherwise: while the sampled tokens follow the draft, their logits come from verifying it piece by piece in
+one chunk each instead of one-token steps; at the first difference plain decode goes on (the causal mask
+hides the rest of the piece until decode overwrites it). Any guess keeps the output exact, since every token
+is still sampled from the refine's own logits and generator. `stats.draft_reused_tokens` counts the answer
+tokens taken from drafts.
 """
 from __future__ import annotations
 
@@ -197,7 +197,8 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
                 and not cfg.cache_window:
             # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
             sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
-            out = speculate(model, ids, sc, cfg, cache, L, on_token, lambda st: handle.prefill(cache, L, st)[-1])
+            out = speculate(model, ids, sc, cfg, cache, L, on_token, lambda st: handle.prefill(cache, L, st)[-1],
+                            handle.draft)
             out.stats.draft_reused_tokens = out.stats.accepted
         elif adaptive(model, cfg) or cfg.cache_window:
             # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells

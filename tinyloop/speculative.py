@@ -218,7 +218,8 @@ class TreeShape:
 class Speculator:
     """Runs speculative rounds over one lane of a KVCache; counts loop-steps."""
 
-    def __init__(self, model: Model, sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache, verify_loops: int):
+    def __init__(self, model: Model, sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache, verify_loops: int,
+                 guess: list[int] = ()):
         self.model, self.net, self.cache, self.cfg = model, model.net, cache, cfg
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
         self.threshold = cfg.early_exit_threshold
@@ -230,6 +231,8 @@ class Speculator:
         self.chunk_linear = cpu_weights(self.net, PackedMatmuls) if cpu32 and torch.backends.mkldnn.is_available() \
             else F.linear
         self.greedy = cfg.temperature == 0
+        # a known continuation to verify before drafting (greedy chains without early exit only): see run
+        self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
         self.gen = make_generator(cfg.seed)
         self.history: list[int] = []  # prompt + tokens taken so far (repetition penalty)
         self.used_at: dict[int, int] = {}  # loops used by the token at each committed position
@@ -363,13 +366,16 @@ class Speculator:
                 self.cache.copy_slot(self.model.cfg.core_slot(last, j), self.model.cfg.core_slot(k, j), at)
 
     # -- one round -----------------------------------------------------------------------------------
-    def round(self, pending: int, p: int, n: int, w: int) -> tuple[list[int], int]:
-        """Draft from the pending token at position p (depth n, width w), verify, accept, commit.
+    def round(self, pending: int, p: int, n: int, w: int, guessed: list[int]) -> tuple[list[int], int]:
+        """Draft from the pending token at position p (depth n, width w), verify, accept, commit. With
+        `guessed` tokens (a chain known in advance) the drafts are those, their draft depth computed as one chunk.
 
         Returns the tokens the round yields (accepted drafts, then a correction or bonus) and the number of
         drafted tokens accepted.
         """
         net, cache, dev = self.net, self.cache, self.model.device
+        if guessed:
+            n, w = len(guessed), 1
         tree = TreeShape(p, w, n, dev) if w > 1 else None
         N = 1 + n * w
         pos = [p] + [p + (i - 1) // w + 1 for i in range(1, N)]
@@ -387,8 +393,16 @@ class Speculator:
                 i = parent[i]
             return out[::-1]
 
+        if guessed:  # prelude and draft loops of the whole known chain in one pass; nothing to propose
+            toks[1:] = guessed
+            step = self.make_step(pos, cells, None)
+            e = net.encode(torch.tensor([toks], device=dev), step, cache)
+            s, steps = self.deepen(net.init_state(e, step), e, step, pos, cells, None, 0, self.D, used, done)
+            self.draft_loop_steps += steps
+            states.append(s)
+            embeds.append(e)
         # draft: level 0 is the root, level d holds tokens 1+(d-1)w .. dw
-        for d in range(n + 1):
+        for d in range(0 if guessed else n + 1):
             lvl = [0] if d == 0 else list(range(1 + (d - 1) * w, 1 + d * w))
             lp, lc = [pos[i] for i in lvl], [cells[i] for i in lvl]
             step = self.make_step(lp, lc, tree if d > 0 else None)
@@ -507,6 +521,7 @@ class Speculator:
 
         first = sample_token(self.penalised(logits, []), cfg.temperature, cfg.top_k, cfg.top_p, self.gen)
         going, pending, p = take(first), first, P
+        piece = 4
         while going:
             left = cfg.max_tokens - count  # tokens still to sample; a round yields at most depth + 1
             n, w = min(self.n, left - 1), self.w
@@ -514,7 +529,12 @@ class Speculator:
                 n = min(n, (self.cache.max_len - 1 - p) // w)
                 if n == 0:
                     n, w = min(self.n, left - 1), 1
-            out, a = self.round(pending, p, n, w)
+            guessed = []
+            if self.guess and self.history[P:] == self.guess[:p - P + 1]:  # all so far, pending too, as guessed
+                guessed = self.guess[p - P + 1:p - P + 1 + min(piece, left - 1)]
+                piece *= 2  # the next piece only if this one is taken whole
+            out, a = self.round(pending, p, n, w, guessed)
+            n = len(guessed) or n
             stats.verify_steps += 1
             stats.drafted += n
             stats.accepted += a
@@ -567,9 +587,11 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
 
 def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache,
               verify_loops: int, on_token: OnToken | None, prefill: Callable[[SpeculativeStats], torch.Tensor] | None = None,
-              ) -> GenerateResult:
+              guess: list[int] = ()) -> GenerateResult:
     """Speculative decode of `ids` over `cache` (the model held by the caller); `prefill(stats)`, when given,
-    fills the cache for the prompt and returns its last logits (resume_generate's refine)."""
+    fills the cache for the prompt and returns its last logits (resume_generate's refine). `guess`: a likely
+    greedy continuation (the refine's draft); while the output follows it, rounds verify pieces of it (4, 8,
+    16 ... tokens) instead of drafting token by token."""
     stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
                              tree_width=sc.tree_width)
     # small steps run best on one thread (kernels/lean.py: decode_threads); the verify chunk is the largest
@@ -577,7 +599,7 @@ def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: Generate
     if model.device.type == "cpu" and threads and threads != before:
         torch.set_num_threads(threads)
     try:
-        return Speculator(model, sc, cfg, cache, verify_loops).run(
+        return Speculator(model, sc, cfg, cache, verify_loops, guess).run(
             ids, on_token, stats, None if prefill is None else lambda: prefill(stats))
     finally:
         if torch.get_num_threads() != before:
