@@ -141,22 +141,29 @@ class HalfProposer:
         self.head = (net.embed.weight if net.lm_head is None else net.lm_head.weight).half()
 
     def logits(self, s: torch.Tensor, ctx, cache: KVCache) -> torch.Tensor:
-        cfg, eps = self.cfg, self.cfg.norm_eps
-        ls, B, H, KV, hd = lean.lean_step(self.net), s.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        mm = lambda x, w: F.linear(x.to(torch.float16), w).float()
-        x = s
+        ls, half = lean.lean_step(self.net), lambda x, w: F.linear(x.to(torch.float16), w).float()
         for i, w in enumerate(self.coda):
-            h = lean.rms_norm(x, w.attn_norm, eps)
-            qkv = mm(h, w.wqkv)
-            qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
-            out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], qkv[..., (H + KV) * hd:].view(B, 1, KV, hd), ctx, cache,
-                            cfg.coda_slot(i))
-            a = mm(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
-            x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-            gate, up = mm(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
-            m = mm(F.silu(gate) * up, w.w_down)
-            x = x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
-        return mm(lean.rms_norm(x, self.net.norm.weight, self.net.norm.eps), self.head)
+            s = rows_block(ls, w, s, ctx, cache, self.cfg.coda_slot(i), half)
+        return half(lean.rms_norm(s, self.net.norm.weight, self.net.norm.eps), self.head)
+
+
+def rows_block(ls, w: lean.BlockWeights, x: torch.Tensor, ctx, cache: KVCache, slot: int,
+               linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """LeanStep.block for T rows with a chosen matrix product: pre-norm attention (fused qkv) + SwiGLU (fused
+    gate|up); attention over `cache` with the step context's mask."""
+    cfg, eps = ls.cfg, ls.cfg.norm_eps
+    B, T, _ = x.shape
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = lean.rms_norm(x, w.attn_norm, eps)
+    qkv = linear(h, w.wqkv)
+    qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, T, H + KV, hd), ctx.cos, ctx.sin)
+    v = qkv[..., (H + KV) * hd:].view(B, T, KV, hd)
+    out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], v, ctx, cache, slot)
+    a = linear(out.transpose(1, 2).reshape(B, T, H * hd), w.wo)
+    x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+    gate, up = linear(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+    m = linear(F.silu(gate.contiguous()) * up, w.w_down)
+    return x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
 
 class PackedMatmuls:
@@ -335,29 +342,12 @@ class Speculator:
             x = s if cfg.injection == "none" else s + e if cfg.injection == "add" else \
                 self.chunk_linear(torch.cat((s, e), dim=-1), net.adapter.weight)
             for j, w in enumerate(ls.core):
-                x = self.chunk_block(ls, w, x, ctx, cfg.core_slot(k, j))
+                x = rows_block(ls, w, x, ctx, cache, cfg.core_slot(k, j), self.chunk_linear)
             s = x
         for i, w in enumerate(ls.coda):
-            s = self.chunk_block(ls, w, s, ctx, cfg.coda_slot(i))
+            s = rows_block(ls, w, s, ctx, cache, cfg.coda_slot(i), self.chunk_linear)
         s = lean.rms_norm(s, net.norm.weight, net.norm.eps)
         return self.chunk_linear(s, net.embed.weight if net.lm_head is None else net.lm_head.weight)
-
-    def chunk_block(self, ls, w, x: torch.Tensor, ctx, slot: int) -> torch.Tensor:
-        """LeanStep.block for T tokens: pre-norm attention (fused qkv) + SwiGLU (fused gate|up)."""
-        linear = self.chunk_linear
-        cfg, eps = self.model.cfg, self.model.cfg.norm_eps
-        B, T, _ = x.shape
-        H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = lean.rms_norm(x, w.attn_norm, eps)
-        qkv = linear(h, w.wqkv)
-        qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, T, H + KV, hd), ctx.cos, ctx.sin)
-        v = qkv[..., (H + KV) * hd:].view(B, T, KV, hd)
-        out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], v, ctx, self.cache, slot)
-        a = linear(out.transpose(1, 2).reshape(B, T, H * hd), w.wo)
-        x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-        gate, up = linear(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
-        m = linear(F.silu(gate.contiguous()) * up, w.w_down)
-        return x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
     def fill_skipped(self, cell: int, last: int) -> None:
         at = torch.tensor([[cell]], device=self.model.device)
