@@ -84,6 +84,19 @@ def test_half_precision_proposals_choose_the_same_drafts(bundled_model, monkeypa
     assert half.stats.drafted > 20 and abs(half.stats.accepted - full.stats.accepted) <= 2
 
 
+def test_cpu_weight_copies_follow_weight_updates(make_artifact):
+    """The half-precision proposer and the packed verify weights are copies: an in-place change of the
+    model's parameters must reach them (else verification would use the old weights)."""
+    model = tinyloop.load_model(make_artifact(), 128)
+    sc, cfg = SpeculativeConfig(2, 6, 4), GenerateConfig(max_tokens=16, loops=6)
+    assert generate_speculative(model, PROMPT, sc, cfg).tokens == generate(model, PROMPT, cfg).tokens
+    with torch.no_grad():
+        model.net.embed.weight.mul_(-2.0)  # the tied head: logits change sign and scale
+        model.net.core[0].mlp.w_up.weight.mul_(3.0)
+    plain = generate(model, PROMPT, cfg)
+    assert generate_speculative(model, PROMPT, sc, cfg).tokens == plain.tokens
+
+
 def test_tree_accepts_more_than_the_chain_on_the_same_model(make_artifact):
     model = tinyloop.load_model(make_artifact(), 128)
     _, chain = same_as_plain(model, SpeculativeConfig(2, 8, 4, 1), max_tokens=40)

@@ -184,15 +184,20 @@ class PackedMatmuls:
         return entry[1](x)
 
 
-_cpu_weights: "weakref.WeakKeyDictionary[LoopedLM, dict]" = weakref.WeakKeyDictionary()
+_cpu_weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
 
 
 def cpu_weights(net: LoopedLM, kind: type):
-    """The model's HalfProposer or PackedMatmuls, built on first use and kept while the model lives."""
-    per_net = _cpu_weights.setdefault(net, {})
-    if kind not in per_net:
-        per_net[kind] = kind(net)
-    return per_net[kind]
+    """The model's HalfProposer or PackedMatmuls, built on first use and kept while the model lives; rebuilt
+    when its parameters change in place (as the lean step's fused weights are)."""
+    lean.lean_step(net)  # brings the fused weights up to date first (rebuilding them rebinds parameters)
+    version = tuple(p._version for p in net.parameters())
+    held = _cpu_weights.get(net)
+    if held is None or held[0] != version:
+        held = _cpu_weights[net] = (version, {})
+    if kind not in held[1]:
+        held[1][kind] = kind(net)
+    return held[1][kind]
 
 
 class TreeShape:
