@@ -677,7 +677,7 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
     """Speculative (draft 2 -> verify 8, a few draft_ahead values, tree on and off) vs plain decode at 8 loops."""
     model = load_model(model_path, 1024)
     n_tokens, prompts, repeats = (32, BENCH_PROMPTS[:2], 1) if quick else (96, BENCH_PROMPTS, 2)
-    configs = [SpeculativeConfig(2, 8, a) for a in ((2, 4) if quick else (2, 3, 4, 6))]
+    configs = [SpeculativeConfig(2, 8, a) for a in ((2, 4) if quick else (2, 4, 6, 8, 10, 12))]
     configs += [SpeculativeConfig(2, 8, a, w) for a, w in (((3, 2),) if quick else ((3, 2), (4, 2), (4, 3)))]
     cfg = GenerateConfig(max_tokens=n_tokens, loops=8)
     c = model.cfg
