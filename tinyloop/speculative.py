@@ -369,8 +369,6 @@ class Speculator:
         drafted tokens accepted.
         """
         net, cache, dev = self.net, self.cache, self.model.device
-        if guessed:
-            n, w = len(guessed), 1
         tree = TreeShape(p, w, n, dev) if w > 1 else None
         N = 1 + n * w
         pos = [p] + [p + (i - 1) // w + 1 for i in range(1, N)]
@@ -525,11 +523,12 @@ class Speculator:
                 if n == 0:
                     n, w = min(self.n, left - 1), 1
             guessed = []
-            if self.guess and self.history[P:] == self.guess[:p - P + 1]:  # all so far, pending too, as guessed
+            if self.guess and self.history[P:] != self.guess[:p - P + 1]:
+                self.guess = []  # the output left the guess: draft from here on
+            if self.guess:  # everything so far, the pending token too, was guessed: verify the next piece
                 guessed = self.guess[p - P + 1:p - P + 1 + min(piece, left - 1)]
-                piece *= 2  # the next piece only if this one is taken whole
+                n, w, piece = len(guessed) or n, 1, piece * 2  # a next piece only if this one is taken whole
             out, a = self.round(pending, p, n, w, guessed)
-            n = len(guessed) or n
             stats.verify_steps += 1
             stats.drafted += n
             stats.accepted += a
