@@ -191,7 +191,7 @@ def cpu_weights(net: LoopedLM, kind: type):
     """The model's HalfProposer or PackedMatmuls, built on first use and kept while the model lives; rebuilt
     when its parameters change in place (as the lean step's fused weights are)."""
     lean.lean_step(net)  # brings the fused weights up to date first (rebuilding them rebinds parameters)
-    version = tuple(p._version for p in net.parameters())
+    version = lean.weights_version(net)
     held = _cpu_weights.get(net)
     if held is None or held[0] != version:
         held = _cpu_weights[net] = (version, {})
@@ -312,35 +312,23 @@ class Speculator:
 
     def draft_lean(self, token: int, step: Step, head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One plain-position token through prelude, draft_loops and (if head) the coda, with the lean decode
-        step's fused weights (kernels/lean.py; same arithmetic as the module path). Returns s, e, logits."""
-        net, cfg, cache = self.net, self.model.cfg, self.cache
-        ls, ctx = lean.lean_step(net), lean.StepContext(net, cache, step)
-        x = net.embed(torch.tensor([[token]], device=self.model.device))
-        for i, w in enumerate(ls.prelude):
-            x = ls.block(w, x, ctx, cache, i)
-        e = x
-        s = net.init_state(e, step)
-        for k in range(self.D):
-            x = s if cfg.injection == "none" else s + e if cfg.injection == "add" else \
-                F.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
-            for j, w in enumerate(ls.core):
-                x = ls.block(w, x, ctx, cache, cfg.core_slot(k, j))
-            s = x
+        step (kernels/lean.py; same arithmetic as the module path). Returns s, e [1, 1, d] and logits."""
+        ls = lean.lean_step(self.net)
+        ctx = ls.context(step, self.cache, "exact")
+        s, e = ls.depth(torch.tensor([[token]], device=self.model.device), self.D, ctx, self.cache)
+        s, e = s.unsqueeze(1), e.unsqueeze(1)
         if not head:
             return s, e, None
         if self.proposer is not None:
-            return s, e, self.proposer.logits(s, ctx, cache)
-        h = s
-        for i, w in enumerate(ls.coda):
-            h = ls.block(w, h, ctx, cache, cfg.coda_slot(i))
-        h = lean.rms_norm(h, net.norm.weight, net.norm.eps)
-        return s, e, h @ net.embed.weight.t() if net.lm_head is None else F.linear(h, net.lm_head.weight)
+            return s, e, self.proposer.logits(s, ctx, self.cache)
+        return s, e, ls.head(s[:, 0], ctx, self.cache)
 
     def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:
         """Loops draft_loops..verify_loops and the coda over a plain-position chunk with the lean step's fused
         weights and shared per-step indices (kernels/lean.py), plus a causal mask inside the chunk. Logits."""
         net, cfg, cache = self.net, self.model.cfg, self.cache
-        ls, ctx = lean.lean_step(net), lean.StepContext(net, cache, step)
+        ls = lean.lean_step(net)
+        ctx = ls.context(step, cache, "exact")
         if not cache.window:  # StepContext is built for one token per lane; a chunk needs the causal mask
             ctx.mask = (torch.arange(step.end, device=s.device) <= step.pos.unsqueeze(-1)).unsqueeze(1)
         for k in range(self.D, self.V):

@@ -3,9 +3,10 @@
 The plain path (LoopedLM.forward with a KVCache) is general: chunks of any length, tree masks, module calls,
 per-layer index tensors and masks rebuilt in every layer. For one token per lane most of that is fixed per
 step, so here it is computed once per step and shared by every layer and loop:
-  - lane/cell indices, the causal (or window) mask and the rotary factors of the step
+  - lane/cell indices, the causal (or window) mask, the rotary factors, and views of every slot's cache rows
+    (lanes in lockstep write the cache by slice copy and attend over a view, no index tensors per layer)
   - attention projections fused: one [q|k|v] matmul, one [gate|up] matmul (weights concatenated once per model)
-  - RoPE of q and k in one pass, no nn.Module calls
+  - RoPE of q and k in one pass, no nn.Module calls; tokens are rows [B, d], so products are plain 2-D GEMMs
 Every operation is the same arithmetic as the plain path, in the same order, so on CPU the logits are the same
 bits (tests check greedy tokens and logits). On CUDA (or TINYLOOP_TRITON=1) the cache write and attention go
 through the Triton kernels of this package, and `CudaGraphStep` replays the whole step as one CUDA graph.
@@ -14,14 +15,17 @@ TINYLOOP_LEAN=0 turns it off (the plain path, the baseline of `tinyloop bench ke
 
 Weight layouts (TINYLOOP_LEAN_WEIGHTS, CPU fp32 models): `exact` (default) multiplies by the fused weights as
 stored, the plain path's bits. `packed` keeps a second, GEMM-friendly copy of every matrix the step multiplies
-by (pre-transposed at one lane, oneDNN's blocked layout for more lanes): still fp32 arithmetic, but the sums
-run in another order, so logits differ from the plain path in the last bits (docs/kernels.md).
+by (pre-transposed at one lane, oneDNN's blocked layout for more lanes), computes RMSNorm as one LayerNorm
+kernel and RoPE as one product with a per-step rotation matrix: still fp32 arithmetic, but the sums run in
+another order, so logits differ from the plain path in the last bits (docs/kernels.md).
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,54 +105,104 @@ def _block_weights(block) -> BlockWeights:
 
 
 _weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
+_params: "weakref.WeakKeyDictionary[LoopedLM, list]" = weakref.WeakKeyDictionary()
+
+
+def weights_version(net: LoopedLM) -> tuple[int, ...]:
+    """The parameters' version counters: they move on any in-place change (load_state_dict, training). The
+    parameter list is kept (walking the modules costs ~60 us, a few percent of a decode step)."""
+    params = _params.get(net)
+    if params is None:
+        params = _params[net] = list(net.parameters())
+    return tuple(p._version for p in params)
 
 
 def model_weights(net: LoopedLM) -> tuple[list[BlockWeights], list[BlockWeights], list[BlockWeights]]:
-    """Fused weights of (prelude, core, coda), built once per model; the model's own linear weights become
-    views of them, so nothing is held twice."""
-    # the parameters' version counters move on any in-place change (load_state_dict, training): rebuild then
-    version = tuple(p._version for p in net.parameters())
+    """Fused weights of (prelude, core, coda), built once per model and again after an in-place change of its
+    parameters; the model's own linear weights become views of them, so nothing is held twice."""
     ws = _weights.get(net)
-    if ws is None or ws[0] != version:
+    if ws is None or ws[0] != weights_version(net):
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: they keep version counters
             blocks = ([_block_weights(b) for b in net.prelude], [_block_weights(b) for b in net.core],
                       [_block_weights(b) for b in net.coda])
-            ws = (tuple(p._version for p in net.parameters()), *blocks)  # rebinding made new parameters
-        _weights[net] = ws
+        _params.pop(net, None)  # rebinding made new parameters
+        ws = _weights[net] = (weights_version(net), *blocks)
     return ws[1], ws[2], ws[3]
 
 
 def matmul(w: torch.Tensor, name: str, lanes: int):
     """x -> F.linear(x, w) with w held in weight layout `name` (see the module doc), tuned for `lanes` rows."""
+    w = packed_weight(w, name, lanes)
+    fn = linear_for(name, lanes)
+    return lambda x: fn(x, w)
+
+
+def packed_weight(w: torch.Tensor, name: str, lanes: int) -> torch.Tensor:
+    """w [N, K] in layout `name` for `lanes` rows, to be multiplied by linear_for(name, lanes)."""
     if name == "exact":
-        return lambda x: F.linear(x, w)
-    if name == "packed" and lanes == 1:
-        wt = w.t().contiguous()  # a row times a [K, N] matrix: MKL's faster GEMV form (30 % here), oneDNN's is slower
-        return lambda x: x @ wt
+        return w
+    if lanes == 1:
+        return w.t().contiguous()  # a row times a [K, N] matrix: MKL's faster GEMV form (30 % here), oneDNN's is slower
     # oneDNN's blocked layout for `lanes` rows: its GEMM streams the weights at 80 % of the fp32 matmul peak
     # where MKL reaches 45 % on the same [16 x 768] x [768 x 2048] product (one thread; docs/kernels.md)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), lanes)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), lanes)
 
 
-class Matmuls:
-    """Every matrix one decode step multiplies by, in one weight layout for one lane count: ctx.linear(x, w);
-    and its RMSNorms as ctx.norm(x, w, eps) (see `norm`)."""
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    def __init__(self, weights: list[torch.Tensor], norms: list[torch.Tensor], name: str, lanes: int):
-        self.fns = {id(w): matmul(w, name, lanes) for w in weights}
-        self.doubled = {id(w): torch.cat((w, w)) for w in norms}
-        self.weights = weights + norms  # keeps the ids above valid
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.fns[id(w)](x)
+def linear_for(name: str, lanes: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The product x [rows, K] -> [rows, N] by a weight in packed_weight(w, name, lanes)'s form."""
+    return F.linear if name == "exact" else torch.mm if lanes == 1 else _onednn_linear
 
-    def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm as LayerNorm of [x, -x]: that has mean 0 and variance mean(x^2), so its first half is
-        x / sqrt(mean(x^2) + eps) * w. LayerNorm is one fused CPU kernel where rms_norm is ten small ops
-        (9.6 -> 6.2 us at d_model 256); the reductions round differently, so only for the packed layout."""
-        d = x.shape[-1]
-        return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * d,), self.doubled[id(w)], None, eps)[..., :d]
+
+def packed_norm(x: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as LayerNorm of [x, -x] (doubled = [[w], [w]]): that has mean 0 and variance mean(x^2), so its first
+    half is x / sqrt(mean(x^2) + eps) * w. LayerNorm is one fused CPU kernel where rms_norm is ten small ops
+    (9.6 -> 6.2 us at d_model 256); the reductions round differently, so only for the packed layout."""
+    signs = _signs(x.dtype, x.device)  # [x, -x] as one broadcast product, normalised over both halves
+    return F.layer_norm(x.unsqueeze(-2) * signs, doubled.shape, doubled, None, eps)[..., 0, :]
+
+
+@functools.lru_cache(maxsize=8)
+def _signs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor([[1.0], [-1.0]], dtype=dtype, device=device)
+
+
+@dataclass
+class Layout:
+    """The weights one decode step multiplies by, in one weight layout for one lane count, and the operations
+    that use them: linear(x, w) for every matrix, norm(x, w, eps) for every RMSNorm, and RoPE either as the plain
+    path's elementwise rotation or (rotation=True) as one product with a per-step rotation matrix."""
+    name: str
+    prelude: list[BlockWeights]
+    core: list[BlockWeights]
+    coda: list[BlockWeights]
+    adapter: torch.Tensor | None
+    final_norm: torch.Tensor
+    head: torch.Tensor
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rotation: bool
+
+
+def exact_layout(net: LoopedLM) -> Layout:
+    prelude, core, coda = model_weights(net)
+    head = net.embed.weight if net.lm_head is None else net.lm_head.weight
+    return Layout("exact", prelude, core, coda, None if net.adapter is None else net.adapter.weight, net.norm.weight,
+                  head, F.linear, rms_norm, False)
+
+
+def packed_layout(exact: Layout, lanes: int) -> Layout:
+    """A second copy of every matrix in packed_weight's form, norms doubled for packed_norm."""
+    mat = lambda w: packed_weight(w, "packed", lanes)
+    dbl = lambda w: None if w is None else torch.stack((w, w))  # [2, d]: packed_norm's weight
+    blocks = lambda ws: [BlockWeights(dbl(w.attn_norm), mat(w.wqkv), w.wkv, mat(w.wo), dbl(w.mlp_norm), mat(w.wgu),
+                                      mat(w.w_down), dbl(w.attn_out_norm), dbl(w.mlp_out_norm)) for w in ws]
+    return Layout("packed", blocks(exact.prelude), blocks(exact.core), blocks(exact.coda),
+                  None if exact.adapter is None else mat(exact.adapter), dbl(exact.final_norm), mat(exact.head),
+                  linear_for("packed", lanes), packed_norm, True)
 
 
 def layout_applies(net: LoopedLM, device: torch.device) -> bool:
@@ -173,19 +227,34 @@ def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Ten
     return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
 
 
-class StepContext:
-    """What every layer of one decode step shares: indices, mask and rotary factors (built once per step)."""
+def rotation_matrices(cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """R [B, hd, hd] with x @ R == rotate(x, cos2, sin2) for rows x of one lane (cos2, sin2: [B, hd]): the
+    diagonal holds cos2, and column j takes sin2[j] times the element half a head away."""
+    return torch.diag_embed(cos2) + _swap(cos2.shape[1], cos2.dtype, cos2.device) * sin2.unsqueeze(1)
 
-    def __init__(self, net: LoopedLM, cache: KVCache, step: Step):
+
+@functools.lru_cache(maxsize=8)
+def _swap(hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[hd, hd]: 1 where row i is column j's partner half a head away."""
+    j = torch.arange(hd, device=device)
+    return (j.unsqueeze(1) == (j + hd // 2) % hd).to(dtype)
+
+
+class StepContext:
+    """What every layer of one decode step shares: indices, mask, rotary factors and views of the cache
+    (built once per step), and the weight layout the step multiplies by."""
+
+    def __init__(self, net: LoopedLM, cache: KVCache, step: Step, layout: Layout):
         pos = step.pos  # [B, 1]
         B, dev = pos.shape[0], pos.device
-        self.B, self.end, self.pos = B, step.end, pos
+        self.B, self.end, self.pos, self.layout = B, step.end, pos, layout
         self.lane = torch.arange(B, device=dev).unsqueeze(1)
         self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, 1, 1, hd]: broadcast over heads
+        self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) \
+            if layout.rotation and pos.shape[1] == 1 else None
         self.triton = use_triton(dev)
         self.step = step
-        self.linear, self.norm = F.linear, rms_norm  # LeanStep.forward swaps in the packed weights' Matmuls
-        self.row = None
+        self.row, self.rows, self.reads, self.kv_rows = None, None, None, None
         W = cache.window
         if self.triton:  # the kernels take positions and tables directly
             return
@@ -198,6 +267,13 @@ class StepContext:
             # a quarter of the cost of the index_put it replaces; reading pos here is free on CPU
             self.row = step.end - 1 if dev.type == "cpu" and pos.shape[1] == 1 and bool((pos == step.end - 1).all()) \
                 else None
+            # every slot's cells in one view per stored tensor, so a layer only selects its slot
+            self.reads = {name: t[:, :B, :step.end] for name, t in cache.store.items()}
+            if self.row is not None:
+                self.rows = {name: t[:, :B, self.row] for name, t in cache.store.items()}
+            if self.row is not None and cache.mode == "fp16":  # the common case, without a dictionary
+                self.kv_rows = self.rows["k"], self.rows["v"]
+                self.kv_heads = self.reads["k"].transpose(2, 3), self.reads["v"].transpose(2, 3)  # [S, B, KV, end, hd]
             kpos = torch.arange(step.end, device=dev)
             # every lane at the same length: all keys up to end are visible, SDPA needs no mask (same bits; a
             # boolean mask costs SDPA a conversion per call, half its time at batch 16)
@@ -212,68 +288,80 @@ class LeanStep:
 
     def __init__(self, net: LoopedLM):
         self.net, self.cfg = net, net.cfg
-        self.prelude, self.core, self.coda = model_weights(net)
-        self._matmuls: dict[tuple[str, int], Matmuls] = {}
+        self.exact = exact_layout(net)
+        self.prelude, self.core, self.coda = self.exact.prelude, self.exact.core, self.exact.coda
+        self._packed: dict[int, Layout] = {}
 
-    def head_weight(self) -> torch.Tensor:
-        return self.net.embed.weight if self.net.lm_head is None else self.net.lm_head.weight
+    def layout(self, name: str, lanes: int) -> Layout:
+        """The step's weights in layout `name` for `lanes` rows (packed: a second copy, built on first use)."""
+        if name == "exact":
+            return self.exact
+        if lanes not in self._packed:
+            if len(self._packed) >= 2:  # lane counts change rarely: keep the memory bounded
+                self._packed.clear()
+            self._packed[lanes] = packed_layout(self.exact, lanes)
+        return self._packed[lanes]
 
-    def matmuls(self, name: str, lanes: int) -> Matmuls:
-        """The step's matrices in layout `name` for `lanes` rows, built on first use (a second copy of the weights)."""
-        key = (name, lanes)
-        if key not in self._matmuls:
-            if len(self._matmuls) >= 2:  # lane counts change rarely: keep the memory bounded
-                self._matmuls.clear()
-            ws = [t for w in self.prelude + self.core + self.coda for t in (w.wqkv, w.wo, w.wgu, w.w_down)]
-            ws += [self.head_weight()] + ([self.net.adapter.weight] if self.net.adapter is not None else [])
-            norms = [t for w in self.prelude + self.core + self.coda
-                     for t in (w.attn_norm, w.mlp_norm, w.attn_out_norm, w.mlp_out_norm) if t is not None]
-            self._matmuls[key] = Matmuls(ws, norms + [self.net.norm.weight], name, lanes)
-        return self._matmuls[key]
+    def context(self, step: Step, cache: KVCache, name: str | None = None) -> StepContext:
+        """The shared part of a step at `step` in layout `name` (None: TINYLOOP_LEAN_WEIGHTS), exact where the
+        packed layout does not apply (CUDA, the Triton path, other dtypes)."""
+        name = layout() if name is None else name
+        dev = step.pos.device
+        if name != "exact" and (use_triton(dev) or not layout_applies(self.net, dev)):
+            name = "exact"
+        return StepContext(self.net, cache, step, self.layout(name, step.pos.shape[0]))
 
     def forward(self, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
         """Logits [B, 1, V] for ids [B, 1] at step.pos [B, 1]: LoopedLM.forward(ids, loops, step, cache)."""
-        net, cfg = self.net, self.cfg
-        ctx = StepContext(net, cache, step)
-        name = layout()
-        if name != "exact" and not ctx.triton and layout_applies(net, ids.device):
-            packed = self.matmuls(name, ids.shape[0])
-            ctx.linear, ctx.norm = packed, packed.norm
-        x = net.embed(ids)
-        for i, w in enumerate(self.prelude):
+        ctx = self.context(step, cache)
+        s, _ = self.depth(ids, loops, ctx, cache)
+        return self.head(s, ctx, cache)
+
+    def depth(self, ids: torch.Tensor, loops: int, ctx: StepContext, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, prelude and `loops` loops of the core for ids [B, 1]: the state s and the injected e, [B, d]."""
+        net, cfg, lay = self.net, self.cfg, ctx.layout
+        x = net.embed(ids[:, 0])
+        for i, w in enumerate(lay.prelude):
             x = self.block(w, x, ctx, cache, i)
         e = x
-        s = net.init_state(e, step)
+        s = net.init_state(e, ctx.step).reshape(e.shape)
         for k in range(loops):
             inj = cfg.injection
-            x = s if inj == "none" else s + e if inj == "add" else ctx.linear(torch.cat((s, e), dim=-1), net.adapter.weight)
-            for j, w in enumerate(self.core):
+            x = s if inj == "none" else s + e if inj == "add" else lay.linear(torch.cat((s, e), dim=-1), lay.adapter)
+            for j, w in enumerate(lay.core):
                 x = self.block(w, x, ctx, cache, cfg.core_slot(k, j))
             s = x
-        for i, w in enumerate(self.coda):
-            s = self.block(w, s, ctx, cache, cfg.coda_slot(i))
-        s = ctx.norm(s, net.norm.weight, net.norm.eps)
-        if ctx.linear is not F.linear:
-            return ctx.linear(s, self.head_weight())
-        return s @ net.embed.weight.t() if net.lm_head is None else F.linear(s, net.lm_head.weight)
+        return s, e
+
+    def head(self, s: torch.Tensor, ctx: StepContext, cache: KVCache) -> torch.Tensor:
+        """Coda, final norm and LM head of states s [B, d]: logits [B, 1, V]."""
+        lay = ctx.layout
+        for i, w in enumerate(lay.coda):
+            s = self.block(w, s, ctx, cache, self.cfg.coda_slot(i))
+        return lay.linear(lay.norm(s, lay.final_norm, self.cfg.norm_eps), lay.head).unsqueeze(1)
 
     def block(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
+        """One pre-norm block for one token per lane: x [B, d] -> [B, d]."""
         cfg, eps = self.cfg, self.cfg.norm_eps
         B, H, KV, hd = ctx.B, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if ctx.triton:  # CUDA: fused kernels (tinyloop/kernels), written to be captured in a CUDA graph
-            return self.block_triton(w, x, ctx, cache, slot)
-        linear, norm = ctx.linear, ctx.norm
+            return self.block_triton(w, x.unsqueeze(1), ctx, cache, slot).squeeze(1)
+        linear, norm = ctx.layout.linear, ctx.layout.norm
         h = norm(x, w.attn_norm, eps)
-        qkv = linear(h, w.wqkv)  # [B, 1, d + 2 kv]
-        qk = rotate(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
-        q, k = qk[:, :, :H], qk[:, :, H:]
-        v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
-        out = self.attend(w, q, h, k, v, ctx, cache, slot)
-        a = linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
+        qkv = linear(h, w.wqkv)  # [B, d + 2 kv]
+        qk = qkv[:, :(H + KV) * hd]
+        if ctx.rotation is not None:  # one batched product instead of the rotation's five elementwise ops
+            qk = torch.bmm(qk.view(B, H + KV, hd), ctx.rotation).view(B, 1, H + KV, hd)
+        else:
+            qk = rotate(qk.view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
+        v = qkv[:, (H + KV) * hd:].view(B, 1, KV, hd)
+        out = self.attend(w, qk[:, :, :H], h.view(B, 1, -1), qk[:, :, H:], v, ctx, cache, slot)
+        a = linear(out.reshape(B, H * hd), w.wo)
         x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
         gate, up = linear(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
-        # contiguous like the plain path's gate: silu's vector loop and its scalar tail round differently
-        m = linear(F.silu(gate.contiguous()) * up, w.w_down)
+        if ctx.layout.name == "exact":  # contiguous like the plain path's gate: silu's vector loop and its scalar
+            gate = gate.contiguous()     # tail round differently
+        m = linear(F.silu(gate) * up, w.w_down)
         return x + (norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
     def block_triton(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
@@ -297,7 +385,13 @@ class LeanStep:
         return x + (rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
     def attend(self, w: BlockWeights, q, h, k, v, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
-        """KVCache.update + SDPA for one token per lane, with the step's shared indices (torch path)."""
+        """KVCache.update + SDPA for T tokens per lane (q [B, T, H, hd], h [B, T, d], k and v [B, T, KV, hd]) with
+        the step's shared indices (torch path); the heads' outputs [B, H, T, hd]."""
+        if ctx.kv_rows is not None:  # fp16 cache, lanes in lockstep: two slice copies, then the step's views
+            ctx.kv_rows[0][slot].copy_(k[:, 0])
+            ctx.kv_rows[1][slot].copy_(v[:, 0])
+            return F.scaled_dot_product_attention(q.transpose(1, 2), ctx.kv_heads[0][slot], ctx.kv_heads[1][slot],
+                                                  enable_gqa=True)
         st, mode, B = cache.store, cache.mode, ctx.B
         if mode == "fp16":
             new = {"k": k, "v": v}
@@ -318,12 +412,15 @@ class LeanStep:
             cache.cell_pos[slot, ctx.lane, ctx.cells] = ctx.pos
         else:
             for name, t in new.items():
-                if ctx.row is not None:
-                    st[name][slot, :B, ctx.row] = t[:, 0]
+                if ctx.rows is not None:
+                    ctx.rows[name][slot].copy_(t[:, 0])
                 else:
                     st[name][slot, ctx.lane, ctx.cells] = t
-            data = {name: t[slot, :B, :ctx.end] for name, t in st.items()}
-            keys, values = self.decode(w, data, mode, cache.dtype, B, None, ctx)
+            if mode == "fp16":
+                keys, values = ctx.reads["k"][slot], ctx.reads["v"][slot]
+            else:
+                keys, values = self.decode(w, {name: t[slot] for name, t in ctx.reads.items()}, mode, cache.dtype, B,
+                                           None, ctx)
             mask = ctx.mask
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask, enable_gqa=True)
