@@ -75,18 +75,16 @@ def test_half_precision_proposals_choose_the_same_drafts(bundled_model, monkeypa
     cfg = GenerateConfig(max_tokens=48, loops=8)
     prompt = "def read_config(path):\n    with open(path) as f:\n        "
     half = generate_speculative(model, prompt, sc, cfg)
-    assert isinstance(speculative.cpu_weights(model.net, speculative.HalfProposer), speculative.HalfProposer)
-    build = speculative.cpu_weights
-    monkeypatch.setattr(speculative, "cpu_weights",  # the fp32 coda and head propose
-                        lambda net, kind: None if kind is speculative.HalfProposer else build(net, kind))
+    assert speculative.cpu_weights(model.net, speculative.half_layout).head.dtype == torch.float16
+    monkeypatch.setattr(speculative, "cpu_weights", lambda net, build: None)  # the fp32 coda and head propose
     full = generate_speculative(model, prompt, sc, cfg)
     assert half.tokens == full.tokens == generate(model, prompt, cfg).tokens
     assert half.stats.drafted > 20 and abs(half.stats.accepted - full.stats.accepted) <= 2
 
 
 def test_cpu_weight_copies_follow_weight_updates(make_artifact):
-    """The half-precision proposer and the packed verify weights are copies: an in-place change of the
-    model's parameters must reach them (else verification would use the old weights)."""
+    """The half-precision proposals and the packed weights of drafts and verification are copies: an in-place
+    change of the model's parameters must reach them (else verification would use the old weights)."""
     model = tinyloop.load_model(make_artifact(), 128)
     sc, cfg = SpeculativeConfig(2, 6, 4), GenerateConfig(max_tokens=16, loops=6)
     assert generate_speculative(model, PROMPT, sc, cfg).tokens == generate(model, PROMPT, cfg).tokens

@@ -123,7 +123,7 @@ class SpeculativeStats(GenerateStats):
 
 
 # --- the speculator ------------------------------------------------------------------------------------
-class HalfProposer:
+def half_layout(net: LoopedLM) -> lean.Layout:
     """The draft's coda and head with fp16 copies of their matrices (CPU, fp32 models).
 
     They only choose the next draft token: verification rewrites the coda's cache entries for the whole chunk
@@ -133,71 +133,30 @@ class HalfProposer:
     the prelude and core out of the caches; in half precision a draft step costs a good deal less
     (docs/speculative.md). Attention and norms run in fp32 on the fp32 cache.
     """
-
-    def __init__(self, net: LoopedLM):
-        self.net, self.cfg = net, net.cfg
-        half = lambda w: dataclasses.replace(w, **{m: getattr(w, m).half() for m in ("wqkv", "wo", "wgu", "w_down")})
-        self.coda = [half(w) for w in lean.lean_step(net).coda]  # norms stay fp32, wkv (int4 recompute) too
-        self.head = (net.embed.weight if net.lm_head is None else net.lm_head.weight).half()
-
-    def logits(self, s: torch.Tensor, ctx, cache: KVCache) -> torch.Tensor:
-        ls, half = lean.lean_step(self.net), lambda x, w: F.linear(x.to(torch.float16), w).float()
-        for i, w in enumerate(self.coda):
-            s = rows_block(ls, w, s, ctx, cache, self.cfg.coda_slot(i), half)
-        return half(lean.rms_norm(s, self.net.norm.weight, self.net.norm.eps), self.head)
+    exact = lean.lean_step(net).exact
+    half = lambda w: dataclasses.replace(w, **{m: getattr(w, m).half() for m in ("wqkv", "wo", "wgu", "w_down")})
+    return lean.Layout("half", [], [], [half(w) for w in exact.coda], None, exact.final_norm, exact.head.half(),
+                       _half_linear, lean.rms_norm, False)
 
 
-def rows_block(ls, w: lean.BlockWeights, x: torch.Tensor, ctx, cache: KVCache, slot: int,
-               linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """LeanStep.block for T rows with a chosen matrix product: pre-norm attention (fused qkv) + SwiGLU (fused
-    gate|up); attention over `cache` with the step context's mask."""
-    cfg, eps = ls.cfg, ls.cfg.norm_eps
-    B, T, _ = x.shape
-    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    h = lean.rms_norm(x, w.attn_norm, eps)
-    qkv = linear(h, w.wqkv)
-    qk = lean.rotate(qkv[..., :(H + KV) * hd].view(B, T, H + KV, hd), ctx.cos, ctx.sin)
-    v = qkv[..., (H + KV) * hd:].view(B, T, KV, hd)
-    out = ls.attend(w, qk[:, :, :H], h, qk[:, :, H:], v, ctx, cache, slot)
-    a = linear(out.transpose(1, 2).reshape(B, T, H * hd), w.wo)
-    x = x + (lean.rms_norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-    gate, up = linear(lean.rms_norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
-    m = linear(F.silu(gate.contiguous()) * up, w.w_down)
-    return x + (lean.rms_norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
-
-
-class PackedMatmuls:
-    """linear(x, w) for verify chunks through oneDNN's blocked copy of w (CPU, fp32 models).
-
-    A chunk of a few rows is a small GEMM, where oneDNN's blocked layout streams the weights faster than the
-    plain row-major product (a 7-token verify chunk: ~1 ms of ~7 ms on the bundled model). Same fp32 math in
-    another summation order: verify logits move in the last bits, as they already differ from one-token decode.
-    """
-
-    def __init__(self, net: LoopedLM):
-        self.fns: dict[int, tuple[torch.Tensor, Callable]] = {}  # id(w) -> (w, x -> x w^T on its blocked copy)
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        entry = self.fns.get(id(w))
-        if entry is None:
-            entry = self.fns[id(w)] = (w, lean.matmul(w, "packed", 8))  # chunks of 2-9 rows
-        return entry[1](x)
+def _half_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(torch.float16), w).float()
 
 
 _cpu_weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
 
 
-def cpu_weights(net: LoopedLM, kind: type):
-    """The model's HalfProposer or PackedMatmuls, built on first use and kept while the model lives; rebuilt
-    when its parameters change in place (as the lean step's fused weights are)."""
+def cpu_weights(net: LoopedLM, build: Callable[[LoopedLM], lean.Layout]) -> lean.Layout:
+    """build(net) (the half-precision proposal layout), made on first use and kept while the model lives;
+    made again when its parameters change in place (as the lean step's fused weights are)."""
     lean.lean_step(net)  # brings the fused weights up to date first (rebuilding them rebinds parameters)
     version = lean.weights_version(net)
     held = _cpu_weights.get(net)
     if held is None or held[0] != version:
         held = _cpu_weights[net] = (version, {})
-    if kind not in held[1]:
-        held[1][kind] = kind(net)
-    return held[1][kind]
+    if build not in held[1]:
+        held[1][build] = build(net)
+    return held[1][build]
 
 
 class TreeShape:
@@ -239,9 +198,7 @@ class Speculator:
         self.lean = not self.adaptive and lean.enabled()  # single draft tokens through the fused decode step
         self.lean_verify = self.lean and not use_triton(model.device)  # chain chunks too (torch path only)
         cpu32 = self.lean_verify and model.device.type == "cpu" and model.dtype == torch.float32
-        self.proposer = cpu_weights(self.net, HalfProposer) if cpu32 else None
-        self.chunk_linear = cpu_weights(self.net, PackedMatmuls) if cpu32 and torch.backends.mkldnn.is_available() \
-            else F.linear
+        self.proposer = cpu_weights(self.net, half_layout) if cpu32 else None
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see run
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
@@ -310,37 +267,29 @@ class Speculator:
                     self.fill_skipped(cells[i], k)
         return s, steps
 
-    def draft_lean(self, token: int, step: Step, head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One plain-position token through prelude, draft_loops and (if head) the coda, with the lean decode
-        step (kernels/lean.py; same arithmetic as the module path). Returns s, e [1, 1, d] and logits."""
-        ls = lean.lean_step(self.net)
-        ctx = ls.context(step, self.cache, "exact")
-        s, e = ls.depth(torch.tensor([[token]], device=self.model.device), self.D, ctx, self.cache)
-        s, e = s.unsqueeze(1), e.unsqueeze(1)
-        if not head:
-            return s, e, None
-        if self.proposer is not None:
-            return s, e, self.proposer.logits(s, ctx, self.cache)
-        return s, e, ls.head(s[:, 0], ctx, self.cache)
+    def lean_context(self, step: Step) -> lean.StepContext:
+        """Drafts and verification run the lean step (kernels/lean.py) in the packed weight layout where it
+        applies (CPU, fp32): the same fp32 math as the plain path in another summation order, as a verified
+        chunk is anyway; greedy output stays plain decode's (tests)."""
+        return lean.lean_step(self.net).context(step, self.cache, "packed")
+
+    def draft_lean(self, tokens: list[int], step: Step, head: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Plain-position tokens (a chain) through prelude, draft_loops and, if head, the coda and head.
+        Returns s, e [1, T, d] and logits [1, T, V] (None without head)."""
+        ls, ctx = lean.lean_step(self.net), self.lean_context(step)
+        s, e = ls.depth(torch.tensor([tokens], device=self.model.device), self.D, ctx, self.cache)
+        logits = None
+        if head:
+            logits = ls.head(s, ctx if self.proposer is None else ctx.using(self.proposer), self.cache)
+        return s.unsqueeze(0), e.unsqueeze(0), logits
 
     def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:
-        """Loops draft_loops..verify_loops and the coda over a plain-position chunk with the lean step's fused
-        weights and shared per-step indices (kernels/lean.py), plus a causal mask inside the chunk. Logits."""
-        net, cfg, cache = self.net, self.model.cfg, self.cache
-        ls = lean.lean_step(net)
-        ctx = ls.context(step, cache, "exact")
-        if not cache.window:  # StepContext is built for one token per lane; a chunk needs the causal mask
-            ctx.mask = (torch.arange(step.end, device=s.device) <= step.pos.unsqueeze(-1)).unsqueeze(1)
-        for k in range(self.D, self.V):
-            x = s if cfg.injection == "none" else s + e if cfg.injection == "add" else \
-                self.chunk_linear(torch.cat((s, e), dim=-1), net.adapter.weight)
-            for j, w in enumerate(ls.core):
-                x = rows_block(ls, w, x, ctx, cache, cfg.core_slot(k, j), self.chunk_linear)
-            s = x
-        for i, w in enumerate(ls.coda):
-            s = rows_block(ls, w, s, ctx, cache, cfg.coda_slot(i), self.chunk_linear)
-        s = lean.rms_norm(s, net.norm.weight, net.norm.eps)
-        return self.chunk_linear(s, net.embed.weight if net.lm_head is None else net.lm_head.weight)
+        """Loops draft_loops..verify_loops and the coda over a plain-position chunk (states s, e [1, T, d]):
+        logits [1, T, V]."""
+        ls, ctx = lean.lean_step(self.net), self.lean_context(step)
+        d = s.shape[-1]
+        return ls.head(ls.loops(s.reshape(-1, d), e.reshape(-1, d), self.D, self.V, ctx, self.cache), ctx, self.cache)
 
     def fill_skipped(self, cell: int, last: int) -> None:
         at = torch.tensor([[cell]], device=self.model.device)
@@ -377,8 +326,12 @@ class Speculator:
         if guessed:  # prelude and draft loops of the whole known chain in one pass; nothing to propose
             toks[1:] = guessed
             step = self.make_step(pos, cells, None)
-            e = net.encode(torch.tensor([toks], device=dev), step, cache)
-            s, steps = self.deepen(net.init_state(e, step), e, step, pos, cells, None, 0, self.D, used, done)
+            if self.lean_verify:
+                s, e, _ = self.draft_lean(toks, step, head=False)
+                used[:], steps = [self.D] * N, N * self.D
+            else:
+                e = net.encode(torch.tensor([toks], device=dev), step, cache)
+                s, steps = self.deepen(net.init_state(e, step), e, step, pos, cells, None, 0, self.D, used, done)
             self.draft_loop_steps += steps
             states.append(s)
             embeds.append(e)
@@ -389,7 +342,7 @@ class Speculator:
             step = self.make_step(lp, lc, tree if d > 0 else None)
             u, dn = [0] * len(lvl), [False] * len(lvl)
             if self.lean and len(lvl) == 1 and (tree is None or d == 0):
-                s, e, logits = self.draft_lean(toks[lvl[0]], step, head=d < n)
+                s, e, logits = self.draft_lean([toks[lvl[0]]], step, head=d < n)
                 u[0], steps = self.D, self.D
             else:
                 e = net.encode(torch.tensor([[toks[i] for i in lvl]], device=dev), step, cache)

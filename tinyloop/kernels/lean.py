@@ -21,6 +21,7 @@ another order, so logits differ from the plain path in the last bits (docs/kerne
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import weakref
@@ -130,13 +131,6 @@ def model_weights(net: LoopedLM) -> tuple[list[BlockWeights], list[BlockWeights]
     return ws[1], ws[2], ws[3]
 
 
-def matmul(w: torch.Tensor, name: str, lanes: int):
-    """x -> F.linear(x, w) with w held in weight layout `name` (see the module doc), tuned for `lanes` rows."""
-    w = packed_weight(w, name, lanes)
-    fn = linear_for(name, lanes)
-    return lambda x: fn(x, w)
-
-
 def packed_weight(w: torch.Tensor, name: str, lanes: int) -> torch.Tensor:
     """w [N, K] in layout `name` for `lanes` rows, to be multiplied by linear_for(name, lanes)."""
     if name == "exact":
@@ -241,17 +235,17 @@ def _swap(hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 class StepContext:
-    """What every layer of one decode step shares: indices, mask, rotary factors and views of the cache
-    (built once per step), and the weight layout the step multiplies by."""
+    """What every layer of one step shares: indices, mask, rotary factors and views of the cache (built once
+    per step), and the weight layout the step multiplies by. A step is one token per lane (decode) or, for one
+    lane, a chunk of T tokens at consecutive positions (speculative drafts and verification)."""
 
     def __init__(self, net: LoopedLM, cache: KVCache, step: Step, layout: Layout):
-        pos = step.pos  # [B, 1]
-        B, dev = pos.shape[0], pos.device
-        self.B, self.end, self.pos, self.layout = B, step.end, pos, layout
+        pos = step.pos  # [B, T]
+        (B, T), dev = pos.shape, pos.device
+        self.B, self.T, self.end, self.pos, self.layout = B, T, step.end, pos, layout
         self.lane = torch.arange(B, device=dev).unsqueeze(1)
-        self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, 1, 1, hd]: broadcast over heads
-        self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) \
-            if layout.rotation and pos.shape[1] == 1 else None
+        self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, T, 1, hd]: broadcast over heads
+        self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) if layout.rotation and T == 1 else None
         self.triton = use_triton(dev)
         self.step = step
         self.row, self.rows, self.reads, self.kv_rows = None, None, None, None
@@ -265,8 +259,7 @@ class StepContext:
             self.cells = pos
             # every lane writing the newest cell (lockstep decode, always at batch 1): the write is a slice copy,
             # a quarter of the cost of the index_put it replaces; reading pos here is free on CPU
-            self.row = step.end - 1 if dev.type == "cpu" and pos.shape[1] == 1 and bool((pos == step.end - 1).all()) \
-                else None
+            self.row = step.end - 1 if dev.type == "cpu" and T == 1 and bool((pos == step.end - 1).all()) else None
             # every slot's cells in one view per stored tensor, so a layer only selects its slot
             self.reads = {name: t[:, :B, :step.end] for name, t in cache.store.items()}
             if self.row is not None:
@@ -275,12 +268,19 @@ class StepContext:
                 self.kv_rows = self.rows["k"], self.rows["v"]
                 self.kv_heads = self.reads["k"].transpose(2, 3), self.reads["v"].transpose(2, 3)  # [S, B, KV, end, hd]
             kpos = torch.arange(step.end, device=dev)
-            # every lane at the same length: all keys up to end are visible, SDPA needs no mask (same bits; a
-            # boolean mask costs SDPA a conversion per call, half its time at batch 16)
-            self.mask = None if B == 1 or self.row is not None else (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1))
+            # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
+            # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
+            self.mask = None if T == 1 and (B == 1 or self.row is not None) else \
+                (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
             if cache.mode == "int4":
                 kp = kpos.expand(B, step.end)
                 self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+
+    def using(self, layout: Layout) -> "StepContext":
+        """This step's context with another weight layout (the draft's half-precision proposals)."""
+        other = copy.copy(self)
+        other.layout = layout
+        return other
 
 
 class LeanStep:
@@ -318,45 +318,48 @@ class LeanStep:
         return self.head(s, ctx, cache)
 
     def depth(self, ids: torch.Tensor, loops: int, ctx: StepContext, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embedding, prelude and `loops` loops of the core for ids [B, 1]: the state s and the injected e, [B, d]."""
-        net, cfg, lay = self.net, self.cfg, ctx.layout
-        x = net.embed(ids[:, 0])
-        for i, w in enumerate(lay.prelude):
+        """Embedding, prelude and `loops` loops of the core for ids [B, T]: the state s and the injected e as
+        rows [B*T, d]."""
+        x = self.net.embed(ids.reshape(-1))
+        for i, w in enumerate(ctx.layout.prelude):
             x = self.block(w, x, ctx, cache, i)
-        e = x
-        s = net.init_state(e, ctx.step).reshape(e.shape)
-        for k in range(loops):
+        return self.loops(self.net.init_state(x, ctx.step).reshape(x.shape), x, 0, loops, ctx, cache), x
+
+    def loops(self, s: torch.Tensor, e: torch.Tensor, k0: int, k1: int, ctx: StepContext, cache: KVCache) -> torch.Tensor:
+        """Loops k0..k1-1 of the core (0-based) from state rows s with injected rows e."""
+        cfg, lay = self.cfg, ctx.layout
+        for k in range(k0, k1):
             inj = cfg.injection
             x = s if inj == "none" else s + e if inj == "add" else lay.linear(torch.cat((s, e), dim=-1), lay.adapter)
             for j, w in enumerate(lay.core):
                 x = self.block(w, x, ctx, cache, cfg.core_slot(k, j))
             s = x
-        return s, e
+        return s
 
     def head(self, s: torch.Tensor, ctx: StepContext, cache: KVCache) -> torch.Tensor:
-        """Coda, final norm and LM head of states s [B, d]: logits [B, 1, V]."""
+        """Coda, final norm and LM head of state rows s [B*T, d]: logits [B, T, V]."""
         lay = ctx.layout
         for i, w in enumerate(lay.coda):
             s = self.block(w, s, ctx, cache, self.cfg.coda_slot(i))
-        return lay.linear(lay.norm(s, lay.final_norm, self.cfg.norm_eps), lay.head).unsqueeze(1)
+        return lay.linear(lay.norm(s, lay.final_norm, self.cfg.norm_eps), lay.head).view(ctx.B, ctx.T, -1)
 
     def block(self, w: BlockWeights, x: torch.Tensor, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
-        """One pre-norm block for one token per lane: x [B, d] -> [B, d]."""
+        """One pre-norm block over the step's token rows: x [B*T, d] -> [B*T, d]."""
         cfg, eps = self.cfg, self.cfg.norm_eps
-        B, H, KV, hd = ctx.B, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        B, T, H, KV, hd = ctx.B, ctx.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if ctx.triton:  # CUDA: fused kernels (tinyloop/kernels), written to be captured in a CUDA graph
-            return self.block_triton(w, x.unsqueeze(1), ctx, cache, slot).squeeze(1)
+            return self.block_triton(w, x.view(B, T, -1), ctx, cache, slot).view(B * T, -1)
         linear, norm = ctx.layout.linear, ctx.layout.norm
         h = norm(x, w.attn_norm, eps)
-        qkv = linear(h, w.wqkv)  # [B, d + 2 kv]
+        qkv = linear(h, w.wqkv)  # [B*T, d + 2 kv]
         qk = qkv[:, :(H + KV) * hd]
         if ctx.rotation is not None:  # one batched product instead of the rotation's five elementwise ops
             qk = torch.bmm(qk.view(B, H + KV, hd), ctx.rotation).view(B, 1, H + KV, hd)
         else:
-            qk = rotate(qk.view(B, 1, H + KV, hd), ctx.cos, ctx.sin)
-        v = qkv[:, (H + KV) * hd:].view(B, 1, KV, hd)
-        out = self.attend(w, qk[:, :, :H], h.view(B, 1, -1), qk[:, :, H:], v, ctx, cache, slot)
-        a = linear(out.reshape(B, H * hd), w.wo)
+            qk = rotate(qk.view(B, T, H + KV, hd), ctx.cos, ctx.sin)
+        v = qkv[:, (H + KV) * hd:].view(B, T, KV, hd)
+        out = self.attend(w, qk[:, :, :H], h.view(B, T, -1), qk[:, :, H:], v, ctx, cache, slot)
+        a = linear(out.transpose(1, 2).reshape(B * T, H * hd), w.wo)
         x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
         gate, up = linear(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
         if ctx.layout.name == "exact":  # contiguous like the plain path's gate: silu's vector loop and its scalar
