@@ -36,19 +36,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .cache import KVCache
 from .errors import ConfigError
 from .generate import GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length, finish, generate, make_generator
 from .kernels import lean
 from .kernels.dispatch import use_triton
-from .model import LoopedLM, Step
+from .model import Step
 from .modes import check_modes
 from .runtime import Model, load_model
 from .sampling import apply_repetition_penalty, filter_logits, sample_token
@@ -123,42 +121,6 @@ class SpeculativeStats(GenerateStats):
 
 
 # --- the speculator ------------------------------------------------------------------------------------
-def half_layout(net: LoopedLM) -> lean.Layout:
-    """The draft's coda and head with fp16 copies of their matrices (CPU, fp32 models).
-
-    They only choose the next draft token: verification rewrites the coda's cache entries for the whole chunk
-    and recomputes every logit it accepts by, so their rounding changes no output (greedy stays identical to
-    plain decode; sampled drafts are still draws from the q they are judged by). What it saves is bytes: a
-    one-token step streams every weight matrix it uses, and on CPU the draft's coda and 4096-row head moved
-    the prelude and core out of the caches; in half precision a draft step costs a good deal less
-    (docs/speculative.md). Attention and norms run in fp32 on the fp32 cache.
-    """
-    exact = lean.lean_step(net).exact
-    half = lambda w: dataclasses.replace(w, **{m: getattr(w, m).half() for m in ("wqkv", "wo", "wgu", "w_down")})
-    return lean.Layout("half", [], [], [half(w) for w in exact.coda], None, exact.final_norm, exact.head.half(),
-                       _half_linear, lean.rms_norm, False)
-
-
-def _half_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.to(torch.float16), w).float()
-
-
-_cpu_weights: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
-
-
-def cpu_weights(net: LoopedLM, build: Callable[[LoopedLM], lean.Layout]) -> lean.Layout:
-    """build(net) (the half-precision proposal layout), made on first use and kept while the model lives;
-    made again when its parameters change in place (as the lean step's fused weights are)."""
-    lean.lean_step(net)  # brings the fused weights up to date first (rebuilding them rebinds parameters)
-    version = lean.weights_version(net)
-    held = _cpu_weights.get(net)
-    if held is None or held[0] != version:
-        held = _cpu_weights[net] = (version, {})
-    if build not in held[1]:
-        held[1][build] = build(net)
-    return held[1][build]
-
-
 class TreeShape:
     """Cells and ancestor mask of one round's tree: token i (0 = root) sits in cell p + i.
 
@@ -197,8 +159,6 @@ class Speculator:
         self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
         self.lean = not self.adaptive and lean.enabled()  # single draft tokens through the fused decode step
         self.lean_verify = self.lean and not use_triton(model.device)  # chain chunks too (torch path only)
-        cpu32 = self.lean_verify and model.device.type == "cpu" and model.dtype == torch.float32
-        self.proposer = cpu_weights(self.net, half_layout) if cpu32 else None
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see run
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
@@ -281,7 +241,7 @@ class Speculator:
         s, e = ls.depth(torch.tensor([tokens], device=self.model.device), self.D, ctx, self.cache)
         logits = None
         if head:
-            logits = ls.head(s, ctx if self.proposer is None else ctx.using(self.proposer), self.cache)
+            logits = ls.head(s, ctx, self.cache)
         return s.unsqueeze(0), e.unsqueeze(0), logits
 
     def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:

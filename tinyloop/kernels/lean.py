@@ -21,7 +21,6 @@ another order, so logits differ from the plain path in the last bits (docs/kerne
 """
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import weakref
@@ -275,12 +274,6 @@ class StepContext:
             if cache.mode == "int4":
                 kp = kpos.expand(B, step.end)
                 self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
-
-    def using(self, layout: Layout) -> "StepContext":
-        """This step's context with another weight layout (the draft's half-precision proposals)."""
-        other = copy.copy(self)
-        other.layout = layout
-        return other
 
 
 class LeanStep:
