@@ -6,7 +6,7 @@ step, so here it is computed once per step and shared by every layer and loop:
   - lane/cell indices, the causal (or window) mask, the rotary factors, and views of every slot's cache rows
     (lanes in lockstep write the cache by slice copy and attend over a view, no index tensors per layer)
   - attention projections fused: one [q|k|v] matmul, one [gate|up] matmul (weights concatenated once per model)
-  - RoPE of q and k in one pass, no nn.Module calls; tokens are rows [B, d], so products are plain 2-D GEMMs
+  - RoPE of q and k in one pass, no nn.Module calls; tokens are rows [B*T, d], so products are plain 2-D GEMMs
 Every operation is the same arithmetic as the plain path, in the same order, so on CPU the logits are the same
 bits (tests check greedy tokens and logits). On CUDA (or TINYLOOP_TRITON=1) the cache write and attention go
 through the Triton kernels of this package, and `CudaGraphStep` replays the whole step as one CUDA graph.
@@ -247,7 +247,7 @@ class StepContext:
         self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) if layout.rotation and T == 1 else None
         self.triton = use_triton(dev)
         self.step = step
-        self.row, self.rows, self.reads, self.kv_rows = None, None, None, None
+        self.rows, self.reads, self.kv_rows = None, None, None
         W = cache.window
         if self.triton:  # the kernels take positions and tables directly
             return
@@ -258,18 +258,18 @@ class StepContext:
             self.cells = pos
             # every lane writing the newest cell (lockstep decode, always at batch 1): the write is a slice copy,
             # a quarter of the cost of the index_put it replaces; reading pos here is free on CPU
-            self.row = step.end - 1 if dev.type == "cpu" and T == 1 and bool((pos == step.end - 1).all()) else None
+            lockstep = dev.type == "cpu" and T == 1 and bool((pos == step.end - 1).all())
             # every slot's cells in one view per stored tensor, so a layer only selects its slot
             self.reads = {name: t[:, :B, :step.end] for name, t in cache.store.items()}
-            if self.row is not None:
-                self.rows = {name: t[:, :B, self.row] for name, t in cache.store.items()}
-            if self.row is not None and cache.mode == "fp16":  # the common case, without a dictionary
+            if lockstep:
+                self.rows = {name: t[:, :B, step.end - 1] for name, t in cache.store.items()}
+            if lockstep and cache.mode == "fp16":  # the common case, without a dictionary
                 self.kv_rows = self.rows["k"], self.rows["v"]
                 self.kv_heads = self.reads["k"].transpose(2, 3), self.reads["v"].transpose(2, 3)  # [S, B, KV, end, hd]
             kpos = torch.arange(step.end, device=dev)
             # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
             # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
-            self.mask = None if T == 1 and (B == 1 or self.row is not None) else \
+            self.mask = None if T == 1 and (B == 1 or lockstep) else \
                 (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
             if cache.mode == "int4":
                 kp = kpos.expand(B, step.end)
@@ -282,7 +282,6 @@ class LeanStep:
     def __init__(self, net: LoopedLM):
         self.net, self.cfg = net, net.cfg
         self.exact = exact_layout(net)
-        self.prelude, self.core, self.coda = self.exact.prelude, self.exact.core, self.exact.coda
         self._packed: dict[int, Layout] = {}
 
     def layout(self, name: str, lanes: int) -> Layout:
@@ -412,11 +411,8 @@ class LeanStep:
                     ctx.rows[name][slot].copy_(t[:, 0])
                 else:
                     st[name][slot, ctx.lane, ctx.cells] = t
-            if mode == "fp16":
-                keys, values = ctx.reads["k"][slot], ctx.reads["v"][slot]
-            else:
-                keys, values = self.decode(w, {name: t[slot] for name, t in ctx.reads.items()}, mode, cache.dtype, B,
-                                           None, ctx)
+            keys, values = self.decode(w, {name: t[slot] for name, t in ctx.reads.items()}, mode, cache.dtype, B, None,
+                                       ctx)
             mask = ctx.mask
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask, enable_gqa=True)
@@ -452,7 +448,7 @@ _steps: "weakref.WeakKeyDictionary[LoopedLM, LeanStep]" = weakref.WeakKeyDiction
 
 def lean_step(net: LoopedLM) -> LeanStep:
     s = _steps.get(net)
-    if s is None or s.prelude is not model_weights(net)[0]:
+    if s is None or s.exact.prelude is not model_weights(net)[0]:
         s = _steps[net] = LeanStep(net)
     return s
 
