@@ -158,7 +158,7 @@ class Speculator:
         self.threshold = cfg.early_exit_threshold
         self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
         self.lean = not self.adaptive and lean.enabled()  # single draft tokens through the fused decode step
-        self.lean_verify = self.lean and not use_triton(model.device)  # chain chunks too (torch path only)
+        self.lean_verify = self.lean and not use_triton(model.device)  # chunks and trees too (torch path only)
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see run
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
@@ -235,8 +235,8 @@ class Speculator:
 
     def draft_lean(self, tokens: list[int], step: Step, head: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Plain-position tokens (a chain) through prelude, draft_loops and, if head, the coda and head.
-        Returns s, e [1, T, d] and logits [1, T, V] (None without head)."""
+        """A chunk of tokens (a chain, or a tree level) through prelude, draft_loops and, if head, the coda and
+        head. Returns s, e [1, T, d] and logits [1, T, V] (None without head)."""
         ls, ctx = lean.lean_step(self.net), self.lean_context(step)
         s, e = ls.depth(torch.tensor([tokens], device=self.model.device), self.D, ctx, self.cache)
         logits = None
@@ -245,7 +245,7 @@ class Speculator:
         return s.unsqueeze(0), e.unsqueeze(0), logits
 
     def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:
-        """Loops draft_loops..verify_loops and the coda over a plain-position chunk (states s, e [1, T, d]):
+        """Loops draft_loops..verify_loops and the coda over a chunk or tree (states s, e [1, T, d]):
         logits [1, T, V]."""
         ls, ctx = lean.lean_step(self.net), self.lean_context(step)
         d = s.shape[-1]
@@ -301,9 +301,9 @@ class Speculator:
             lp, lc = [pos[i] for i in lvl], [cells[i] for i in lvl]
             step = self.make_step(lp, lc, tree if d > 0 else None)
             u, dn = [0] * len(lvl), [False] * len(lvl)
-            if self.lean and len(lvl) == 1 and (tree is None or d == 0):
-                s, e, logits = self.draft_lean([toks[lvl[0]]], step, head=d < n)
-                u[0], steps = self.D, self.D
+            if self.lean_verify or self.lean and len(lvl) == 1 and (tree is None or d == 0):
+                s, e, logits = self.draft_lean([toks[i] for i in lvl], step, head=d < n)
+                u, steps = [self.D] * len(lvl), self.D * len(lvl)
             else:
                 e = net.encode(torch.tensor([[toks[i] for i in lvl]], device=dev), step, cache)
                 s, steps = self.deepen(net.init_state(e, step), e, step, lp, lc, tree, 0, self.D, u, dn)
@@ -326,7 +326,7 @@ class Speculator:
         step = self.make_step(pos, cells, tree)
         if cache.window:
             cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        if self.lean_verify and tree is None:
+        if self.lean_verify:
             logits = self.verify_lean(torch.cat(states, 1), torch.cat(embeds, 1), step)[0]
             used, steps = [self.V] * N, N * (self.V - self.D)
         else:

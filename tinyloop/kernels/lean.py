@@ -236,7 +236,8 @@ def _swap(hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class StepContext:
     """What every layer of one step shares: indices, mask, rotary factors and views of the cache (built once
     per step), and the weight layout the step multiplies by. A step is one token per lane (decode) or, for one
-    lane, a chunk of T tokens at consecutive positions (speculative drafts and verification)."""
+    lane, a chunk of T tokens (speculative drafts and verification: a chain at consecutive positions, or a
+    tree's tokens in cells of their own with an ancestor mask, Step.cells / mask / key_pos)."""
 
     def __init__(self, net: LoopedLM, cache: KVCache, step: Step, layout: Layout):
         pos = step.pos  # [B, T]
@@ -255,10 +256,11 @@ class StepContext:
             self.cells = pos % cache.ring
             self.mask = None  # per slot: the ring's cells carry their own positions
         else:
-            self.cells = pos
+            tree = step.cells is not None  # a speculative tree: cells of their own, an ancestor mask
+            self.cells = step.cells if tree else pos
             # every lane writing the newest cell (lockstep decode, always at batch 1): the write is a slice copy,
             # a quarter of the cost of the index_put it replaces; reading pos here is free on CPU
-            lockstep = dev.type == "cpu" and T == 1 and bool((pos == step.end - 1).all())
+            lockstep = not tree and dev.type == "cpu" and T == 1 and bool((pos == step.end - 1).all())
             # every slot's cells in one view per stored tensor, so a layer only selects its slot
             self.reads = {name: t[:, :B, :step.end] for name, t in cache.store.items()}
             if lockstep:
@@ -269,10 +271,10 @@ class StepContext:
             kpos = torch.arange(step.end, device=dev)
             # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
             # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
-            self.mask = None if T == 1 and (B == 1 or lockstep) else \
+            self.mask = step.mask.unsqueeze(1) if tree else None if T == 1 and (B == 1 or lockstep) else \
                 (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
             if cache.mode == "int4":
-                kp = kpos.expand(B, step.end)
+                kp = step.key_pos if tree else kpos.expand(B, step.end)
                 self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
 
 
