@@ -233,16 +233,21 @@ class Speculator:
         chunk is anyway; greedy output stays plain decode's (tests)."""
         return lean.lean_step(self.net).context(step, self.cache, "packed")
 
-    def draft_lean(self, tokens: list[int], step: Step, head: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A chunk of tokens (a chain, or a tree level) through prelude, draft_loops and, if head, the coda and
-        head. Returns s, e [1, T, d] and logits [1, T, V] (None without head)."""
-        ls, ctx = lean.lean_step(self.net), self.lean_context(step)
-        s, e = ls.depth(torch.tensor([tokens], device=self.model.device), self.D, ctx, self.cache)
-        logits = None
-        if head:
-            logits = ls.head(s, ctx, self.cache)
-        return s.unsqueeze(0), e.unsqueeze(0), logits
+    def draft(self, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None, head: bool):
+        """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops and, if
+        head, the coda and head. Returns s, e [1, T, d], logits [1, T, V] (None without head), the loops each
+        token used, whether it exited early, and the loop-steps run."""
+        step, T = self.make_step(pos, cells, tree), len(tokens)
+        ids = torch.tensor([tokens], device=self.model.device)
+        if self.lean_verify or self.lean and T == 1 and tree is None:  # the Triton decode step takes single tokens
+            ls, ctx = lean.lean_step(self.net), self.lean_context(step)
+            s, e = ls.depth(ids, self.D, ctx, self.cache)
+            logits = ls.head(s, ctx, self.cache) if head else None
+            return s.unsqueeze(0), e.unsqueeze(0), logits, [self.D] * T, [False] * T, self.D * T
+        used, done = [0] * T, [False] * T
+        e = self.net.encode(ids, step, self.cache)
+        s, steps = self.deepen(self.net.init_state(e, step), e, step, pos, cells, tree, 0, self.D, used, done)
+        return s, e, self.net.decode_head(s, step, self.cache) if head else None, used, done, steps
 
     def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:
         """Loops draft_loops..verify_loops and the coda over a chunk or tree (states s, e [1, T, d]):
@@ -285,29 +290,15 @@ class Speculator:
 
         if guessed:  # prelude and draft loops of the whole known chain in one pass; nothing to propose
             toks[1:] = guessed
-            step = self.make_step(pos, cells, None)
-            if self.lean_verify:
-                s, e, _ = self.draft_lean(toks, step, head=False)
-                used[:], steps = [self.D] * N, N * self.D
-            else:
-                e = net.encode(torch.tensor([toks], device=dev), step, cache)
-                s, steps = self.deepen(net.init_state(e, step), e, step, pos, cells, None, 0, self.D, used, done)
+            s, e, _, used, done, steps = self.draft(toks, pos, cells, None, head=False)
             self.draft_loop_steps += steps
             states.append(s)
             embeds.append(e)
         # draft: level 0 is the root, level d holds tokens 1+(d-1)w .. dw
         for d in range(0 if guessed else n + 1):
             lvl = [0] if d == 0 else list(range(1 + (d - 1) * w, 1 + d * w))
-            lp, lc = [pos[i] for i in lvl], [cells[i] for i in lvl]
-            step = self.make_step(lp, lc, tree if d > 0 else None)
-            u, dn = [0] * len(lvl), [False] * len(lvl)
-            if self.lean_verify or self.lean and len(lvl) == 1 and (tree is None or d == 0):
-                s, e, logits = self.draft_lean([toks[i] for i in lvl], step, head=d < n)
-                u, steps = [self.D] * len(lvl), self.D * len(lvl)
-            else:
-                e = net.encode(torch.tensor([[toks[i] for i in lvl]], device=dev), step, cache)
-                s, steps = self.deepen(net.init_state(e, step), e, step, lp, lc, tree, 0, self.D, u, dn)
-                logits = net.decode_head(s, step, cache) if d < n else None
+            s, e, logits, u, dn, steps = self.draft([toks[i] for i in lvl], [pos[i] for i in lvl],
+                                                    [cells[i] for i in lvl], tree if d > 0 else None, head=d < n)
             self.draft_loop_steps += steps
             for r, i in enumerate(lvl):
                 used[i], done[i] = u[r], dn[r]
