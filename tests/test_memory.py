@@ -1,31 +1,32 @@
 """plan_memory itemises what the runtime really allocates."""
 import tinyloop
-from tinyloop.cache import KVCache
+from tinyloop.memory import blocks_for
 
 
-def test_plan_matches_allocated_bytes(make_artifact):
+def test_plan_sizes_the_pool_a_budgeted_model_holds(make_artifact):
+    """A model loaded with the plan's total as its budget holds exactly the planned pool, and no more."""
     for mode in ("fp16", "int8", "int4"):
-        model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
-        plan = tinyloop.plan_memory(model)
-        assert plan.bytes_of("weights") == sum(p.numel() * p.element_size() for p in model.net.parameters())
-        assert plan.bytes_of("decode cache") == model.decode_cache.nbytes()
-        lanes = tinyloop.plan_memory(model, lanes=4, max_seq_len=64)
-        assert lanes.bytes_of("decode cache") == KVCache(model.cfg, 4, 64, mode).nbytes()
-        assert plan.total_bytes == plan.bytes_of("weights") + plan.bytes_of("decode cache")
+        probe = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
+        plan = tinyloop.plan_memory(probe, lanes=4, max_seq_len=64, loops=4)
+        assert plan.bytes_of("weights") == sum(p.numel() * p.element_size() for p in probe.net.parameters())
+        model = tinyloop.load_model(make_artifact(), 64, cache_mode=mode, memory_budget=plan.total_bytes)
+        assert model.pool.nbytes == plan.bytes_of("KV block pool")
+        assert plan.holds(64, 4) == 4 and plan.holds(64, 8) < 4
+        assert model.pool.block_bytes * model.pool.num_blocks == 4 * blocks_for(model.cfg, 64, 4) * model.pool.block_bytes
 
 
 def test_plan_counts_handles_and_checks_budget(make_artifact):
     model = tinyloop.load_model(make_artifact(), 128)
     base = tinyloop.plan_memory(model)
     with_handles = tinyloop.plan_memory(model, max_handles=10, handle_tokens=100)
-    assert with_handles.bytes_of("handles") > 0
-    assert with_handles.total_bytes == base.total_bytes + with_handles.bytes_of("handles")
+    assert with_handles.bytes_of("handle states") > 0
+    assert with_handles.bytes_of("KV block pool") > base.bytes_of("KV block pool")
     with_handles.check(with_handles.total_bytes)
     try:
         with_handles.check(base.total_bytes, "test budget")
         raise AssertionError("over-budget plan passed")
     except tinyloop.BudgetError as e:
-        assert "exceeds the test budget" in str(e) and "handles" in str(e) and "weights" in str(e)
+        assert "exceeds the test budget" in str(e) and "handle" in str(e) and "weights" in str(e)
 
 
 def test_plan_from_config_alone_equals_plan_from_model(make_artifact):

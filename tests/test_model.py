@@ -97,4 +97,4 @@ def test_early_exit_copies_kv_into_skipped_loops(make_artifact):
         for k in range(u, 8):
             for j in range(cfg.n_core):
                 src, dst = cfg.core_slot(u - 1, j), cfg.core_slot(k, j)
-                assert torch.equal(cache.store["k"][dst, 0, t], cache.store["k"][src, 0, t])
+                assert torch.equal(cache.dense("k")[dst, 0, t], cache.dense("k")[src, 0, t])

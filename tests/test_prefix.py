@@ -6,6 +6,7 @@ import threading
 import pytest
 
 import tinyloop
+from tinyloop.cache import BLOCK_TOKENS
 from conftest import ARCHS, ids
 from tinyloop import GenerateConfig as G
 from tinyloop.prefix import BLOCK
@@ -202,5 +203,6 @@ def test_prefix_cache_bytes_within_memory_plan(make_artifact, mode):
     pc = tinyloop.create_prefix_cache(model, prefix, model.cfg.max_loops)  # the deepest, largest cache
     plan = tinyloop.plan_memory(model, max_handles=1, handle_tokens=len(prefix))
     per_slot = tinyloop.bytes_per_token_slot(model.cfg, mode, 4)
-    assert pc.nbytes == len(prefix) * model.cfg.n_slots() * per_slot + model.cfg.vocab_size * 4
-    assert pc.nbytes <= plan.bytes_of("handles")
+    blocks = -(-len(prefix) // BLOCK_TOKENS)  # whole blocks of the pool, shared with the calls that use them
+    assert pc.nbytes == blocks * BLOCK_TOKENS * model.cfg.n_slots() * per_slot + model.cfg.vocab_size * 4
+    assert pc.nbytes <= plan.per_handle_bytes

@@ -188,7 +188,7 @@ def generate_batch(model: Model, prompts: Sequence, cfg: GenerateConfig | Sequen
         for i, (p, c) in enumerate(zip(ids, cfgs)):
             check_length(model, len(p), c, f"generate_batch lane {i}: prompt")
         max_len = max(len(p) + c.max_tokens for p, c in zip(ids, cfgs))
-        cache = KVCache(model.cfg, len(ids), max_len, model.cache_mode, device=model.device, dtype=model.dtype)
+        cache = model.new_cache(len(ids), max_len)
         return decode_lanes(model, ids, cfgs, cache, on_token)
 
 

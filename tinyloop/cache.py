@@ -1,4 +1,4 @@
-"""The loop-aware KV cache in three storage modes.
+"""The loop-aware KV cache in three storage modes, paged: every entry lives in a fixed-size block of one pool.
 
 Slots: prelude layer i owns slot i, core layer j at loop k owns slot P + k*R + j, coda layer i owns slot
 P + max_loops*R + i (ModelConfig.core_slot / coda_slot). At loop k a token attends to the loop-k keys of
@@ -11,19 +11,29 @@ Modes (bytes per token per slot, with kv_dim = n_kv_heads * head_dim, d = d_mode
         INT4_GROUP with one fp16 scale per group; K and V are
         recomputed from h when attended                        d / 2 + 2 * d / INT4_GROUP
 
-With `window > 0` each slot is a ring buffer of `window` positions (sliding-window attention): position p
-lives in cell p % ring (ring = window unless a caller asks for more), and the cell remembers which position it holds.
+Paging (docs/engine.md): a BlockPool holds `num_blocks` blocks of BLOCK_TOKENS token entries each, one tensor
+per stored name. A KVCache is a view of some lanes: per (slot, lane) a block table maps cell c to block
+table[slot, lane, c // BLOCK_TOKENS], row c % BLOCK_TOKENS. A block is taken from the pool the first time a
+lane writes a cell in it, for that slot only, so a sequence at 4 loops holds nothing for loops 5..16, and
+a cache holds what its lanes have written, not `max_len`. Blocks are reference counted: beams, prefix caches and
+resume handles share blocks, and the first write into a shared block copies it (copy-on-write).
+
+With `window > 0` each slot is a ring of `ring` cells (ring = window unless a caller asks for more):
+position p lives in cell p % ring and the cell remembers which position it holds, so a windowed sequence holds
+ceil(ring / BLOCK_TOKENS) blocks per slot however long it runs.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .config import ModelConfig
-from .errors import ConfigError
-from .kernels.dispatch import use_triton
+from .errors import BudgetError, ConfigError
 
 CACHE_MODES = ("fp16", "int8", "int4")
 INT4_GROUP = 32
+BLOCK_TOKENS = 16
 
 
 def bytes_per_token_slot(cfg: ModelConfig, mode: str, dtype_bytes: int) -> int:
@@ -34,6 +44,24 @@ def bytes_per_token_slot(cfg: ModelConfig, mode: str, dtype_bytes: int) -> int:
     if mode == "int4":
         return cfg.d_model // 2 + 2 * (cfg.d_model // INT4_GROUP)
     raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
+
+
+def check_mode(cfg: ModelConfig, mode: str) -> None:
+    if mode not in CACHE_MODES:
+        raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
+    if mode == "int4" and cfg.d_model % INT4_GROUP:
+        raise ConfigError(f"cache_mode int4 needs d_model divisible by {INT4_GROUP}, got {cfg.d_model}")
+
+
+def entry_layout(cfg: ModelConfig, mode: str, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What one token entry stores, by name: (shape, dtype)."""
+    kv = (cfg.n_kv_heads, cfg.head_dim)
+    if mode == "fp16":
+        return {"k": (kv, dtype), "v": (kv, dtype)}
+    if mode == "int8":
+        return {"k": (kv, torch.int8), "k_scale": ((cfg.n_kv_heads, 1), torch.float16),
+                "v": (kv, torch.int8), "v_scale": ((cfg.n_kv_heads, 1), torch.float16)}
+    return {"h": ((cfg.d_model // 2,), torch.uint8), "h_scale": ((cfg.d_model // INT4_GROUP,), torch.float16)}
 
 
 # --- quantisation (torch reference; tinyloop/kernels holds the fused versions) -------------------------
@@ -65,113 +93,268 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return g.reshape(*lead, half * 2).to(dtype)
 
 
+def encode_entries(mode: str, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored form of a chunk's entries in `mode`."""
+    if mode == "fp16":
+        return {"k": k, "v": v}
+    if mode == "int8":
+        (kq, ks), (vq, vs) = quant_int8(k), quant_int8(v)
+        return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+    hq, hs = quant_int4(h)
+    return {"h": hq, "h_scale": hs}
+
+
+def decode_entries(mode: str, data: dict[str, torch.Tensor], dtype: torch.dtype, project_kv):
+    """Full-precision K, V from stored entries; project_kv(h) recomputes them from h in the int4 mode."""
+    if mode == "fp16":
+        return data["k"], data["v"]
+    if mode == "int8":
+        return dequant_int8(data["k"], data["k_scale"], dtype), dequant_int8(data["v"], data["v_scale"], dtype)
+    return project_kv(dequant_int4(data["h"], data["h_scale"], dtype))
+
+
+# --- the pool --------------------------------------------------------------------------------------------
+class BlockPool:
+    """`num_blocks` blocks of `block_tokens` entries, one tensor per stored name: [num_blocks + 1, block_tokens, ...].
+
+    Block 0 is the null block: always zero, never handed out, what unwritten table entries point at (a read of
+    cells no lane wrote stays finite). The tensors are allocated empty, so on CPU the pages of a block are only
+    touched when the block is first taken (then zeroed); resident memory follows the blocks in use.
+    """
+
+    def __init__(self, cfg: ModelConfig, mode: str, num_blocks: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, block_tokens: int = BLOCK_TOKENS):
+        check_mode(cfg, mode)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigError(f"BlockPool needs at least one block, got {num_blocks!r}")
+        self.cfg, self.mode, self.dtype, self.device = cfg, mode, dtype, torch.device(device)
+        self.block_tokens, self.num_blocks = block_tokens, num_blocks
+        layout = entry_layout(cfg, mode, dtype)
+        self.store = {name: torch.empty((num_blocks + 1, block_tokens, *shape), dtype=dt, device=device)
+                      for name, (shape, dt) in layout.items()}
+        for t in self.store.values():
+            t[0].zero_()
+        self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.store.values())
+        self.refs = [0] * (num_blocks + 1)
+        self.free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
+        self.peak_used = 0
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_blocks + 1) * self.block_bytes
+
+    def take(self) -> int:
+        if not self.free:
+            raise BudgetError(f"KV block pool exhausted: all {self.num_blocks} blocks of {self.block_tokens} tokens "
+                              f"({self.nbytes / 2**20:.1f} MiB) are held by running sequences and handles")
+        b = self.free.pop()
+        self.refs[b] = 1
+        for t in self.store.values():
+            t[b].zero_()
+        self.peak_used = max(self.peak_used, self.used)
+        return b
+
+    def retain(self, b: int) -> None:
+        if b:
+            self.refs[b] += 1
+
+    def drop(self, b: int) -> None:
+        if b:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for t in self.store.values():
+            t[dst].copy_(t[src])
+
+
+def pool_for(cfg: ModelConfig, mode: str, lanes: int, cells: int, *, device, dtype) -> BlockPool:
+    """A private pool big enough for `lanes` lanes of `cells` cells at every slot (a KVCache made on its own)."""
+    blocks = cfg.n_slots() * lanes * -(-cells // BLOCK_TOKENS)
+    return BlockPool(cfg, mode, blocks, device=device, dtype=dtype)
+
+
+@dataclass
+class Span:
+    """Blocks of some slots of one lane, kept by a handle (prefix cache, resume handle): per slot its block ids
+    covering cells 0..cells-1 (shared with the cache they came from: reference counted), and for a ring the
+    positions its cells hold."""
+    pool: BlockPool
+    blocks: dict[int, list[int]]
+    cells: int
+    cell_pos: dict[int, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.blocks.values()) * self.pool.block_bytes
+
+    def release(self) -> None:
+        for ids in self.blocks.values():
+            for b in ids:
+                self.pool.drop(b)
+        self.blocks = {}
+
+    def only(self, slots: range) -> "Span":
+        """A new span over some of these slots (each block retained again)."""
+        picked = {s: list(self.blocks[s]) for s in slots if s in self.blocks}
+        for ids in picked.values():
+            for b in ids:
+                self.pool.retain(b)
+        cp = None if self.cell_pos is None else {s: self.cell_pos[s] for s in picked}
+        return Span(self.pool, picked, self.cells, cp)
+
+
+# --- the cache -------------------------------------------------------------------------------------------
 class KVCache:
-    """K/V storage for `lanes` sequences of up to `max_len` tokens, one slot per (layer, loop)."""
+    """K/V storage for `lanes` sequences of up to `max_len` tokens, one slot per (layer, loop), in blocks of `pool`
+    (None: a private pool sized for every lane at full length, as a standalone cache in tests and benches)."""
 
     def __init__(self, cfg: ModelConfig, lanes: int, max_len: int, mode: str = "fp16", *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, window: int = 0,
-                 ring: int = 0):
-        if mode not in CACHE_MODES:
-            raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
-        if mode == "int4" and cfg.d_model % INT4_GROUP:
-            raise ConfigError(f"cache_mode int4 needs d_model divisible by {INT4_GROUP}, got {cfg.d_model}")
+                 ring: int = 0, pool: BlockPool | None = None):
+        check_mode(cfg, mode)
         self.cfg, self.mode, self.lanes, self.max_len, self.window = cfg, mode, lanes, max_len, window
         self.dtype, self.device = dtype, torch.device(device)
         # A ring may hold more cells than the window (`ring`): speculative decode writes drafts it may roll back,
         # and the cells they overwrite must not be ones the window still needs.
-        S, L = cfg.n_slots(), (max(window, ring) if window > 0 else max_len)
-        self.ring = L if window > 0 else 0
-        kv = (S, lanes, L, cfg.n_kv_heads, cfg.head_dim)
-        z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)
-        if mode == "fp16":
-            self.store = {"k": z(kv, dtype), "v": z(kv, dtype)}
-        elif mode == "int8":
-            sc = (S, lanes, L, cfg.n_kv_heads, 1)
-            self.store = {"k": z(kv, torch.int8), "k_scale": z(sc, torch.float16),
-                          "v": z(kv, torch.int8), "v_scale": z(sc, torch.float16)}
-        else:
-            self.store = {"h": z((S, lanes, L, cfg.d_model // 2), torch.uint8),
-                          "h_scale": z((S, lanes, L, cfg.d_model // INT4_GROUP), torch.float16)}
+        S, cells = cfg.n_slots(), (max(window, ring) if window > 0 else max_len)
+        self.ring = cells if window > 0 else 0
+        self.cells = cells
+        self.pool = pool if pool is not None else pool_for(cfg, mode, lanes, cells, device=device, dtype=dtype)
+        if (self.pool.mode, self.pool.dtype) != (mode, dtype):
+            raise ConfigError(f"KVCache({mode}, {dtype}) cannot draw from a pool of {self.pool.mode}, {self.pool.dtype}")
+        self.bt = self.pool.block_tokens
+        self.table = torch.zeros((S, lanes, -(-cells // self.bt)), dtype=torch.long, device=device)
+        self.held: list[list[list[int]]] = [[[] for _ in range(lanes)] for _ in range(S)]  # host mirror of table
         # Ring buffers remember the absolute position in each cell (-1: empty).
-        self.cell_pos = torch.full((S, lanes, L), -1, dtype=torch.long, device=device) if window > 0 else None
+        self.cell_pos = torch.full((S, lanes, cells), -1, dtype=torch.long, device=device) if window > 0 else None
+
+    @property
+    def store(self) -> dict[str, torch.Tensor]:
+        return self.pool.store
+
+    def blocks_held(self) -> int:
+        return sum(len(ids) for row in self.held for ids in row)
 
     def nbytes(self) -> int:
-        tensors = list(self.store.values()) + ([self.cell_pos] if self.cell_pos is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.blocks_held() * self.pool.block_bytes
 
     def reset(self) -> None:
+        """Give every block back to the pool (the cache is empty afterwards)."""
+        pool = self.pool
+        for row in self.held:
+            for ids in row:
+                for b in ids:
+                    pool.drop(b)
+                ids.clear()
+        self.table.zero_()
         if self.cell_pos is not None:
             self.cell_pos.fill_(-1)
 
-    # --- write / read ---------------------------------------------------------------------------------
-    def _encode(self, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.mode == "fp16":
-            return {"k": k, "v": v}
-        if self.mode == "int8":
-            kq, ks = quant_int8(k)
-            vq, vs = quant_int8(v)
-            return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
-        hq, hs = quant_int4(h)
-        return {"h": hq, "h_scale": hs}
+    release = reset
 
-    def _decode(self, attn, data: dict[str, torch.Tensor], pos: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision K, V [B, N, n_kv, hd] from stored entries at positions pos [B, N]."""
-        if self.mode == "fp16":
-            return data["k"], data["v"]
-        if self.mode == "int8":
-            return dequant_int8(data["k"], data["k_scale"], self.dtype), dequant_int8(data["v"], data["v_scale"], self.dtype)
-        h = dequant_int4(data["h"], data["h_scale"], self.dtype)
-        return attn.project_kv(h, *step.rope_at(pos.clamp_min(0)))
+    def __del__(self):
+        try:
+            if getattr(self, "_view_of", None) is None:
+                self.reset()
+        except Exception:  # interpreter shutdown: the pool may be gone already
+            pass
 
+    # --- blocks ---------------------------------------------------------------------------------------
+    def _ensure(self, slot: int, lane: int, first: int, last: int) -> None:
+        """Blocks for cells first..last of (slot, lane) present and held by this lane alone (copy-on-write)."""
+        ids, pool, bt = self.held[slot][lane], self.pool, self.bt
+        for i in range(first // bt, last // bt + 1):
+            while len(ids) <= i:
+                b = pool.take()
+                ids.append(b)
+                self.table[slot, lane, len(ids) - 1] = b
+            b = ids[i]
+            if pool.refs[b] > 1:
+                fresh = pool.take()
+                pool.copy_block(b, fresh)
+                pool.drop(b)
+                ids[i] = fresh
+                self.table[slot, lane, i] = fresh
+
+    def prepare(self, slot: int, lanes: list[int], lo: list[int], hi: list[int]) -> None:
+        """Make the cells lane lanes[i] will write in `slot` (lo[i]..hi[i], positions) writable."""
+        for lane, a, b in zip(lanes, lo, hi):
+            if self.window:  # a ring takes all its blocks at once: it wraps, and holds only `ring` cells anyway
+                a, b = 0, self.ring - 1
+            self._ensure(slot, lane, a, b)
+
+    def locate(self, slot: int, lane: torch.Tensor, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of cells [B, T] of lanes [B, 1] in `slot`."""
+        return self.table[slot, lane, cells // self.bt], cells % self.bt
+
+    def gather(self, slot: int, B: int, n: int) -> dict[str, torch.Tensor]:
+        """Entries of cells 0..n-1 of lanes 0..B-1 in `slot`: tensors [B, n, ...]."""
+        nb = -(-n // self.bt)
+        ids = self.table[slot, :B, :nb].reshape(-1)
+        return {name: t.index_select(0, ids).view(B, nb * self.bt, *t.shape[2:])[:, :n]
+                for name, t in self.pool.store.items()}
+
+    def dense(self, name: str) -> torch.Tensor:
+        """Every slot's and lane's cells of one stored tensor, [S, lanes, cells, ...] (tests and debugging)."""
+        t = self.pool.store[name][self.table]
+        return t.flatten(2, 3)[:, :, :self.cells]
+
+    def write(self, slot: int, pos: torch.Tensor, cells: torch.Tensor, new: dict[str, torch.Tensor],
+              lanes: torch.Tensor | None = None) -> None:
+        """Store entries [B, T, ...] at cells [B, T] (positions pos [B, T]) of `slot`, lanes 0..B-1 or `lanes`."""
+        B = cells.shape[0]
+        lane = torch.arange(B, device=self.device).unsqueeze(1) if lanes is None else lanes.view(B, 1)
+        lane_list = list(range(B)) if lanes is None else lanes.view(-1).tolist()
+        lo, hi = pos.min(1).values.tolist(), pos.max(1).values.tolist()
+        if not self.window:
+            lo, hi = cells.min(1).values.tolist(), cells.max(1).values.tolist()
+        self.prepare(slot, lane_list, lo, hi)
+        blk, row = self.locate(slot, lane, cells)
+        for name, t in new.items():
+            self.pool.store[name][blk, row] = t
+        if self.cell_pos is not None:
+            self.cell_pos[slot, lane, cells] = pos
+
+    # --- write / read (the module path of tinyloop/model.py) -------------------------------------------
     def update(self, attn, slot: int, step, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store the chunk's entries in `slot`; return keys, values [B, N, n_kv, hd] and the mask [B, 1, T, N]."""
         B, T = step.pos.shape
-        lane = torch.arange(B, device=self.device).unsqueeze(1)
-        new = self._encode(h, k, v)
+        new = encode_entries(self.mode, h, k, v)
         qpos = step.pos.unsqueeze(-1)  # [B, T, 1]
+        project = lambda pos: (lambda hh: attn.project_kv(hh, *step.rope_at(pos.clamp_min(0))))
         if self.window == 0:
             cells = step.pos if step.cells is None else step.cells  # tree chunks bring their own cells and mask
-            for name, t in new.items():
-                self.store[name][slot, lane, cells] = t
-            data = {name: t[slot, :B, :step.end] for name, t in self.store.items()}
+            self.write(slot, step.pos, cells, new)
+            data = self.gather(slot, B, step.end)
             kpos = torch.arange(step.end, device=self.device).expand(B, step.end) if step.key_pos is None else step.key_pos
-            keys, values = self._decode(attn, data, kpos, step)
+            keys, values = decode_entries(self.mode, data, self.dtype, project(kpos))
             mask = kpos.unsqueeze(1) <= qpos if step.mask is None else step.mask
         else:
             # Attend over the ring as it was plus the new chunk, then keep the newest `ring` of the chunk.
             W = self.window
-            old = {name: t[slot, :B] for name, t in self.store.items()}
-            data = {name: torch.cat((old[name], new[name]), dim=1) for name in new}
+            data = {name: torch.cat((old, new[name]), dim=1) for name, old in self.gather(slot, B, self.ring).items()}
             kpos = torch.cat((self.cell_pos[slot, :B], step.pos), dim=1)
-            keys, values = self._decode(attn, data, kpos, step)
+            keys, values = decode_entries(self.mode, data, self.dtype, project(kpos))
             kp = kpos.unsqueeze(1)
             mask = (kp >= 0) & (kp <= qpos) & (kp > qpos - W)
             keep = slice(max(0, T - self.ring), T)
-            cells = step.pos[:, keep] % self.ring
-            for name, t in new.items():
-                self.store[name][slot, lane, cells] = t[:, keep]
-            self.cell_pos[slot, lane, cells] = step.pos[:, keep]
+            self.write(slot, step.pos[:, keep], step.pos[:, keep] % self.ring, {n: t[:, keep] for n, t in new.items()})
         return keys, values, mask.unsqueeze(1)
-
-    def attend(self, attn, slot: int, step, q: torch.Tensor, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Fused decode (one token per lane, plain positions): store it and attend over the stored layout with
-        the Triton kernels of tinyloop/kernels. Returns [B, H, 1, hd], or None: use update + SDPA (the torch
-        path, the default on CPU)."""
-        if step.pos.shape[1] != 1 or getattr(step, "cells", None) is not None or getattr(step, "mask", None) is not None \
-                or not use_triton(self.device):
-            return None
-        from .kernels.attention import decode_attend
-        return decode_attend(self, attn, slot, step, q, h, k, v)
 
     def copy_slot(self, src: int, dst: int, pos: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
         """Copy the entries at positions pos [B, T] from slot src to slot dst (early exit fills skipped loops)."""
         B = pos.shape[0]
-        lane = (torch.arange(B, device=self.device) if lanes is None else lanes).unsqueeze(1)
+        lane = (torch.arange(B, device=self.device) if lanes is None else lanes).view(B, 1)
         cells = pos % self.ring if self.window else pos
-        for t in self.store.values():
-            t[dst, lane, cells] = t[src, lane, cells]
-        if self.cell_pos is not None:
-            self.cell_pos[dst, lane, cells] = self.cell_pos[src, lane, cells]
+        blk, row = self.locate(src, lane, cells)
+        data = {name: t[blk, row] for name, t in self.pool.store.items()}
+        self.write(dst, pos, cells, data, lane)
 
     # --- speculative decode ---------------------------------------------------------------------------
     def rollback(self, length: int, slots: list[int] | None = None) -> None:
@@ -185,49 +368,72 @@ class KVCache:
             self.cell_pos[slots] = sub.masked_fill(sub >= length, -1)
 
     def move_cells(self, src: torch.Tensor, dst: torch.Tensor, lane: int = 0) -> None:
-        """Copy cells src -> dst [N] in every slot (tree speculation: the accepted branch moves to its positions)."""
-        for t in self.store.values():
-            t[:, lane, dst] = t[:, lane, src]
+        """Copy cells src -> dst [N] in every slot the lane holds (tree speculation: the accepted branch moves to its
+        positions)."""
+        lanes = torch.tensor([lane], device=self.device)
+        for slot in range(len(self.held)):
+            if self.held[slot][lane]:
+                blk, row = self.locate(slot, lanes.view(1, 1), src.view(1, -1))
+                data = {name: t[blk, row] for name, t in self.pool.store.items()}
+                self.write(slot, dst.view(1, -1), dst.view(1, -1), data, lanes)
 
     # --- lanes (static batching, beam search) -----------------------------------------------------------
     def lane_view(self, lane: int) -> "KVCache":
-        """A one-lane cache sharing this cache's storage for `lane`: prefilling it fills that lane in place."""
+        """A one-lane cache over this cache's lane `lane`: writing it fills that lane in place."""
         view = object.__new__(KVCache)
         view.__dict__.update(self.__dict__)
+        view._view_of = self
         view.lanes = 1
-        view.store = {name: t[:, lane:lane + 1] for name, t in self.store.items()}
+        view.table = self.table[:, lane:lane + 1]
+        view.held = [[row[lane]] for row in self.held]  # the same lists: blocks taken by the view are the lane's
         view.cell_pos = None if self.cell_pos is None else self.cell_pos[:, lane:lane + 1]
         return view
 
     def reorder_lanes(self, index: torch.Tensor) -> None:
         """Lane i takes the contents of lane index[i], for i < len(index) (beam search: children inherit their
-        parent's cache). The gather copies first, so a lane may be both a source and a destination."""
-        index = index.to(self.device)
-        n = index.shape[0]
-        for t in self.store.values():
-            t[:, :n] = t.index_select(1, index)
+        parent's cache). Lanes share the blocks (reference counted); a write into a shared block copies it."""
+        order = [int(i) for i in index]
+        pool = self.pool
+        for row in self.held:
+            fresh = [list(row[i]) for i in order]
+            for ids in fresh:
+                for b in ids:
+                    pool.retain(b)
+            for lane, ids in enumerate(fresh):
+                for b in row[lane]:
+                    pool.drop(b)
+                row[lane][:] = ids
+        n = len(order)
+        index = torch.tensor(order, device=self.device)
+        self.table[:, :n] = self.table.index_select(1, index)
         if self.cell_pos is not None:
             self.cell_pos[:, :n] = self.cell_pos.index_select(1, index)
 
-    # --- handles keep a range of positions of lane 0 and put it back later ---------------------------
-    def _cells(self, start: int, end: int):
-        if self.window == 0:
-            return slice(start, end)
-        return torch.arange(start, end, device=self.device) % self.window
+    # --- handles keep blocks of lane 0 and lend them back later ---------------------------------------
+    def share(self, slots: range, cells: int) -> Span:
+        """The blocks of lane 0 covering cells 0..cells-1 in `slots`, retained for a handle (no copy)."""
+        n = -(-cells // self.bt)
+        blocks = {}
+        for s in slots:
+            ids = self.held[s][0][:n]
+            for b in ids:
+                self.pool.retain(b)
+            blocks[s] = list(ids)
+        cp = None if self.cell_pos is None else {s: self.cell_pos[s, 0].clone() for s in slots}
+        return Span(self.pool, blocks, cells, cp)
 
-    def read_range(self, slots: slice, start: int, end: int) -> dict[str, torch.Tensor]:
-        """Copies of lane 0's entries for positions start..end-1 in `slots`: tensors [slots, end - start, ...].
-
-        With a window only the newest `window` positions are held, so end - start must be <= window.
-        """
-        cells = self._cells(start, end)
-        return {name: t[slots, 0, cells].clone() for name, t in self.store.items()}
-
-    def write_range(self, slots: slice, start: int, data: dict[str, torch.Tensor]) -> None:
-        """The inverse of read_range: put entries back into lane 0 at positions start.. of `slots`."""
-        n = next(iter(data.values())).shape[1]
-        cells = self._cells(start, start + n)
-        for name, t in self.store.items():
-            t[slots, 0, cells] = data[name]
-        if self.cell_pos is not None:
-            self.cell_pos[slots, 0, cells] = torch.arange(start, start + n, device=self.device)
+    def adopt(self, span: Span) -> None:
+        """Lane 0 takes the span's blocks (shared: a later write into one copies it first)."""
+        if span.pool is not self.pool:
+            raise ConfigError("a handle's blocks belong to another pool")
+        for s, ids in span.blocks.items():
+            held = self.held[s][0]
+            for b in held:
+                self.pool.drop(b)
+            for b in ids:
+                self.pool.retain(b)
+            held[:] = ids
+            self.table[s, 0].zero_()
+            self.table[s, 0, :len(ids)] = torch.tensor(ids, dtype=torch.long, device=self.device)
+            if self.cell_pos is not None and span.cell_pos is not None:
+                self.cell_pos[s, 0] = span.cell_pos[s]

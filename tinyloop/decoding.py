@@ -81,8 +81,7 @@ def generate_special(model: Model, prompt, cfg: GenerateConfig, on_token: OnToke
 def single_cache(model: Model, lanes: int, cfg: GenerateConfig, prompt_len: int) -> KVCache:
     if lanes == 1 and cfg.cache_window == 0:
         return model.decode_cache
-    return KVCache(model.cfg, lanes, prompt_len + cfg.max_tokens, model.cache_mode, device=model.device,
-                   dtype=model.dtype, window=cfg.cache_window)
+    return model.new_cache(lanes, prompt_len + cfg.max_tokens, cfg.cache_window)
 
 
 def beam_search(model: Model, prompt, cfg: GenerateConfig, on_token: OnToken | None = None) -> GenerateResult:

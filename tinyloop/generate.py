@@ -141,8 +141,7 @@ def generate_stream(model: Model, prompt, cfg: GenerateConfig | None = None, on_
     with model.busy():
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
-        cache = model.decode_cache if cfg.cache_window == 0 else KVCache(
-            model.cfg, 1, model.max_seq_len, model.cache_mode, device=model.device, dtype=model.dtype, window=cfg.cache_window)
+        cache = model.decode_cache if cfg.cache_window == 0 else model.new_cache(1, model.max_seq_len, cfg.cache_window)
         cache.reset()
         decoder = Decoder(model, cfg.resolved_loops(model), cache, cfg.early_exit_threshold)
         return run_decode(model, decoder, ids, 0, cfg, on_token, GenerateStats())

@@ -1,18 +1,40 @@
-"""plan_memory: what serving a model costs, item by item, before anything is allocated."""
+"""plan_memory: what serving a model costs, item by item, before anything is allocated.
+
+Memory is weights plus one KV block pool (tinyloop/cache.py); every cache draws blocks from the pool. A plan
+sizes the pool for `lanes` sequences of `max_seq_len` tokens at `loops` loops plus `max_handles` handles of
+`handle_tokens` tokens, and says how many sequences of a length and loop count that pool holds.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from .cache import bytes_per_token_slot
+from .cache import BLOCK_TOKENS, bytes_per_token_slot
 from .config import ModelConfig
 from .errors import BudgetError
+
+
+def blocks_for(cfg: ModelConfig, tokens: int, loops: int, window: int = 0) -> int:
+    """Blocks one sequence of `tokens` tokens at `loops` loops holds (a window bounds the cells per slot)."""
+    cells = min(tokens, window) if window else tokens
+    return cfg.n_slots(loops) * -(-cells // BLOCK_TOKENS)
+
+
+def handle_state_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """Tensors a handle keeps beside its blocks: at most e and s per token (ResumeHandle) plus one row of logits
+    (PrefixCache)."""
+    return tokens * 2 * cfg.d_model * dtype_bytes + cfg.vocab_size * dtype_bytes
 
 
 @dataclass
 class MemoryPlan:
     items: list[tuple[str, int]] = field(default_factory=list)
+    cfg: ModelConfig | None = None
+    pool_blocks: int = 0
+    block_bytes: int = 0
+    per_handle_bytes: int = 0  # the most one handle of the planned length holds (its blocks and states)
 
     @property
     def total_bytes(self) -> int:
@@ -21,9 +43,13 @@ class MemoryPlan:
     def bytes_of(self, name: str) -> int:
         return sum(b for n, b in self.items if n.startswith(name))
 
+    def holds(self, tokens: int, loops: int) -> int:
+        """How many sequences of `tokens` tokens at `loops` loops the pool holds at once."""
+        return self.pool_blocks // blocks_for(self.cfg, tokens, loops)
+
     def table(self) -> str:
-        rows = [f"  {name:<58} {b / 2**20:>10.2f} MiB" for name, b in self.items]
-        rows.append(f"  {'total':<58} {self.total_bytes / 2**20:>10.2f} MiB")
+        rows = [f"  {name:<66} {b / 2**20:>10.2f} MiB" for name, b in self.items]
+        rows.append(f"  {'total':<66} {self.total_bytes / 2**20:>10.2f} MiB")
         return "\n".join(rows)
 
     def check(self, budget_bytes: int, what: str = "budget") -> None:
@@ -32,14 +58,21 @@ class MemoryPlan:
                               f"{budget_bytes / 2**20:.1f} MiB:\n{self.table()}")
 
 
-def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = None, lanes: int = 1,
-                max_handles: int = 0, handle_tokens: int | None = None, dtype: torch.dtype | None = None) -> MemoryPlan:
-    """Itemise weights, decode cache and live handles for a Model (or a ModelConfig with explicit values).
+def weight_bytes_of(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    from .model import LoopedLM  # the model layer sits beside this one; only the parameter count is needed
+    with torch.device("meta"):
+        n = LoopedLM(cfg, max_seq_len=1).num_params()
+    return n * torch.tensor([], dtype=dtype).element_size()
 
-    decode cache = lanes x max_seq_len x slots(max_loops) x bytes per token-slot of the cache mode.
-    handle       = handle_tokens x (slots x bytes per token-slot + the latent state s and input e per token)
-                   + one row of logits, the most a PrefixCache (slots + its last logits), a ResumeHandle
-                   (slots but the coda's + e + s) or a pool entry of that many tokens holds.
+
+def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = None, lanes: int = 1,
+                max_handles: int = 0, handle_tokens: int | None = None, dtype: torch.dtype | None = None,
+                loops: int | None = None) -> MemoryPlan:
+    """Itemise weights and the KV block pool for a Model (or a ModelConfig with explicit values).
+
+    pool = (lanes x blocks of one max_seq_len sequence at `loops` (default max_loops)
+            + max_handles x blocks of a handle_tokens prefix at max_loops + 1 null block) x block bytes
+    handle states = max_handles x (e and s per token + one row of logits), kept beside a handle's blocks.
     """
     if isinstance(model, ModelConfig):
         cfg, weights = model, None
@@ -49,17 +82,36 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
         cfg, weights = model.cfg, model.weight_bytes()
         max_seq_len, cache_mode, dtype = max_seq_len or model.max_seq_len, cache_mode or model.cache_mode, dtype or model.dtype
     dbytes = torch.tensor([], dtype=dtype).element_size()
-    if weights is None:
-        from .model import LoopedLM
-        with torch.device("meta"):
-            weights = LoopedLM(cfg, max_seq_len=1).num_params() * dbytes
-    per_slot = bytes_per_token_slot(cfg, cache_mode, dbytes)
-    slots = cfg.n_slots()
-    plan = MemoryPlan([(f"weights ({dtype})".replace("torch.", ""), weights),
-                       (f"decode cache ({lanes} lane x {max_seq_len} tok x {slots} slots x {per_slot} B, {cache_mode})",
-                        lanes * max_seq_len * slots * per_slot)])
+    weights = weight_bytes_of(cfg, dtype) if weights is None else weights
+    loops = loops or cfg.max_loops
+    block = BLOCK_TOKENS * bytes_per_token_slot(cfg, cache_mode, dbytes)
+    seq_blocks = blocks_for(cfg, max_seq_len, loops)
+    tokens = handle_tokens or max_seq_len
+    handle_blocks = blocks_for(cfg, tokens, cfg.max_loops)
+    blocks = lanes * seq_blocks + max_handles * handle_blocks
+    what = f"{lanes} x {max_seq_len} tok at {loops} loops"
     if max_handles:
-        tokens = handle_tokens or max_seq_len
-        per_handle = tokens * (slots * per_slot + 2 * cfg.d_model * dbytes) + cfg.vocab_size * dbytes
-        plan.items.append((f"handles ({max_handles} x {tokens} tok, {cache_mode})", max_handles * per_handle))
+        what += f" + {max_handles} handles x {tokens} tok"
+    plan = MemoryPlan([(f"weights ({dtype})".replace("torch.", ""), weights),
+                       (f"KV block pool ({blocks} blocks x {block // 1024} KiB, {cache_mode}: {what})",
+                        (blocks + 1) * block)], cfg, blocks, block)
+    plan.per_handle_bytes = handle_blocks * block + handle_state_bytes(cfg, tokens, dbytes)
+    if max_handles:
+        plan.items.append((f"handle states ({max_handles} x {tokens} tok)",
+                           max_handles * handle_state_bytes(cfg, tokens, dbytes)))
     return plan
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free VRAM on a CUDA device, MemAvailable on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -93,12 +93,10 @@ class Attention(nn.Module):
             mask = ((kp <= qp) & (kp > qp - step.window)).unsqueeze(1)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask, enable_gqa=True)
-        else:
-            out = cache.attend(self, slot, step, q, h, k, v)  # fused decode kernel, None on the torch path
-            if out is None:
-                keys, values, mask = cache.update(self, slot, step, h, k, v)
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                     attn_mask=mask, enable_gqa=True)
+        else:  # through the paged cache (the lean step of tinyloop/kernels runs decode rows faster)
+            keys, values, mask = cache.update(self, slot, step, h, k, v)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -150,15 +148,23 @@ class LoopedLM(nn.Module):
         self.apply(self._init_weights)
 
     def set_max_seq_len(self, max_seq_len: int) -> None:
+        """Position tables (RoPE, the per-position initial noise) for positions 0..max_seq_len-1. Growing them keeps
+        every existing entry's value (both are functions of the position alone), so a sliding-window sequence
+        may run past the length the model was loaded with (ensure_positions)."""
         cos, sin = rope_tables(self.cfg.head_dim, max_seq_len, self.cfg.rope_theta)
-        dtype = self.embed.weight.dtype
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        dtype, device = self.embed.weight.dtype, self.embed.weight.device
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
         if self.cfg.state_init == "normal":  # one fixed noise vector per position: cached == recomputed
             g = torch.Generator().manual_seed(self.cfg.init_seed)
             noise = torch.randn(max_seq_len, self.cfg.d_model, generator=g) * self.cfg.init_sigma
-            self.register_buffer("init_noise", noise, persistent=False)
+            self.register_buffer("init_noise", noise.to(device), persistent=False)
         self.max_seq_len = max_seq_len
+
+    def ensure_positions(self, n: int) -> None:
+        """Position tables reach at least n positions (doubling, so a long windowed run grows them rarely)."""
+        if n > self.max_seq_len:
+            self.set_max_seq_len(max(n, 2 * self.max_seq_len))
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

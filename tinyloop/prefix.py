@@ -18,6 +18,7 @@ import torch
 
 from .errors import ConfigError, HandleError
 from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length
+from .cache import Span
 from .handles import Handle, PrefilledDecoder, adaptive, decode_from, encode_tokens, tensor_bytes
 from .modes import check_modes
 from .runtime import Model
@@ -41,10 +42,9 @@ class PrefixCache(Handle):
         super().__init__(model)
         self.ids, self.n_loops = ids, n_loops
         cfg = model.cfg
-        self.core_slots = slice(0, cfg.n_prelude + cfg.n_core * n_loops)   # prelude + loops 0..n-1
-        self.coda_slots = slice(cfg.coda_slot(0), cfg.n_slots())
-        self.core: dict[str, torch.Tensor] = {}
-        self.coda: dict[str, torch.Tensor] = {}
+        # prelude + loops 0..n-1, then the coda
+        self.slots = [*range(cfg.n_prelude + cfg.n_core * n_loops), *range(cfg.coda_slot(0), cfg.n_slots())]
+        self.span: Span | None = None
         self.logits: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -52,26 +52,30 @@ class PrefixCache(Handle):
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes(self.core, self.coda, self.logits)
+        return (self.span.nbytes if self.span is not None else 0) + tensor_bytes(self.logits)
 
     def release(self) -> None:
-        self.core, self.coda, self.logits = {}, {}, None
+        if self.span is not None:
+            self.span.release()
+        self.span, self.logits = None, None
 
     @torch.inference_mode()
     def fill(self) -> None:
-        """Prefill the prefix once (all n_loops loops over the whole chunk, as generate does)."""
+        """Prefill the prefix once (all n_loops loops over the whole chunk, as generate does) and keep its blocks."""
         model, net, T = self.model, self.model.net, len(self.ids)
+        model.admit(1, T, self.n_loops, what=f"a {T}-token prefix")
         cache = model.decode_cache
         cache.reset()
-        x = torch.tensor([self.ids], device=model.device)
-        step = net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
-        self.logits = net(x, self.n_loops, step, cache)[0, -1:].clone()
-        self.core = cache.read_range(self.core_slots, 0, T)
-        self.coda = cache.read_range(self.coda_slots, 0, T)
+        try:
+            x = torch.tensor([self.ids], device=model.device)
+            step = net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
+            self.logits = net(x, self.n_loops, step, cache)[0, -1:].clone()
+            self.span = cache.share(self.slots, T)
+        finally:
+            cache.reset()
 
     def restore(self, cache) -> None:
-        cache.write_range(self.core_slots, 0, self.core)
-        cache.write_range(self.coda_slots, 0, self.coda)
+        cache.adopt(self.span)  # shared blocks: the suffix's first write into the last one copies it
 
 
 def create_prefix_cache(model: Model, prefix, n_loops: int) -> PrefixCache:

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, Span
 from .errors import ConfigError, HandleError
 from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length
 from .handles import Handle, PrefilledDecoder, adaptive, decode_from, encode_tokens, tensor_bytes
@@ -49,8 +49,7 @@ class ResumeHandle(Handle):
         self.ids, self.depth, self.cache_window = ids, depth, cache_window
         self.e: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
-        self.entries: dict[str, torch.Tensor] = {}  # slots 0..P + R*depth - 1, positions kept_from..T-1
-        self.kept_from = max(0, len(ids) - cache_window) if cache_window else 0
+        self.span: Span | None = None  # blocks of slots 0..P + R*depth - 1 (a window: the ring's newest cells)
         self.draft: list[int] = []  # the last resume_generate's tokens: the next call's guess (RefiningDecoder)
 
     @property
@@ -59,23 +58,20 @@ class ResumeHandle(Handle):
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes(self.e, self.s, self.entries)
+        return tensor_bytes(self.e, self.s) + (self.span.nbytes if self.span is not None else 0)
 
     def release(self) -> None:
-        self.e = self.s = None
-        self.entries = {}
+        if self.span is not None:
+            self.span.release()
+        self.e = self.s = self.span = None
 
-    def slots(self, depth: int) -> slice:
+    def slots(self, depth: int) -> range:
         cfg = self.model.cfg
-        return slice(0, cfg.n_prelude + cfg.n_core * depth)
+        return range(cfg.n_prelude + cfg.n_core * depth)
 
     def work_cache(self) -> KVCache:
         model = self.model
-        if self.cache_window == 0:
-            cache = model.decode_cache
-        else:
-            cache = KVCache(model.cfg, 1, model.max_seq_len, model.cache_mode, device=model.device,
-                            dtype=model.dtype, window=self.cache_window)
+        cache = model.decode_cache if self.cache_window == 0 else model.new_cache(1, model.max_seq_len, self.cache_window)
         cache.reset()
         return cache
 
@@ -85,32 +81,40 @@ class ResumeHandle(Handle):
 
     @torch.inference_mode()
     def build(self) -> None:
+        self.model.admit(1, len(self.ids), self.depth, self.cache_window, what=f"a {len(self.ids)}-token resume handle")
         net, cache, step = self.model.net, self.work_cache(), self.step()
-        e = net.encode(torch.tensor([self.ids], device=self.model.device), step, cache)
-        s = net.init_state(e, step)
-        for k in range(self.depth):
-            s = net.loop(s, e, k, step, cache)
-        self.e, self.s = e, s
-        self.entries = cache.read_range(self.slots(self.depth), self.kept_from, len(self.ids))
+        try:
+            e = net.encode(torch.tensor([self.ids], device=self.model.device), step, cache)
+            s = net.init_state(e, step)
+            for k in range(self.depth):
+                s = net.loop(s, e, k, step, cache)
+            self.e, self.s = e, s
+            self.span = cache.share(self.slots(self.depth), len(self.ids))
+        finally:
+            cache.reset()
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, loops: int, stats: GenerateStats) -> torch.Tensor:
-        """Put the kept entries into `cache`, run the loops the handle lacks over the prompt, and the coda.
+        """Lend the kept blocks to `cache`, run the loops the handle lacks over the prompt, and the coda.
 
         Returns the prompt's logits [T, V]; deepens the handle when `loops` > depth.
         """
         net, step = self.model.net, self.step()
         start = self.depth if loops >= self.depth else 0
-        # Only loops < start are restored: the recomputed ones must not find stale ring entries beside them.
-        held = self.entries if start == self.depth else {n: t[:self.slots(0).stop] for n, t in self.entries.items()}
-        cache.write_range(self.slots(start), self.kept_from, held)
+        # Only loops < start are lent: the recomputed ones must not find stale ring entries beside them.
+        held = self.span if start == self.depth else self.span.only(self.slots(0))
+        cache.adopt(held)
+        if held is not self.span:
+            held.release()
         s = self.s if start == self.depth else net.init_state(self.e, step)
         for k in range(start, loops):
             s = net.loop(s, self.e, k, step, cache)
         stats.skipped_loops = start * len(self.ids)
         if loops > self.depth:
-            new = cache.read_range(slice(self.slots(self.depth).stop, self.slots(loops).stop), self.kept_from, len(self.ids))
-            self.entries = {n: torch.cat((self.entries[n], new[n])) for n in self.entries}
+            new = cache.share(range(self.slots(self.depth).stop, self.slots(loops).stop), len(self.ids))
+            self.span.blocks.update(new.blocks)
+            if new.cell_pos is not None:
+                self.span.cell_pos.update(new.cell_pos)
             self.s, self.depth = s, loops
         return net.decode_head(s, step, cache)[0]
 

@@ -1,4 +1,4 @@
-"""Model: a loaded looped model plus what serving it needs (tokenizer, decode cache, a busy lock)."""
+"""Model: a loaded looped model plus what serving it needs (tokenizer, the KV block pool, a busy lock)."""
 from __future__ import annotations
 
 import itertools
@@ -9,10 +9,16 @@ from pathlib import Path
 import torch
 
 from .artifact import DEFAULT_ARTIFACT, ArtifactInfo, read_artifact
-from .cache import CACHE_MODES, KVCache
-from .env import env_choice
-from .errors import BusyError, ConfigError, HandleError
+from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
+from .env import env_bytes, env_choice
+from .errors import BudgetError, BusyError, ConfigError, HandleError
+from .memory import available_bytes, blocks_for
 from .model import LoopedLM
+
+# Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
+DEFAULT_POOL_SEQUENCES = 16
+# Without an explicit budget at most this share of the available memory (free VRAM, available RAM) is planned.
+DEFAULT_MEMORY_SHARE = 0.5
 
 _model_ids = itertools.count(1)
 
@@ -20,15 +26,35 @@ _model_ids = itertools.count(1)
 class Model:
     """Not reentrant: a second concurrent call raises BusyError instead of racing on the shared cache."""
 
-    def __init__(self, net: LoopedLM, info: ArtifactInfo, cache_mode: str, max_seq_len: int):
+    def __init__(self, net: LoopedLM, info: ArtifactInfo, cache_mode: str, max_seq_len: int, pool_blocks: int):
         self.net, self.info, self.cfg, self.codec = net, info, info.config, info.codec
         self.cache_mode, self.max_seq_len = cache_mode, max_seq_len
         self.device, self.dtype = net.embed.weight.device, net.embed.weight.dtype
         self.model_id = next(_model_ids)
         self.freed = False
         self._lock = threading.Lock()
-        # One lane of decode cache for the longest sequence, allocated once (plan_memory counts it).
-        self.decode_cache = KVCache(self.cfg, 1, max_seq_len, cache_mode, device=self.device, dtype=self.dtype)
+        # Every cache of this model draws its blocks from one pool; the one-lane decode cache is a block table.
+        self.pool = BlockPool(self.cfg, cache_mode, pool_blocks, device=self.device, dtype=self.dtype)
+        self.decode_cache = self.new_cache(1, max_seq_len)
+
+    def new_cache(self, lanes: int, max_len: int, window: int = 0, ring: int = 0) -> KVCache:
+        """Block tables for `lanes` sequences of up to max_len tokens (a window: a ring of max(window, ring) cells)."""
+        return KVCache(self.cfg, lanes, max_len, self.cache_mode, device=self.device, dtype=self.dtype, window=window,
+                       ring=ring, pool=self.pool)
+
+    def admit(self, lanes: int, tokens: int, loops: int, window: int = 0, what: str = "the call") -> None:
+        """BudgetError unless `lanes` sequences of `tokens` tokens at `loops` loops fit the pool: never (more blocks
+        than the pool has) or not now (blocks held by handles)."""
+        need = lanes * blocks_for(self.cfg, tokens, loops, window)
+        pool = self.pool
+        if need > pool.num_blocks:
+            raise BudgetError(f"{what} needs {need} KV blocks ({lanes} x {tokens} tokens at {loops} loops, "
+                              f"{need * pool.block_bytes / 2**20:.1f} MiB) but the model's pool has only "
+                              f"{pool.num_blocks} ({pool.nbytes / 2**20:.1f} MiB): it can never fit; lower the "
+                              f"lanes, beam_size, max_tokens or loops, or load the model with a larger memory_budget")
+        if need > len(pool.free):
+            raise BudgetError(f"{what} needs {need} KV blocks but only {len(pool.free)} of {pool.num_blocks} are "
+                              f"free now ({pool.used} held by handles and running sequences): free handles or retry")
 
     @property
     def eos_id(self) -> int:
@@ -71,11 +97,33 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def pool_blocks_for(cfg, cache_mode: str, dtype: torch.dtype, device: torch.device, max_seq_len: int, weights: int,
+                    memory_budget: int | None) -> int:
+    """Blocks of the KV pool: (budget - weights) / block bytes, the null block aside. Without a budget: enough for
+    DEFAULT_POOL_SEQUENCES sequences of max_seq_len at max_loops, within DEFAULT_MEMORY_SHARE of available memory."""
+    block = BLOCK_TOKENS * bytes_per_token_slot(cfg, cache_mode, torch.tensor([], dtype=dtype).element_size())
+    if memory_budget is not None:
+        return (memory_budget - weights) // block - 1
+    wanted = DEFAULT_POOL_SEQUENCES * blocks_for(cfg, max_seq_len, cfg.max_loops)
+    allowed = (int(available_bytes(device) * DEFAULT_MEMORY_SHARE) - weights) // block - 1
+    return min(wanted, allowed)
+
+
 def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, device=None, dtype=None,
-               cache_mode: str | None = None) -> Model:
-    """Load a .tinyloop artifact (None: the bundled default model). Raises ArtifactError on a bad file."""
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+               cache_mode: str | None = None, memory_budget: int | None = None) -> Model:
+    """Load a .tinyloop artifact (None: the bundled default model). Raises ArtifactError on a bad file.
+
+    memory_budget: bytes for the weights and the KV block pool together (None: TINYLOOP_MEMORY_BUDGET, else a
+    pool for DEFAULT_POOL_SEQUENCES full-length sequences within half the available memory). BudgetError when the
+    pool could not hold even one sequence of max_seq_len tokens at the model's default loop count.
+    """
+    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 2:
         raise ConfigError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+    if memory_budget is None:
+        memory_budget = env_bytes("TINYLOOP_MEMORY_BUDGET")
+    if memory_budget is not None and (not isinstance(memory_budget, int) or isinstance(memory_budget, bool)
+                                      or memory_budget <= 0):
+        raise ConfigError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
     cache_mode = cache_mode or env_choice("TINYLOOP_CACHE_MODE", CACHE_MODES, "fp16")
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"cache_mode {cache_mode!r} not one of {CACHE_MODES}")
@@ -83,17 +131,29 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info, tensors = read_artifact(path or DEFAULT_ARTIFACT)
-    net = LoopedLM(info.config, max_seq_len=max_seq_len)
+    cfg = info.config
+    check_mode(cfg, cache_mode)
+    weights = sum(t.numel() for t in tensors.values()) * torch.tensor([], dtype=dtype).element_size()
+    blocks = pool_blocks_for(cfg, cache_mode, dtype, device, max_seq_len, weights, memory_budget)
+    need = blocks_for(cfg, max_seq_len, cfg.default_loops)
+    if blocks < need:
+        have = "memory_budget" if memory_budget is not None else "available memory"
+        raise BudgetError(f"max_seq_len {max_seq_len} does not fit: one sequence of that length at "
+                          f"{cfg.default_loops} loops needs {need} KV blocks, the {have} leaves room for "
+                          f"{max(blocks, 0)} after {weights / 2**20:.1f} MiB of weights; lower max_seq_len or raise "
+                          f"memory_budget")
+    net = LoopedLM(cfg, max_seq_len=max_seq_len)
     net.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     net.set_max_seq_len(max_seq_len)  # rebuild position tables in the final dtype and device
-    net.to(device)
-    return Model(net, info, cache_mode, max_seq_len)
+    return Model(net, info, cache_mode, max_seq_len, blocks)
 
 
 def free_model(model: Model) -> None:
     """Release the weights and caches; every later use of the model or its handles raises HandleError."""
     with model.busy():
         model.freed = True
+        model.decode_cache.reset()
         model.net = None
         model.decode_cache = None
+        model.pool = None

@@ -465,8 +465,7 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
         if cfg.cache_window == 0:
             cache = model.decode_cache
         else:  # room for the drafts a round may roll back without evicting what the window still needs
-            cache = KVCache(model.cfg, 1, model.max_seq_len, model.cache_mode, device=model.device, dtype=model.dtype,
-                            window=cfg.cache_window, ring=cfg.cache_window + sc.draft_ahead + 1)
+            cache = model.new_cache(1, model.max_seq_len, cfg.cache_window, cfg.cache_window + sc.draft_ahead + 1)
         cache.reset()
         return speculate(model, ids, sc, cfg, cache, verify_loops, on_token)
 

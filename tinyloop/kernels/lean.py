@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache, dequant_int4, dequant_int8, quant_int4, quant_int8
+from ..cache import KVCache, dequant_int4, dequant_int8, encode_entries
 from ..env import env_choice
 from ..errors import ConfigError
 from ..model import LoopedLM, Step
@@ -248,34 +248,43 @@ class StepContext:
         self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) if layout.rotation and T == 1 else None
         self.triton = use_triton(dev)
         self.step = step
-        self.rows, self.reads, self.kv_rows = None, None, None
-        W = cache.window
-        if self.triton:  # the kernels take positions and tables directly
+        # the cells each lane writes this step, on the host once, so blocks are taken before the layers write
+        W, tree = cache.window, step.cells is not None  # a speculative tree: cells of their own, an ancestor mask
+        self.cells = pos % cache.ring if W else step.cells if tree else pos
+        span = pos if W else self.cells
+        self.lanes = list(range(B))
+        self.lo, self.hi = span.min(1).values.tolist(), span.max(1).values.tolist()
+        self.blk, self.row = self.cells // cache.bt, self.cells % cache.bt
+        self.one = int(self.cells) if B == 1 and T == 1 else None  # batch-1 decode: plain integer indexing
+        if self.triton:  # the kernels take positions and block tables directly
             return
         if W:
-            self.cells = pos % cache.ring
             self.mask = None  # per slot: the ring's cells carry their own positions
+            return
+        kpos = torch.arange(step.end, device=dev)
+        # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
+        # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
+        lockstep = not tree and T == 1 and all(h == step.end - 1 for h in self.hi)
+        self.mask = step.mask.unsqueeze(1) if tree else None if lockstep else \
+            (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
+        if cache.mode == "int4":
+            kp = step.key_pos if tree else kpos.expand(B, step.end)
+            self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+
+    def write(self, cache: KVCache, slot: int, new: dict[str, torch.Tensor]) -> None:
+        """Store this step's entries (each [B, T, ...]) in `slot`, taking or copying blocks first."""
+        cache.prepare(slot, self.lanes, self.lo, self.hi)
+        store = cache.store
+        if self.one is not None:
+            b, r = cache.held[slot][0][self.one // cache.bt], self.one % cache.bt
+            for name, t in new.items():
+                store[name][b, r].copy_(t[0, 0])
         else:
-            tree = step.cells is not None  # a speculative tree: cells of their own, an ancestor mask
-            self.cells = step.cells if tree else pos
-            # every lane writing the newest cell (lockstep decode, always at batch 1): the write is a slice copy,
-            # a quarter of the cost of the index_put it replaces; reading pos here is free on CPU
-            lockstep = not tree and dev.type == "cpu" and T == 1 and bool((pos == step.end - 1).all())
-            # every slot's cells in one view per stored tensor, so a layer only selects its slot
-            self.reads = {name: t[:, :B, :step.end] for name, t in cache.store.items()}
-            if lockstep:
-                self.rows = {name: t[:, :B, step.end - 1] for name, t in cache.store.items()}
-            if lockstep and cache.mode == "fp16":  # the common case, without a dictionary
-                self.kv_rows = self.rows["k"], self.rows["v"]
-                self.kv_heads = self.reads["k"].transpose(2, 3), self.reads["v"].transpose(2, 3)  # [S, B, KV, end, hd]
-            kpos = torch.arange(step.end, device=dev)
-            # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
-            # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
-            self.mask = step.mask.unsqueeze(1) if tree else None if T == 1 and (B == 1 or lockstep) else \
-                (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
-            if cache.mode == "int4":
-                kp = step.key_pos if tree else kpos.expand(B, step.end)
-                self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+            blk = cache.table[slot, self.lane, self.blk]
+            for name, t in new.items():
+                store[name][blk, self.row] = t
+        if cache.cell_pos is not None:
+            cache.cell_pos[slot, self.lane, self.cells] = self.pos
 
 
 class LeanStep:
@@ -384,37 +393,18 @@ class LeanStep:
     def attend(self, w: BlockWeights, q, h, k, v, ctx: StepContext, cache: KVCache, slot: int) -> torch.Tensor:
         """KVCache.update + SDPA for T tokens per lane (q [B, T, H, hd], h [B, T, d], k and v [B, T, KV, hd]) with
         the step's shared indices (torch path); the heads' outputs [B, H, T, hd]."""
-        if ctx.kv_rows is not None:  # fp16 cache, lanes in lockstep: two slice copies, then the step's views
-            ctx.kv_rows[0][slot].copy_(k[:, 0])
-            ctx.kv_rows[1][slot].copy_(v[:, 0])
-            return F.scaled_dot_product_attention(q.transpose(1, 2), ctx.kv_heads[0][slot], ctx.kv_heads[1][slot],
-                                                  enable_gqa=True)
-        st, mode, B = cache.store, cache.mode, ctx.B
-        if mode == "fp16":
-            new = {"k": k, "v": v}
-        elif mode == "int8":
-            (kq, ks), (vq, vs) = quant_int8(k), quant_int8(v)
-            new = {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
-        else:
-            hq, hs = quant_int4(h)
-            new = {"h": hq, "h_scale": hs}
+        mode, B = cache.mode, ctx.B
+        new = encode_entries(mode, h, k, v)
         if cache.window:  # as KVCache.update: attend over the ring as it was plus the token, then store it
-            data = {name: torch.cat((st[name][slot, :B], t), dim=1) for name, t in new.items()}
+            data = {name: torch.cat((old, new[name]), dim=1) for name, old in cache.gather(slot, B, cache.ring).items()}
             kpos = torch.cat((cache.cell_pos[slot, :B], ctx.pos), dim=1)
             kp, qp = kpos.unsqueeze(1), ctx.pos.unsqueeze(-1)
             mask = ((kp >= 0) & (kp <= qp) & (kp > qp - cache.window)).unsqueeze(1)
             keys, values = self.decode(w, data, mode, cache.dtype, B, kpos, ctx)
-            for name, t in new.items():
-                st[name][slot, ctx.lane, ctx.cells] = t
-            cache.cell_pos[slot, ctx.lane, ctx.cells] = ctx.pos
+            ctx.write(cache, slot, new)
         else:
-            for name, t in new.items():
-                if ctx.rows is not None:
-                    ctx.rows[name][slot].copy_(t[:, 0])
-                else:
-                    st[name][slot, ctx.lane, ctx.cells] = t
-            keys, values = self.decode(w, {name: t[slot] for name, t in ctx.reads.items()}, mode, cache.dtype, B, None,
-                                       ctx)
+            ctx.write(cache, slot, new)
+            keys, values = self.decode(w, cache.gather(slot, B, ctx.end), mode, cache.dtype, B, None, ctx)
             mask = ctx.mask
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask, enable_gqa=True)
