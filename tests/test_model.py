@@ -4,16 +4,16 @@ import torch
 
 import tinyloop
 from tinyloop.cache import KVCache
-from tinyloop.generate import Decoder
+from tinyloop.engine.runner import Runner
 
 
 def cached_logits(model, ids: list[int], loops: int, cache, prefill: int = 5) -> torch.Tensor:
     """Prefill the first `prefill` tokens, then feed the rest one at a time; logits for every position."""
     cache.reset()
-    dec = Decoder(model, loops, cache)
-    out = [dec.forward(ids[:prefill], 0)]
+    runner = Runner(model, cache, loops)
+    out = [runner.prefill(ids[:prefill], 0)]
     for t in range(prefill, len(ids)):
-        out.append(dec.forward([ids[t]], t))
+        out.append(runner.decode([ids[t]], [t])[0])
     return torch.cat(out)
 
 
@@ -86,11 +86,9 @@ def test_early_exit_copies_kv_into_skipped_loops(make_artifact):
     ids = [5, 9, 14, 3, 22, 40, 7]
     cache = model.decode_cache
     cache.reset()
-    dec = Decoder(model, 8, cache, early_exit=0.5)  # large threshold: tokens exit after few loops
-    dec.forward(ids[:3], 0)
-    for t in range(3, len(ids)):
-        dec.forward([ids[t]], t)
-    used = dec.loop_counts[1:]
+    runner = Runner(model, cache, 8, early_exit=0.5)  # large threshold: tokens exit after few loops
+    runner.prefill(ids[:3], 0)
+    used = [runner.decode([ids[t]], [t])[1][0] for t in range(3, len(ids))]
     assert all(u < 8 for u in used), used
     cfg = model.cfg
     for t, u in zip(range(3, len(ids)), used):

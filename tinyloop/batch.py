@@ -6,25 +6,22 @@
    token at a frozen position; its outputs are discarded.
 3. Per-lane host-side sampling: repetition penalty, grammar mask, sampler and stop matching per lane.
 
-The per-lane logic (Lane) mirrors generate.run_decode step for step, so greedy output equals `generate` on
-each prompt alone; the same engine serves single-lane grammar decode (decoding.generate_special).
+Every lane is a Sequence and the Runner steps them (tinyloop/engine), the same objects `generate` uses for one
+prompt, so greedy output equals `generate` on each prompt alone.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import torch
 
-from .cache import KVCache
+from .engine.calls import checked, lanes
+from .engine.runner import Runner
+from .engine.sequence import Sequence
 from .errors import ConfigError
-from .generate import (Decoder, GenerateConfig, GenerateResult, GenerateStats, check_length, make_generator)
-from .grammar import GrammarState
-from .kernels.lean import decode_forward
-from .modes import check_modes
-from .runtime import Model
-from .sampling import apply_repetition_penalty, sample_token
-from .stops import StopMatcher
+from .types import GenerateConfig, GenerateResult
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
 OnLaneToken = Callable[[int, int, int], bool]
@@ -32,120 +29,6 @@ OnLaneToken = Callable[[int, int, int], bool]
 # Settings that shape the batched kernel or the shared sampler: every lane must agree (seed table; early exit
 # added because one threshold drives the batched adaptive-depth loop).
 SHARED_FIELDS = ("loops", "temperature", "top_k", "top_p", "repetition_penalty", "early_exit_threshold")
-
-
-class Lane:
-    """Host-side state of one sequence: what run_decode keeps in local variables, per lane."""
-
-    def __init__(self, model: Model, index: int, prompt_ids: list[int], cfg: GenerateConfig,
-                 on_token: OnLaneToken | None, t_call: float):
-        self.model, self.index, self.cfg, self.on_token, self.t_call = model, index, cfg, on_token, t_call
-        self.gen = make_generator(cfg.seed)
-        self.seen = torch.tensor(prompt_ids, device=model.device)
-        self.matcher = StopMatcher(model.codec.decode, cfg.stop_sequences)
-        self.grammar = GrammarState.for_model(model, cfg.grammar) if cfg.grammar is not None else None
-        self.stats = GenerateStats(prompt_tokens=len(prompt_ids), cache_mode=model.cache_mode)
-        self.pos = len(prompt_ids)  # where the next fed token goes
-        self.step_i = 0
-        self.emitted = 0
-        self.token = prompt_ids[-1]
-        self.done, self.stop_reason = False, "max_tokens"
-        self.loop_counts: list[int] = []
-        self.t_prefilled = t_call
-
-    def _emit(self, tokens: list[int]) -> bool:
-        for t in tokens:
-            keep = self.on_token(self.index, t, self.emitted) if self.on_token is not None else True
-            self.emitted += 1
-            if keep is False:
-                return False
-        return True
-
-    def step(self, logits: torch.Tensor) -> None:
-        """Sample the next token from this lane's logits [V]; afterwards either self.done or self.token is fed."""
-        cfg, i = self.cfg, self.step_i
-        logits = apply_repetition_penalty(logits, self.seen, cfg.repetition_penalty)
-        if self.grammar is not None:
-            logits = self.grammar.mask(logits)
-        token = sample_token(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.gen)
-        if i == 0:
-            self.stats.first_token_ms = (time.perf_counter() - self.t_call) * 1000
-        self.step_i += 1
-        if self.grammar is not None:
-            self.grammar.accept(token)
-        if token == self.model.eos_id:  # under a grammar EOS is only allowed once the output is complete
-            return self._finish("grammar_complete" if self.grammar is not None else "eos")
-        ready, stopped = self.matcher.push(token)
-        if not self._emit(ready):
-            return self._finish("cancelled")
-        if stopped:
-            return self._finish("stop_sequence")
-        if self.grammar is not None and self.grammar.must_end():
-            return self._finish("grammar_complete")
-        if i == cfg.max_tokens - 1:
-            return self._finish("max_tokens")
-        if cfg.repetition_penalty != 1.0:
-            self.seen = torch.cat((self.seen, torch.tensor([token], device=self.seen.device)))
-        self.token = token
-
-    def _finish(self, reason: str) -> None:
-        self.done, self.stop_reason = True, reason
-        if reason in ("eos", "max_tokens", "grammar_complete") and not self._emit(self.matcher.flush()):
-            self.stop_reason = "cancelled"
-        self.t_end = time.perf_counter()
-
-    def result(self, loops: int) -> GenerateResult:
-        m, st = self.matcher, self.stats
-        tokens = m.tokens[:self.emitted] if self.stop_reason == "cancelled" else m.tokens
-        text = self.model.codec.decode(tokens) if self.stop_reason != "stop_sequence" or not m.strings else m.text
-        st.generated_tokens, st.stop_reason = len(tokens), self.stop_reason
-        st.decode_ms = (self.t_end - self.t_prefilled) * 1000
-        st.total_ms = (self.t_end - self.t_call) * 1000
-        st.loops_mean = sum(self.loop_counts) / len(self.loop_counts) if self.loop_counts else float(loops)
-        return GenerateResult(tokens, text, st)
-
-
-@torch.inference_mode()
-def decode_lanes(model: Model, prompts: list[list[int]], cfgs: list[GenerateConfig], cache: KVCache,
-                 on_token: OnLaneToken | None = None) -> list[GenerateResult]:
-    """Prefill each lane of `cache` in turn, then decode all lanes in lockstep (configs already checked)."""
-    t_call = time.perf_counter()
-    net, dev = model.net, model.device
-    loops, early_exit = cfgs[0].resolved_loops(model), cfgs[0].early_exit_threshold
-    adaptive = early_exit > 0 or net.exit_gate is not None
-    lanes = [Lane(model, i, p, c, on_token, t_call) for i, (p, c) in enumerate(zip(prompts, cfgs))]
-    rows = []
-    for lane, ids in zip(lanes, prompts):
-        cache.lane_view(lane.index).reset()
-        t = time.perf_counter()
-        decoder = Decoder(model, loops, cache.lane_view(lane.index), early_exit)
-        rows.append(decoder.forward(ids, 0)[-1])  # the same call generate makes, so lanes match it exactly
-        lane.stats.prefill_ms = (time.perf_counter() - t) * 1000
-        lane.loop_counts += decoder.loop_counts
-    logits = torch.stack(rows)
-    t_decode = time.perf_counter()
-    for lane in lanes:
-        lane.t_prefilled = t_decode
-    while True:
-        for lane in lanes:
-            if not lane.done:
-                lane.step(logits[lane.index])
-        live = [not lane.done for lane in lanes]
-        if not any(live):
-            break
-        ids = torch.tensor([[lane.token] for lane in lanes], device=dev)
-        pos = torch.tensor([[lane.pos] for lane in lanes], device=dev)
-        step = net.make_step(pos, max(lane.pos for lane in lanes) + 1)
-        if adaptive:
-            out, used = net.forward_adaptive(ids, loops, step, cache, early_exit)
-        else:
-            out, used = decode_forward(net, ids, loops, step, cache), None  # generate's one-token path, batched
-        logits = out[:, -1]
-        for lane in lanes:
-            if live[lane.index]:  # a stopped lane keeps its frozen position: its writes land past its output
-                lane.pos += 1
-                lane.loop_counts.append(int(used[lane.index]) if used is not None else loops)
-    return [lane.result(loops) for lane in lanes]
 
 
 def lane_configs(prompts, cfg) -> list[GenerateConfig]:
@@ -159,11 +42,9 @@ def lane_configs(prompts, cfg) -> list[GenerateConfig]:
     return list(cfg)
 
 
-def check_batch(model: Model, cfgs: list[GenerateConfig]) -> None:
+def check_batch(model, cfgs: list[GenerateConfig]) -> None:
     """The seed table's call-entry constraints that do not need the prompts."""
-    for c in cfgs:
-        c.validate(model)
-        check_modes("batch", model.cache_mode, c)  # cache_window > 0 and beam_size > 1 are rejected here
+    cfgs[:] = [checked(model, c, "batch") for c in cfgs]  # cache_window > 0 and beam_size > 1 are rejected here
     first = cfgs[0]
     for i, c in enumerate(cfgs[1:], 1):
         for name in SHARED_FIELDS:
@@ -173,7 +54,7 @@ def check_batch(model: Model, cfgs: list[GenerateConfig]) -> None:
                                   f"lane {i} has {name}={b!r} but lane 0 has {name}={a!r}")
 
 
-def generate_batch(model: Model, prompts: Sequence, cfg: GenerateConfig | Sequence[GenerateConfig] | None = None,
+def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig] | None = None,
                    on_token: OnLaneToken | None = None) -> list[GenerateResult]:
     """Static lockstep generation over N = len(prompts) lanes; one GenerateResult per prompt, in order.
 
@@ -185,11 +66,11 @@ def generate_batch(model: Model, prompts: Sequence, cfg: GenerateConfig | Sequen
     check_batch(model, cfgs)
     with model.busy():
         ids = [model.encode_prompt(p) for p in prompts]
-        for i, (p, c) in enumerate(zip(ids, cfgs)):
-            check_length(model, len(p), c, f"generate_batch lane {i}: prompt")
-        max_len = max(len(p) + c.max_tokens for p, c in zip(ids, cfgs))
-        cache = model.new_cache(len(ids), max_len)
-        return decode_lanes(model, ids, cfgs, cache, on_token)
+        with lanes(model, ids, cfgs, what="generate_batch prompt") as cache:
+            t_call = time.perf_counter()
+            lane_cb = (lambda i: None) if on_token is None else (lambda i: lambda token, index: on_token(i, token, index))
+            seqs = [Sequence(model, p, c, lane_cb(i), t_call) for i, (p, c) in enumerate(zip(ids, cfgs))]
+            return Runner(model, cache, seqs[0].loops, cfgs[0].early_exit_threshold).run(seqs)
 
 
 # --- benchmark (tinyloop bench batch) --------------------------------------------------------------------

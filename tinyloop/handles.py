@@ -1,20 +1,18 @@
-"""What PrefixCache, PrefixPool and ResumeHandle share: a binding to the model that built them, a busy lock,
-their bytes, and the decoder that starts from a cache a handle has filled.
+"""What PrefixCache, PrefixPool and ResumeHandle share: a binding to the model that built them, a busy lock, and
+their bytes (blocks of the model's pool, and the tensors kept beside them).
 
 The handles themselves live in prefix.py (PrefixCache, PrefixPool) and resume.py (ResumeHandle).
 """
 from __future__ import annotations
 
 import threading
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from .errors import BusyError, ConfigError, HandleError
-from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, run_decode
 from .runtime import Model
 
 
@@ -97,57 +95,3 @@ def encode_tokens(model: Model, text_or_ids, what: str, allow_empty: bool = Fals
         return model.encode_prompt(text_or_ids)
     except ConfigError as exc:
         raise ConfigError(f"{what}: {exc}") from None
-
-
-def adaptive(model: Model, cfg: GenerateConfig) -> bool:
-    """Whether a one-token forward would exit early (then generate runs a one-token prompt adaptively)."""
-    return cfg.early_exit_threshold > 0 or model.net.exit_gate is not None
-
-
-class PrefilledDecoder(Decoder):
-    """A Decoder whose first forward, the prompt's prefill, is `first(ids, start) -> logits [T, V]`.
-
-    The handle supplies it from what it kept (a prefix's cache, a resumed state); later forwards are
-    plain one-token decode steps, so run_decode drives the rest exactly as in generate.
-    """
-
-    def __init__(self, model: Model, loops: int, cache, early_exit: float,
-                 first: Callable[[list[int], int], torch.Tensor]):
-        super().__init__(model, loops, cache, early_exit)
-        self.first = first
-
-    def forward(self, ids: list[int], start: int) -> torch.Tensor:
-        if self.first is None:
-            return super().forward(ids, start)
-        first, self.first = self.first, None
-        self.loop_counts.append(self.loops)
-        return first(ids, start)
-
-
-def decode_from(model: Model, decoder: Decoder, ids: list[int], cached: int, cfg: GenerateConfig,
-                on_token: OnToken | None, stats: GenerateStats) -> GenerateResult:
-    """Finish a call whose first `cached` prompt tokens the decoder's cache already holds."""
-    if cfg.grammar is not None:
-        return decode_grammar(model, decoder, ids, cached, cfg, on_token, stats)
-    return run_decode(model, decoder, ids, cached, cfg, on_token, stats)
-
-
-@torch.inference_mode()
-def decode_grammar(model: Model, decoder: Decoder, ids: list[int], cached: int, cfg: GenerateConfig,
-                   on_token: OnToken | None, stats: GenerateStats) -> GenerateResult:
-    """Grammar-constrained decode of one lane, as generate runs it (batch.decode_lanes with one lane: the same
-    per-lane Lane sampler, one-token forwards), but starting from the decoder's pre-filled cache."""
-    from .batch import Lane
-    t_call = time.perf_counter()
-    lane = Lane(model, 0, ids, cfg, None if on_token is None else (lambda _lane, token, index: on_token(token, index)), t_call)
-    stats.prompt_tokens, stats.cache_mode = len(ids), model.cache_mode
-    lane.stats, lane.loop_counts = stats, decoder.loop_counts
-    logits = decoder.forward(ids[cached:], cached)[-1]
-    lane.t_prefilled = time.perf_counter()
-    stats.prefill_ms = (lane.t_prefilled - t_call) * 1000
-    while True:
-        lane.step(logits)
-        if lane.done:
-            return lane.result(decoder.loops)
-        logits = decoder.forward([lane.token], lane.pos)[-1]
-        lane.pos += 1

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError, HandleError
-from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length
 from .cache import Span
-from .handles import Handle, PrefilledDecoder, adaptive, decode_from, encode_tokens, tensor_bytes
-from .modes import check_modes
+from .engine.calls import checked, lanes
+from .engine.runner import Runner
+from .engine.sequence import Sequence
+from .errors import ConfigError, HandleError
+from .handles import Handle, encode_tokens, tensor_bytes
 from .runtime import Model
+from .types import GenerateConfig, GenerateResult, OnToken
 
 BLOCK = 16  # tokens per hashed block in a PrefixPool
 
@@ -93,33 +95,24 @@ def create_prefix_cache(model: Model, prefix, n_loops: int) -> PrefixCache:
 def _generate_from(model: Model, pc: PrefixCache | None, ids: list[int], cfg: GenerateConfig,
                    on_token: OnToken | None) -> GenerateResult:
     """Generate from ids whose first len(pc) tokens are pc's prefix (pc None: plain prefill). Model is held."""
-    check_length(model, len(ids), cfg)
-    cache = model.decode_cache
-    cache.reset()
-    loops = cfg.resolved_loops(model)
-    stats = GenerateStats()
-    if pc is None or (len(ids) == 1 and adaptive(model, cfg)):
-        # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
-        decoder = Decoder(model, loops, cache, cfg.early_exit_threshold)
-        return decode_from(model, decoder, ids, 0, cfg, on_token, stats)
-    net = model.net
+    with lanes(model, [ids], [cfg]) as cache:
+        seq = Sequence(model, ids, cfg, on_token)
+        runner = Runner(model, cache, seq.loops, cfg.early_exit_threshold)
+        if pc is None or (len(ids) == 1 and runner.adaptive):
+            # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
+            return runner.run([seq])[0]
 
-    def first(rest: list[int], start: int) -> torch.Tensor:
-        pc.restore(cache)  # here, so the copy counts in stats.prefill_ms
-        if not rest:  # the prompt is the prefix: its logits were kept
-            return pc.logits
-        x = torch.tensor([rest], device=model.device)
-        step = net.make_step(torch.arange(start, start + len(rest), device=model.device).unsqueeze(0), start + len(rest))
-        return net(x, loops, step, cache)[0]  # all loops, even for one token, as generate's prefill
+        def first(seq: Sequence) -> torch.Tensor:
+            pc.restore(cache)  # here, so lending the blocks counts in stats.prefill_ms
+            rest = ids[len(pc):]
+            return pc.logits[-1] if not rest else runner.prefill(rest, len(pc))[-1]  # all loops, as generate's prefill
 
-    decoder = PrefilledDecoder(model, loops, cache, cfg.early_exit_threshold, first)
-    stats.prefix_hit_tokens = len(pc)
-    return decode_from(model, decoder, ids, len(pc), cfg, on_token, stats)
+        seq.stats.prefix_hit_tokens = len(pc)
+        return runner.run([seq], cached=len(pc), first=first)[0]
 
 
 def _check_call(model: Model, cfg: GenerateConfig | None, n_loops: int | None) -> GenerateConfig:
-    cfg = (cfg or GenerateConfig()).validate(model)
-    check_modes("prefix", model.cache_mode, cfg)
+    cfg = checked(model, cfg, "prefix")
     if n_loops is not None and cfg.resolved_loops(model) != n_loops:
         raise ConfigError(f"GenerateConfig.loops must equal the prefix cache's n_loops {n_loops} "
                           f"(a prefix cache serves only the loop count it was built at), got {cfg.resolved_loops(model)}")

@@ -25,12 +25,15 @@ import dataclasses
 import torch
 
 from .cache import KVCache, Span
+from .engine.calls import checked, lanes
+from .engine.runner import Runner
+from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
-from .generate import Decoder, GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length
-from .handles import Handle, PrefilledDecoder, adaptive, decode_from, encode_tokens, tensor_bytes
+from .handles import Handle, encode_tokens, tensor_bytes
 from .modes import check_modes
 from .runtime import Model
 from .speculative import SpeculativeConfig, speculate
+from .types import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 REFINE_AHEAD = 6  # draft_ahead of a greedy refine (the best chain in `tinyloop bench --section speculative`)
 
@@ -50,7 +53,7 @@ class ResumeHandle(Handle):
         self.e: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
         self.span: Span | None = None  # blocks of slots 0..P + R*depth - 1 (a window: the ring's newest cells)
-        self.draft: list[int] = []  # the last resume_generate's tokens: the next call's guess (RefiningDecoder)
+        self.draft: list[int] = []  # the last resume_generate's tokens: the next call's guess (RefiningRunner)
 
     @property
     def l_used(self) -> int:
@@ -119,32 +122,27 @@ class ResumeHandle(Handle):
         return net.decode_head(s, step, cache)[0]
 
 
-class RefiningDecoder(PrefilledDecoder):
+class RefiningRunner(Runner):
     """Follows a guessed continuation (the handle's last draft): while the sampled tokens equal it, the logits
     come from verifying the next piece of the guess in one chunk (4 tokens, doubling while they are all
     taken), not from one-token steps. A piece is only started on a token already sampled, so a guess that
     diverges wastes at most the rest of one piece."""
 
-    def __init__(self, model: Model, loops: int, cache: KVCache, first, guess: list[int]):
-        super().__init__(model, loops, cache, 0.0, first)
-        self.guess, self.following, self.reused = guess, True, 0
+    def __init__(self, model: Model, cache: KVCache, loops: int, guess: list[int], base: int):
+        super().__init__(model, cache, loops)
+        self.guess, self.base, self.following, self.reused = guess, base, True, 0
         self.piece, self.rows, self.rows_from = 4, None, 0
 
-    def forward(self, ids: list[int], start: int) -> torch.Tensor:
-        if self.first is not None:
-            self.base = start + len(ids)
-            return super().forward(ids, start)
-        i = start - self.base
-        if self.following and i < len(self.guess) and ids == [self.guess[i]]:
-            if i >= self.rows_from + (0 if self.rows is None else len(self.rows)):
-                self.rows, self.rows_from = super().forward(self.guess[i:i + self.piece], start), i
-                self.loop_counts.pop()  # counted per token below
+    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None):
+        i = positions[0] - self.base
+        if cache is None and self.following and i < len(self.guess) and tokens == [self.guess[i]]:
+            if self.rows is None or i >= self.rows_from + len(self.rows):
+                self.rows, self.rows_from = self.prefill(self.guess[i:i + self.piece], positions[0]), i
                 self.piece *= 2
             self.reused += 1
-            self.loop_counts.append(self.loops)
-            return self.rows[i - self.rows_from:i - self.rows_from + 1]
+            return self.rows[i - self.rows_from][None], [self.loops]
         self.following = False  # positions the chunk wrote past here are rewritten before they are read
-        return super().forward(ids, start)
+        return super().decode(tokens, positions, cache)
 
 
 def _window_default() -> int:
@@ -182,35 +180,32 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
         raise HandleError(f"expected a ResumeHandle, got {type(handle).__name__}")
     model = handle.model
     handle.check(model)
-    cfg = dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops})).validate(model)
-    check_modes("warm_start", model.cache_mode, cfg)
+    cfg = dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops}))
+    cfg = checked(model, cfg, "warm_start")
     if cfg.cache_window != handle.cache_window:
         raise ConfigError(f"GenerateConfig.cache_window must equal the window the handle was built with "
                           f"({handle.cache_window}), got {cfg.cache_window}")
     L = cfg.resolved_loops(model)
-    with handle.using(model):
+    with handle.using(model), lanes(model, [handle.ids], [cfg]) as cache:
         ids = handle.ids
-        check_length(model, len(ids), cfg)
-        cache = handle.work_cache()
-        stats = GenerateStats()
-        if len(ids) == 1 and adaptive(model, cfg):
+        seq = Sequence(model, ids, cfg, on_token)
+        adaptive = cfg.early_exit_threshold > 0 or model.net.exit_gate is not None
+        first = lambda seq: handle.prefill(cache, L, seq.stats)[-1]
+        if len(ids) == 1 and adaptive:
             # generate runs a one-token prompt with early exit; match it by a plain prefill
-            return decode_from(model, Decoder(model, L, cache, cfg.early_exit_threshold), ids, 0, cfg, on_token, stats)
-        prefill = lambda rest, start: handle.prefill(cache, L, stats)
-        if L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive(model, cfg) \
-                and not cfg.cache_window:
+            out = Runner(model, cache, L, cfg.early_exit_threshold).run([seq])[0]
+        elif L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive and not cfg.cache_window:
             # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
             sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
             out = speculate(model, ids, sc, cfg, cache, L, on_token, lambda st: handle.prefill(cache, L, st)[-1],
                             handle.draft)
             out.stats.draft_reused_tokens = out.stats.accepted
-        elif adaptive(model, cfg) or cfg.cache_window:
+        elif adaptive or cfg.cache_window:
             # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells
-            out = decode_from(model, PrefilledDecoder(model, L, cache, cfg.early_exit_threshold, prefill),
-                              ids, len(ids), cfg, on_token, stats)
+            out = Runner(model, cache, L, cfg.early_exit_threshold).run([seq], cached=len(ids), first=first)[0]
         else:
-            decoder = RefiningDecoder(model, L, cache, prefill, handle.draft[:cfg.max_tokens - 1])
-            out = decode_from(model, decoder, ids, len(ids), cfg, on_token, stats)
-            stats.draft_reused_tokens = decoder.reused
+            runner = RefiningRunner(model, cache, L, handle.draft[:cfg.max_tokens - 1], len(ids))
+            out = runner.run([seq], cached=len(ids), first=first)[0]
+            out.stats.draft_reused_tokens = runner.reused
         handle.draft = out.tokens
         return out

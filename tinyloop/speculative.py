@@ -42,15 +42,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
+from .engine.calls import checked, lanes
+from .engine.sequence import Sequence
 from .errors import ConfigError
-from .generate import GenerateConfig, GenerateResult, GenerateStats, OnToken, check_length, finish, generate, make_generator
+from .generate import generate
 from .kernels import lean
 from .kernels.dispatch import use_triton
 from .model import Step
-from .modes import check_modes
 from .runtime import Model, load_model
-from .sampling import apply_repetition_penalty, filter_logits, sample_token
-from .stops import StopMatcher
+from .sampling import filter_logits
+from .types import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -151,9 +152,10 @@ class TreeShape:
 class Speculator:
     """Runs speculative rounds over one lane of a KVCache; counts loop-steps."""
 
-    def __init__(self, model: Model, sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache, verify_loops: int,
+    def __init__(self, model: Model, sc: SpeculativeConfig, seq: Sequence, cache: KVCache, verify_loops: int,
                  guess: list[int] = ()):
-        self.model, self.net, self.cache, self.cfg = model, model.net, cache, cfg
+        cfg = seq.cfg
+        self.model, self.net, self.cache, self.cfg, self.seq = model, model.net, cache, cfg, seq
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
         self.threshold = cfg.early_exit_threshold
         self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
@@ -162,18 +164,14 @@ class Speculator:
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see run
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
-        self.gen = make_generator(cfg.seed)
-        self.history: list[int] = []  # prompt + tokens taken so far (repetition penalty)
+        self.gen = seq.gen  # the sequence's sampler draws the proposals and acceptances too
         self.used_at: dict[int, int] = {}  # loops used by the token at each committed position
         self.draft_loop_steps = self.verify_loop_steps = 0
         self.coda_slots = [model.cfg.coda_slot(i) for i in range(model.cfg.n_coda)]
 
     # -- sampling helpers ---------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int]) -> torch.Tensor:
-        if self.cfg.repetition_penalty == 1.0:
-            return logits
-        seen = torch.tensor(self.history + extra, device=logits.device)
-        return apply_repetition_penalty(logits, seen, self.cfg.repetition_penalty)
+        return self.seq.penalised(logits, extra)
 
     def probs(self, logits: torch.Tensor, extra: list[int]) -> torch.Tensor:
         c = self.cfg
@@ -361,61 +359,33 @@ class Speculator:
 
     # -- the whole generation -------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, prompt_ids: list[int], on_token: OnToken | None, stats: SpeculativeStats,
-            prefill: Callable[[], torch.Tensor] | None = None) -> GenerateResult:
-        """Prefill (or `prefill()`: the prompt's last logits, the cache filled by a handle) and decode."""
-        cfg, model, net = self.cfg, self.model, self.net
+    def run(self, prefill: Callable[[], torch.Tensor] | None = None) -> GenerateResult:
+        """Prefill (or `prefill()`: the prompt's last logits, the cache filled by a handle) and decode; the
+        sequence does the per-token bookkeeping as in plain decode."""
+        seq, cfg, model, net = self.seq, self.cfg, self.model, self.net
+        stats: SpeculativeStats = seq.stats
+        prompt_ids = seq.prompt
         t0 = time.perf_counter()
         P = len(prompt_ids)
-        stats.prompt_tokens, stats.cache_mode = P, model.cache_mode
         if prefill is not None:
             logits = prefill()
         else:
             step = net.make_step(torch.arange(P, device=model.device).unsqueeze(0), P)
             logits = net(torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache)[0, -1]
-        t_prefill = time.perf_counter()
-        stats.prefill_ms = (t_prefill - t0) * 1000
-        self.history = list(prompt_ids)
-        matcher = StopMatcher(model.codec.decode, cfg.stop_sequences)
-        emitted = count = 0
-        stop_reason = "max_tokens"
-
-        def take(token: int) -> bool:
-            """The plain decode loop's bookkeeping for one sampled token; False = generation ends here."""
-            nonlocal emitted, count, stop_reason
-            count += 1
-            if count == 1:
-                stats.first_token_ms = (time.perf_counter() - t0) * 1000
-            if token == model.eos_id:
-                stop_reason = "eos"
-                return False
-            ready, stopped = matcher.push(token)
-            for t in ready:
-                keep = on_token(t, emitted) if on_token is not None else True
-                emitted += 1
-                if keep is False:
-                    stop_reason = "cancelled"
-                    return False
-            if stopped:
-                stop_reason = "stop_sequence"
-                return False
-            if count == cfg.max_tokens:
-                return False
-            self.history.append(token)
-            return True
-
-        first = sample_token(self.penalised(logits, []), cfg.temperature, cfg.top_k, cfg.top_p, self.gen)
-        going, pending, p = take(first), first, P
+        seq.t_prefilled = time.perf_counter()
+        stats.prefill_ms = (seq.t_prefilled - t0) * 1000
+        first = seq.sample(logits)
+        going, pending, p = seq.take(first), first, P
         piece = 4
         while going:
-            left = cfg.max_tokens - count  # tokens still to sample; a round yields at most depth + 1
+            left = cfg.max_tokens - seq.count  # tokens still to sample; a round yields at most depth + 1
             n, w = min(self.n, left - 1), self.w
             if w > 1:  # tree cells p .. p + n*w must fit the cache
                 n = min(n, (self.cache.max_len - 1 - p) // w)
                 if n == 0:
                     n, w = min(self.n, left - 1), 1
             guessed = []
-            if self.guess and self.history[P:] != self.guess[:p - P + 1]:
+            if self.guess and seq.history[P:] != self.guess[:p - P + 1]:
                 self.guess = []  # the output left the guess: draft from here on
             if self.guess:  # everything so far, the pending token too, was guessed: verify the next piece
                 guessed = self.guess[p - P + 1:p - P + 1 + min(piece, left - 1)]
@@ -425,27 +395,18 @@ class Speculator:
             stats.drafted += n
             stats.accepted += a
             for t in out:
-                if not take(t):
+                if not seq.take(t):
                     going = False
                     break
             pending, p = out[-1], p + len(out)
-
-        if stop_reason in ("eos", "max_tokens"):
-            for t in matcher.flush():
-                keep = on_token(t, emitted) if on_token is not None else True
-                emitted += 1
-                if keep is False:
-                    stop_reason = "cancelled"
-                    break
-        tokens, text = finish(model, matcher, emitted, stop_reason, stats, t0, t_prefill)
         # as plain decode counts it: the prefill, then one forward per sampled token but the last
-        counts = [self.V] + [self.used_at[P + i] for i in range(count - 1) if P + i in self.used_at]
-        stats.loops_mean = sum(counts) / len(counts)
+        seq.loop_counts = [self.V] + [self.used_at[P + i] for i in range(seq.count - 1) if P + i in self.used_at]
+        result = seq.result()
         stats.draft_accept_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-        stats.tokens_per_verify = (count - 1) / stats.verify_steps if stats.verify_steps else 0.0
+        stats.tokens_per_verify = (seq.count - 1) / stats.verify_steps if stats.verify_steps else 0.0
         stats.draft_loop_steps, stats.verify_loop_steps = self.draft_loop_steps, self.verify_loop_steps
         stats.loop_steps = self.draft_loop_steps + self.verify_loop_steps
-        return GenerateResult(tokens, text, stats)
+        return result
 
 
 def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = None, cfg: GenerateConfig | None = None,
@@ -455,19 +416,15 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
     Greedy output equals `generate` at verify_loops; sampled output keeps its distribution. `on_token`
     streams as in generate_stream. result.stats is a SpeculativeStats.
     """
-    cfg = (cfg or GenerateConfig()).validate(model)
     sc = (sc or speculative_from_env() or SpeculativeConfig()).validate(model)
-    check_modes("tree_speculative" if sc.tree_width > 1 else "speculative", model.cache_mode, cfg)
+    cfg = checked(model, cfg, "tree_speculative" if sc.tree_width > 1 else "speculative")
     verify_loops = sc.resolved_verify_loops(model, cfg)
+    # a ring gets room for the drafts a round may roll back without evicting what the window still needs
+    ring = cfg.cache_window + sc.draft_ahead + 1 if cfg.cache_window else 0
     with model.busy():
         ids = model.encode_prompt(prompt)
-        check_length(model, len(ids), cfg)
-        if cfg.cache_window == 0:
-            cache = model.decode_cache
-        else:  # room for the drafts a round may roll back without evicting what the window still needs
-            cache = model.new_cache(1, model.max_seq_len, cfg.cache_window, cfg.cache_window + sc.draft_ahead + 1)
-        cache.reset()
-        return speculate(model, ids, sc, cfg, cache, verify_loops, on_token)
+        with lanes(model, [ids], [cfg], loops=verify_loops, ring=ring) as cache:
+            return speculate(model, ids, sc, cfg, cache, verify_loops, on_token)
 
 
 def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache,
@@ -484,8 +441,8 @@ def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: Generate
     if model.device.type == "cpu" and threads and threads != before:
         torch.set_num_threads(threads)
     try:
-        return Speculator(model, sc, cfg, cache, verify_loops, guess).run(
-            ids, on_token, stats, None if prefill is None else lambda: prefill(stats))
+        seq = Sequence(model, ids, cfg, on_token, stats=stats)
+        return Speculator(model, sc, seq, cache, verify_loops, guess).run(None if prefill is None else lambda: prefill(stats))
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)

@@ -1,0 +1,48 @@
+"""What every call does before and after its sequences run, written once: check the config against the mode matrix,
+hold the model, encode the prompts, check lengths and the block budget, lend a cache, and give its blocks back."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..cache import KVCache
+from ..errors import ConfigError
+from ..modes import check_modes
+from ..types import GenerateConfig
+
+
+def checked(model, cfg: GenerateConfig | None, call: str) -> GenerateConfig:
+    """The call's config, validated against the model and the mode matrix's column for `call`."""
+    cfg = (cfg or GenerateConfig()).validate(model)
+    check_modes(call, model.cache_mode, cfg)
+    return cfg
+
+
+def check_length(model, prompt_len: int, cfg: GenerateConfig, what: str = "prompt") -> None:
+    """max_seq_len bounds a sequence's cells; a sliding window holds only `cache_window` of them, so a windowed
+    sequence may run longer (the position tables grow)."""
+    if cfg.cache_window == 0 and prompt_len + cfg.max_tokens > model.max_seq_len:
+        raise ConfigError(f"{what} length {prompt_len} + max_tokens {cfg.max_tokens} exceeds max_seq_len "
+                          f"{model.max_seq_len} (GenerateConfig.max_tokens, or max_seq_len when loading the model)")
+
+
+@contextmanager
+def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lanes: int | None = None,
+          loops: int | None = None, ring: int = 0, what: str = "prompt") -> Iterator[KVCache]:
+    """A cache with one lane per prompt (or n_lanes lanes for one prompt: beam hypotheses), once lengths and the
+    block budget allow them; its blocks go back to the pool when the call ends. `loops`: the deepest loop count a
+    lane runs (default: the configs')."""
+    for i, (ids, c) in enumerate(zip(prompts, cfgs)):
+        check_length(model, len(ids), c, what if len(prompts) == 1 else f"lane {i}: {what}")
+    window = cfgs[0].cache_window
+    longest = max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
+    loops = loops or max(c.resolved_loops(model) for c in cfgs)
+    model.net.ensure_positions(longest + ring + 1)
+    n = n_lanes or len(prompts)
+    model.admit(n, longest, loops, max(window, ring), what=f"{n} x {what}" if n > 1 else what)
+    cache = model.decode_cache if n == 1 and not window else model.new_cache(n, longest, window, ring)
+    cache.reset()
+    try:
+        yield cache
+    finally:
+        cache.reset()

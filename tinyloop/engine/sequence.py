@@ -1,0 +1,127 @@
+"""Sequence: one request's state, from its prompt to its result.
+
+It owns what turns logits into output: the sampler (repetition penalty, grammar mask, temperature, top-k/p, a
+seeded generator), the stop matcher, the grammar state, streaming (on_token, cancellation), the loop counts of
+early exit, and the stats. Every call is a way of creating sequences and feeding them logits: plain and streamed
+generate, batches, beam hypotheses (Sequence.fork), speculative rounds, prefix reuse and warm starts.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..grammar import GrammarState
+from ..sampling import apply_repetition_penalty, sample_token
+from ..stops import StopMatcher
+from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+
+
+class Sequence:
+    def __init__(self, model, prompt: list[int], cfg: GenerateConfig, on_token: OnToken | None = None,
+                 t_call: float | None = None, stats: GenerateStats | None = None):
+        self.model, self.prompt, self.cfg, self.on_token = model, prompt, cfg, on_token
+        self.t_call = time.perf_counter() if t_call is None else t_call
+        self.loops = cfg.resolved_loops(model)
+        self.gen = make_generator(cfg.seed)
+        self.history = list(prompt)  # prompt + tokens taken: what the repetition penalty sees
+        self.matcher = StopMatcher(model.codec.decode, cfg.stop_sequences)
+        self.grammar = GrammarState.for_model(model, cfg.grammar) if cfg.grammar is not None else None
+        self.stats = stats or GenerateStats()  # speculative calls bring SpeculativeStats
+        self.stats.prompt_tokens, self.stats.cache_mode = len(prompt), model.cache_mode
+        self.pos = len(prompt)      # where the next fed token goes
+        self.token = prompt[-1]     # the token fed next
+        self.count = 0              # tokens sampled
+        self.emitted = 0            # tokens streamed
+        self.done, self.stop_reason = False, "max_tokens"
+        self.loop_counts: list[int] = []  # loops run per forward that produced a sampled token
+        self.t_prefilled = self.t_end = self.t_call
+
+    # --- sampling -----------------------------------------------------------------------------------------
+    def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
+        """Logits after the repetition penalty over history + extra (speculative drafts pass their path)."""
+        if self.cfg.repetition_penalty == 1.0:
+            return logits
+        seen = torch.tensor(self.history + list(extra), device=logits.device)
+        return apply_repetition_penalty(logits, seen, self.cfg.repetition_penalty)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        logits = self.penalised(logits)
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
+        c = self.cfg
+        return sample_token(logits, c.temperature, c.top_k, c.top_p, self.gen)
+
+    def step(self, logits: torch.Tensor) -> bool:
+        """Sample the next token from this sequence's logits [V] and take it; False once the sequence is done."""
+        return self.take(self.sample(logits))
+
+    # --- bookkeeping of one chosen token --------------------------------------------------------------------
+    def take(self, token: int) -> bool:
+        """Account a chosen token: grammar, EOS, stop sequences, streaming, max_tokens. True: feed it next."""
+        if self.count == 0:
+            self.stats.first_token_ms = (time.perf_counter() - self.t_call) * 1000
+        self.count += 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        if token == self.model.eos_id:  # under a grammar EOS is only allowed once the output is complete
+            return self.finish("grammar_complete" if self.grammar is not None else "eos")
+        ready, stopped = self.matcher.push(token)
+        if not self.emit(ready):
+            return self.finish("cancelled")
+        if stopped:
+            return self.finish("stop_sequence")
+        if self.grammar is not None and self.grammar.must_end():
+            return self.finish("grammar_complete")
+        if self.count == self.cfg.max_tokens:
+            return self.finish("max_tokens")
+        self.history.append(token)
+        self.token = token
+        return True
+
+    def emit(self, tokens: list[int]) -> bool:
+        for t in tokens:
+            keep = self.on_token(t, self.emitted) if self.on_token is not None else True
+            self.emitted += 1
+            if keep is False:
+                return False
+        return True
+
+    def finish(self, reason: str) -> bool:
+        self.done, self.stop_reason = True, reason
+        if reason in ("eos", "max_tokens", "grammar_complete") and not self.emit(self.matcher.flush()):
+            self.stop_reason = "cancelled"
+        self.t_end = time.perf_counter()
+        return False
+
+    # --- results ---------------------------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """The output: what was streamed if cancelled, else cut before a stop sequence, without EOS."""
+        m = self.matcher
+        return m.tokens[:self.emitted] if self.stop_reason == "cancelled" else m.tokens
+
+    @property
+    def text(self) -> str:
+        m = self.matcher
+        return m.text if self.stop_reason == "stop_sequence" and m.strings else self.model.codec.decode(self.tokens)
+
+    def result(self) -> GenerateResult:
+        st = self.stats
+        tokens = self.tokens
+        st.generated_tokens, st.stop_reason = len(tokens), self.stop_reason
+        st.decode_ms = (self.t_end - self.t_prefilled) * 1000
+        st.total_ms = (self.t_end - self.t_call) * 1000
+        counts = self.loop_counts
+        st.loops_mean = sum(counts) / len(counts) if counts else float(self.loops)
+        return GenerateResult(tokens, self.text, st)
+
+    def fork(self) -> "Sequence":
+        """An independent copy (beam search: a child hypothesis); the model, config and callback are shared."""
+        child = copy.copy(self)
+        m = child.matcher = copy.copy(self.matcher)  # the decode function is shared, the lists are not
+        m.tokens, m.text_len = list(m.tokens), list(m.text_len)
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
+        child.history, child.loop_counts = list(self.history), list(self.loop_counts)
+        return child
