@@ -382,12 +382,35 @@ class KVCache:
         """A one-lane cache over this cache's lane `lane`: writing it fills that lane in place."""
         view = object.__new__(KVCache)
         view.__dict__.update(self.__dict__)
-        view._view_of = self
+        view._view_of, view._index = self, None
         view.lanes = 1
         view.table = self.table[:, lane:lane + 1]
         view.held = [[row[lane]] for row in self.held]  # the same lists: blocks taken by the view are the lane's
         view.cell_pos = None if self.cell_pos is None else self.cell_pos[:, lane:lane + 1]
         return view
+
+    def select(self, lanes: list[int]) -> "KVCache":
+        """A cache over some lanes, in that order (the runner steps only running sequences). Blocks it takes are the
+        lanes' own; its block tables and ring positions are copies that `commit` writes back."""
+        if lanes == list(range(len(lanes))):
+            return self  # the first n lanes: every operation already reads lanes 0..B-1
+        view = object.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        index = torch.tensor(lanes, device=self.device)
+        view._view_of, view._index, view.lanes = self, index, len(lanes)
+        view.table = self.table.index_select(1, index)
+        view.held = [[row[i] for i in lanes] for row in self.held]
+        view.cell_pos = None if self.cell_pos is None else self.cell_pos.index_select(1, index)
+        return view
+
+    def commit(self) -> None:
+        """Write a selection's block tables and ring positions back to the cache it was selected from."""
+        base = getattr(self, "_view_of", None)
+        if base is None or getattr(self, "_index", None) is None:
+            return
+        base.table[:, self._index] = self.table
+        if self.cell_pos is not None:
+            base.cell_pos[:, self._index] = self.cell_pos
 
     def reorder_lanes(self, index: torch.Tensor) -> None:
         """Lane i takes the contents of lane index[i], for i < len(index) (beam search: children inherit their

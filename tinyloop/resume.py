@@ -134,8 +134,9 @@ class RefiningRunner(Runner):
         self.piece, self.rows, self.rows_from = 4, None, 0
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None):
+        cache = self.cache if cache is None else cache
         i = positions[0] - self.base
-        if cache is None and self.following and i < len(self.guess) and tokens == [self.guess[i]]:
+        if cache is self.cache and self.following and i < len(self.guess) and tokens == [self.guess[i]]:
             if self.rows is None or i >= self.rows_from + len(self.rows):
                 self.rows, self.rows_from = self.prefill(self.guess[i:i + self.piece], positions[0]), i
                 self.piece *= 2

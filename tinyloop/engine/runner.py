@@ -1,9 +1,9 @@
 """Runner: steps a set of sequences through the model, lane i of its KV cache holding sequence i.
 
 One call of `run` takes every sequence from its prompt to its result: each prompt is prefilled into its lane (one
-chunk: the same call for a sequence alone or in a batch, so their outputs are equal), then all lanes decode in
-lockstep, one token per lane per forward. A lane whose sequence is done stays in the forward's shape, fed its last
-token at a frozen position (its writes land past its output); its outputs are discarded.
+chunk: the same call for a sequence alone or in a batch, so their outputs are equal), then the running lanes decode
+together, one token per lane per forward. A finished lane leaves the forward and gives its blocks back; when the
+pool runs out, the youngest lane is preempted and recomputed later (`run`).
 
 The model forward is `forward`: the lean step of tinyloop/kernels for one-token-per-lane rows (the fast path),
 the model's chunk forward otherwise; with early exit (a threshold or the model's exit gate) decode rows run
@@ -17,7 +17,9 @@ from collections.abc import Callable
 import torch
 
 from ..cache import KVCache
+from ..errors import BudgetError
 from ..kernels.lean import decode_forward
+from ..memory import blocks_for
 from .sequence import Sequence
 
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
@@ -29,6 +31,7 @@ class Runner:
     def __init__(self, model, cache: KVCache, loops: int, early_exit: float = 0.0):
         self.model, self.net, self.cache, self.loops, self.early_exit = model, model.net, cache, loops, early_exit
         self.adaptive = early_exit > 0 or self.net.exit_gate is not None
+        self.preemptions = 0
 
     def lane(self, i: int) -> KVCache:
         return self.cache if self.cache.lanes == 1 else self.cache.lane_view(i)
@@ -73,21 +76,75 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], cached: int = 0, first: Prefill | None = None) -> list:
-        """Prefill every sequence into its lane, then decode all lanes in lockstep until every one is done."""
-        rows = [self.first_logits(seq, i, cached, first) for i, seq in enumerate(seqs)]
-        t = time.perf_counter()
-        for seq in seqs:
-            seq.t_prefilled = t
-        logits = torch.stack(rows)
+        """Take every sequence from its prompt to its result. Lanes join as the pool's free blocks allow (in order),
+        decode together, and give their blocks back when done. When a step finds the pool exhausted, the youngest
+        running lane is preempted: its blocks go back, and it rejoins later by recomputing its cache (prompt, then
+        its tokens one by one, the forwards that built it) and continues where it stopped."""
+        waiting, running = list(range(len(seqs))), []  # lanes without a cache (new or preempted), oldest first
+        logits: dict[int, torch.Tensor] = {}  # lane -> the logits its next token is sampled from
         while True:
-            for i, seq in enumerate(seqs):
-                if not seq.done:
-                    seq.step(logits[i])
-            live = [not seq.done for seq in seqs]
-            if not any(live):
-                return [seq.result() for seq in seqs]
-            logits, used = self.decode([seq.token for seq in seqs], [seq.pos for seq in seqs])
-            for seq, alive, u in zip(seqs, live, used):
-                if alive:  # a done lane keeps its frozen position
-                    seq.pos += 1
-                    seq.loop_counts.append(u)
+            self.admit(seqs, waiting, running, logits, cached, first)
+            for i in list(running):
+                if i in logits and not seqs[i].step(logits.pop(i)):
+                    running.remove(i)
+                    self.lane(i).reset()  # a finished lane's blocks go back at once
+            if not running:
+                if not waiting:
+                    return [seq.result() for seq in seqs]
+                continue
+            view = self.cache.select(running)
+            try:
+                rows, used = self.decode([seqs[i].token for i in running], [seqs[i].pos for i in running], view)
+            except BudgetError:
+                if len(running) == 1:
+                    raise
+                self.preempt(running.pop(), waiting)
+                continue
+            finally:
+                view.commit()
+            for r, i in enumerate(running):
+                seqs[i].pos += 1
+                seqs[i].loop_counts.append(used[r])
+                logits[i] = rows[r]
+
+    def admit(self, seqs: list[Sequence], waiting: list[int], running: list[int], logits: dict, cached: int,
+              first: Prefill | None) -> None:
+        """Build the caches of waiting lanes, oldest first, while the pool has room for them (with nothing running a
+        lane is tried anyway: a pool that cannot hold it raises BudgetError)."""
+        pool, window = self.cache.pool, self.cache.ring
+        while waiting:
+            i = waiting[0]
+            seq = seqs[i]
+            need = blocks_for(self.model.cfg, len(seq.prompt) + seq.count + 1, seq.loops, window)
+            if running and need > len(pool.free):
+                return
+            waiting.pop(0)
+            try:
+                if seq.count == 0:
+                    logits[i] = self.first_logits(seq, i, cached, first)
+                    seq.t_prefilled = time.perf_counter()
+                else:
+                    self.recompute(seq, i)
+            except BudgetError:
+                self.lane(i).reset()
+                if not running:
+                    raise
+                waiting.insert(0, i)
+                return
+            running.append(i)
+            running.sort()
+
+    def recompute(self, seq: Sequence, lane: int) -> None:
+        """Rebuild a preempted lane's cache with the forwards that first built it: the prompt's prefill, then each
+        token it has fed one at a time; the token it was about to feed (seq.token) comes next."""
+        cache = self.lane(lane)
+        self.prefill(seq.prompt, 0, lane)
+        fed = seq.history[len(seq.prompt):-1]
+        for j, token in enumerate(fed):
+            Runner.decode(self, [token], [len(seq.prompt) + j], cache)
+
+    def preempt(self, lane: int, waiting: list[int]) -> None:
+        self.lane(lane).reset()
+        waiting.append(lane)
+        waiting.sort()
+        self.preemptions += 1
