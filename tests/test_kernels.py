@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import tinyloop  # noqa: E402
-from tinyloop.cache import KVCache  # noqa: E402
+from tinyloop.cache import BlockPool, KVCache  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
 from tinyloop.kernels import dispatch  # noqa: E402
@@ -69,11 +69,74 @@ def test_decode_attention_matches_reference(mode, shape):
     kw = dict(mode=mode, window=window, cell_pos=cache.cell_pos, wk=attn.wk.weight, wv=attn.wv.weight,
               rope_cos=net.rope_cos, rope_sin=net.rope_sin)
     with torch.no_grad():
-        want = decode_attention_ref(q, cache.store, 1, pos, n_cells, **kw)
-        got = decode_attention_triton(q, cache.store, 1, pos, n_cells, **kw)
+        want = decode_attention_ref(q, cache.store, cache.table, 1, pos, n_cells, **kw)
+        got = decode_attention_triton(q, cache.store, cache.table, 1, pos, n_cells, **kw)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if window:  # the window really excluded something: lane 1 wrote 13 tokens into a smaller ring
         assert (cache.cell_pos[1, 1] >= 0).sum() == cache.ring < 13
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", (0, 6))
+def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
+    """Lanes whose blocks lie anywhere in the pool are read as the tokens they were given: allocations interleaved
+    across lanes a few tokens at a time, and a lane that took another's blocks (reorder_lanes, as beam search does) and
+    copied the one it then wrote into (copy-on-write). Tokens go in through the write kernels; reference and
+    kernel reads both match attention computed directly from each lane's own tokens, which knows nothing of
+    blocks. Blocks of 4 tokens keep the sequences short (interpreted kernels) and try another block size."""
+    from tinyloop.cache import decode_entries, encode_entries
+    torch.manual_seed(4)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=32, n_prelude=1, n_core=1,
+                      n_coda=0, max_loops=1, default_loops=1)
+    net = LoopedLM(cfg, 64).to(DEV)
+    attn = net.prelude[0].attn
+    pool = BlockPool(cfg, mode, 64, device=DEV, block_tokens=4)
+    cache = KVCache(cfg, 3, 16, mode, device=DEV, window=window, pool=pool)
+    lengths = [11, 9, 6]  # 2-3 blocks per lane; 11 and 9 wrap the ring of 6 (two blocks, the second half used)
+    written = [[] for _ in lengths]  # per lane: chunks of h [1, T, d], positions 0, 1, ... in order
+
+    def put(lane: int, lo: int, hi: int) -> None:  # positions lo..hi-1 in one write
+        h, pos = torch.randn(1, hi - lo, 64, device=DEV), torch.arange(lo, hi, device=DEV).unsqueeze(0)
+        step = net.make_step(pos)
+        write_tokens(cache.lane_view(lane), 1, pos, h, *attn.project_kv(h, step.cos, step.sin))
+        written[lane].append(h)
+
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")  # int8 / int4: the quantise-on-write kernels
+    with torch.no_grad():
+        for p in range(0, max(lengths), 3):  # 3 tokens per lane in turn: each lane's blocks alternate with the others'
+            for lane, n in enumerate(lengths):
+                if p < n:
+                    put(lane, p, min(p + 3, n))
+        cache.reorder_lanes(torch.tensor([1, 1, 2]))  # lane 0 shares lane 1's blocks ...
+        written[0] = list(written[1])
+        put(0, 9, 10)  # ... and copies before writing: lane 1 must keep its own cell
+        blocks = cache.table[1, 0, :len(cache.held[1][0])]
+        assert (blocks[1:] != blocks[:-1] + 1).any(), blocks  # lane 0's blocks are not one run in the pool
+        # only the block written into was copied; a ring prepares all its cells, so it copied every block
+        assert (cache.held[1][0][0] == cache.held[1][1][0]) == (window == 0)
+
+        B, n_heads, hd = 3, cfg.n_heads, cfg.head_dim
+        pos = torch.tensor([sum(h.shape[1] for h in hs) - 1 for hs in written], device=DEV)
+        q = torch.randn(B, n_heads, hd, device=DEV)
+        want = []
+        for lane, hs in enumerate(written):
+            h = torch.cat(hs, dim=1)  # [1, n, d]
+            kpos = torch.arange(h.shape[1], device=DEV).unsqueeze(0)
+            step = net.make_step(kpos)
+            keys, values = decode_entries(mode, encode_entries(mode, h, *attn.project_kv(h, step.cos, step.sin)),
+                                          torch.float32, lambda hh: attn.project_kv(hh, step.cos, step.sin))
+            seen = kpos > pos[lane] - window if window else kpos >= 0
+            want.append(torch.nn.functional.scaled_dot_product_attention(
+                q[lane:lane + 1, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None, None],
+                enable_gqa=True)[:, :, 0])
+        want = torch.cat(want)
+        kw = dict(mode=mode, window=window, cell_pos=cache.cell_pos, wk=attn.wk.weight, wv=attn.wv.weight,
+                  rope_cos=net.rope_cos, rope_sin=net.rope_sin)
+        n_cells = cache.ring if window else int(pos.max()) + 1
+        ref = decode_attention_ref(q, cache.store, cache.table, 1, pos, n_cells, **kw)
+        got = decode_attention_triton(q, cache.store, cache.table, 1, pos, n_cells, **kw)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_decode_attention_reference_matches_cache_update():
@@ -91,7 +154,7 @@ def test_decode_attention_reference_matches_cache_update():
         keys, values, mask = cache.update(attn, 1, step, h, k, v)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True)[:, :, 0]
-        got = decode_attention_ref(q[:, 0], cache.store, 1, pos[:, 0], cache.ring, mode="int8", window=5,
+        got = decode_attention_ref(q[:, 0], cache.store, cache.table, 1, pos[:, 0], cache.ring, mode="int8", window=5,
                                    cell_pos=cache.cell_pos)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
@@ -114,8 +177,9 @@ def test_quantise_on_write_writes_the_same_bytes(mode, window, monkeypatch):
     write_tokens_ref(caches[0], 1, pos, h, k, v)
     monkeypatch.setenv("TINYLOOP_TRITON", "1")
     write_tokens(caches[1], 1, pos, h, k, v)
-    for name in caches[0].store:
-        assert torch.equal(caches[0].store[name], caches[1].store[name]), name
+    for name in caches[0].store:  # through the tables: blocks nobody took are uninitialised pool memory
+        assert torch.equal(caches[0].dense(name), caches[1].dense(name)), name
+    assert caches[0].blocks_held() > 0
     if window:
         assert torch.equal(caches[0].cell_pos, caches[1].cell_pos)
 

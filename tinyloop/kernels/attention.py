@@ -1,4 +1,8 @@
-"""Decode attention straight over the loop-aware cache's stored layout (tinyloop/cache.py), in every mode.
+"""Decode attention straight over the loop-aware cache's paged layout (tinyloop/cache.py), in every mode.
+
+The cache's entries live in blocks of one pool (store[name]: [num_blocks + 1, BT, ...]); cell c of (slot, lane)
+is row c % BT of block table[slot, lane, c // BT]. Both implementations read through that table, so a lane's
+blocks may lie anywhere in the pool (shared with other lanes or handles, copied on write, taken in any order).
 
 One query token per lane attends to everything its lane holds in one slot:
   fp16  K/V read as stored (the model's dtype)
@@ -28,18 +32,23 @@ from .quant import write_tokens
 MODES = {"fp16": 0, "int8": 1, "int4": 2}
 
 
-def decode_attention_ref(q: torch.Tensor, store: dict[str, torch.Tensor], slot: int, pos: torch.Tensor, n_cells: int,
-                         *, mode: str, window: int = 0, cell_pos: torch.Tensor | None = None,
-                         wk: torch.Tensor | None = None, wv: torch.Tensor | None = None,
-                         rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention_ref(q: torch.Tensor, store: dict[str, torch.Tensor], table: torch.Tensor, slot: int,
+                         pos: torch.Tensor, n_cells: int, *, mode: str, window: int = 0,
+                         cell_pos: torch.Tensor | None = None, wk: torch.Tensor | None = None,
+                         wv: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
+                         rope_sin: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, hd] (already rotated), pos [B] positions of the queries -> out [B, H, hd].
 
-    n_cells: how many cells to read: 1 + the largest position, or with a window all the ring's cells (the ring
-    may hold more cells than the window; cell_pos says which position each holds).
+    store: the pool's tensors by name, [num_blocks + 1, BT, ...]; table [S, lanes, max_blocks]: the cache's block
+    ids (lanes 0..B-1 are read). n_cells: how many cells to read: 1 + the largest position, or with a window all
+    the ring's cells (the ring may hold more cells than the window; cell_pos says which position each holds).
     """
     B, H, hd = q.shape
     n = n_cells
-    data = {name: t[slot, :B, :n] for name, t in store.items()}
+    bt = next(iter(store.values())).shape[1]
+    nb = -(-n // bt)
+    ids = table[slot, :B, :nb].reshape(-1)
+    data = {name: t.index_select(0, ids).view(B, nb * bt, *t.shape[2:])[:, :n] for name, t in store.items()}
     if window:
         kpos = cell_pos[slot, :B, :n]
         valid = (kpos >= 0) & (kpos <= pos[:, None]) & (kpos > pos[:, None] - window)
@@ -64,10 +73,10 @@ def decode_attention_ref(q: torch.Tensor, store: dict[str, torch.Tensor], slot: 
 
 
 @lazy_jit
-def _decode_attn_kernel(Q, K, V, KS, VS, WK, WV, COS, SIN, CELLPOS, POS, ACC, ML,
+def _decode_attn_kernel(Q, K, V, KS, VS, WK, WV, COS, SIN, CELLPOS, POS, TABLE, ACC, ML,
                         slot, n_cells, cells_per_split, n_split, sm_scale,
-                        sk_slot, sk_lane, sk_cell, ss_slot, ss_lane, ss_cell, sc_slot, sc_lane,
-                        MODE: tl.constexpr, WINDOW: tl.constexpr, N_KV: tl.constexpr, G: tl.constexpr,
+                        sk_block, sk_row, ss_block, ss_row, sc_slot, sc_lane, st_slot, st_lane,
+                        BT: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr, N_KV: tl.constexpr, G: tl.constexpr,
                         G_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr, D: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -102,8 +111,10 @@ def _decode_attn_kernel(Q, K, V, KS, VS, WK, WV, COS, SIN, CELLPOS, POS, ACC, ML
         else:
             kpos = cells
             valid = inside
-        base = slot * sk_slot + b * sk_lane + cells * sk_cell
-        sbase = slot * ss_slot + b * ss_lane + cells * ss_cell
+        # the block holding each cell (the null block 0 past the lane's cells: masked anyway)
+        blk = tl.load(TABLE + slot * st_slot + b * st_lane + cells // BT, mask=inside, other=0)
+        base = blk * sk_block + (cells % BT) * sk_row
+        sbase = blk * ss_block + (cells % BT) * ss_row
         if MODE == 2:
             # store-h: K = RoPE(h Wk^T), V = h Wv^T for this block of keys, D in chunks of BLOCK_D.
             # The rotate-half partner of K column r is column (r + HD/2) % HD: a second product with Wk's rows
@@ -184,10 +195,11 @@ def _split_plan(cells: int, programs: int, block_n: int) -> tuple[int, int]:
     return per, -(-cells // per)
 
 
-def decode_attention_triton(q: torch.Tensor, store: dict[str, torch.Tensor], slot: int, pos: torch.Tensor, n_cells: int,
-                            *, mode: str, window: int = 0, cell_pos: torch.Tensor | None = None,
-                            wk: torch.Tensor | None = None, wv: torch.Tensor | None = None,
-                            rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention_triton(q: torch.Tensor, store: dict[str, torch.Tensor], table: torch.Tensor, slot: int,
+                            pos: torch.Tensor, n_cells: int, *, mode: str, window: int = 0,
+                            cell_pos: torch.Tensor | None = None, wk: torch.Tensor | None = None,
+                            wv: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
+                            rope_sin: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as decode_attention_ref, as two Triton launches and no host sync."""
     B, H, hd = q.shape
     q = q.contiguous()
@@ -197,7 +209,7 @@ def decode_attention_triton(q: torch.Tensor, store: dict[str, torch.Tensor], slo
         KS = VS = store["h_scale"]
         block_n = 16
     else:
-        n_kv, D = store["k"].shape[3], hd
+        n_kv, D = store["k"].shape[2], hd
         K, V = store["k"], store["v"]
         KS, VS = (store["k_scale"], store["v_scale"]) if mode == "int8" else (K, V)
         block_n = 32
@@ -210,36 +222,37 @@ def decode_attention_triton(q: torch.Tensor, store: dict[str, torch.Tensor], slo
     dummy = q if wk is None else wk
     _decode_attn_kernel[(B, n_kv, n_split)](
         q, K, V, KS, VS, dummy if wk is None else wk, dummy if wv is None else wv,
-        rope_cos if rope_cos is not None else q, rope_sin if rope_sin is not None else q, cp, pos, acc, ml,
+        rope_cos if rope_cos is not None else q, rope_sin if rope_sin is not None else q, cp, pos, table, acc, ml,
         slot, n_cells, per, n_split, 1.0 / math.sqrt(hd),
-        K.stride(0), K.stride(1), K.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        cp.stride(0) if window else 0, cp.stride(1) if window else 0,
-        MODE=MODES[mode], WINDOW=window, N_KV=n_kv, G=G, G_P=max(16, next_pow2(G)), HD=hd, HD_P=HD_P, D=D,
+        K.stride(0), K.stride(1), KS.stride(0), KS.stride(1),
+        cp.stride(0) if window else 0, cp.stride(1) if window else 0, table.stride(0), table.stride(1),
+        BT=K.shape[1], MODE=MODES[mode], WINDOW=window, N_KV=n_kv, G=G, G_P=max(16, next_pow2(G)), HD=hd, HD_P=HD_P, D=D,
         BLOCK_N=block_n, BLOCK_D=64 if D % 64 == 0 else 32)  # int4 d_model is a multiple of 32
     _combine_splits_kernel[(B * H,)](acc, ml, out, n_split, HD=hd, HD_P=HD_P, S_P=next_pow2(n_split))
     return out
 
 
-def decode_attention(q: torch.Tensor, store: dict[str, torch.Tensor], slot: int, pos: torch.Tensor, n_cells: int,
-                     **kw) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, store: dict[str, torch.Tensor], table: torch.Tensor, slot: int,
+                     pos: torch.Tensor, n_cells: int, **kw) -> torch.Tensor:
     """Triton on CUDA (or when forced), the torch reference otherwise."""
     fn = decode_attention_triton if use_triton(q.device) else decode_attention_ref
-    return fn(q, store, slot, pos, n_cells, **kw)
+    return fn(q, store, table, slot, pos, n_cells, **kw)
 
 
 def decode_attend(cache, attn, slot: int, step, q: torch.Tensor, h: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+                  v: torch.Tensor, *, prepare: bool = True) -> torch.Tensor:
     """KVCache.attend's fused path for one token per lane: write the token, attend over the slot.
 
     q, k, v: [B, 1, heads, hd] (q and k rotated), h: [B, 1, d]. Returns [B, H, 1, hd] like SDPA.
     Writing first is exact for the ring too: the cell the token lands in held position pos - ring <= pos - window,
-    which the window already excludes.
+    which the window already excludes. prepare=False: the caller has made the token's blocks writable
+    (cache.prepare) from host-side positions, so nothing here reads the device (a CUDA graph can capture it).
     """
     B = q.shape[0]
     pos = step.pos[:, 0]
-    write_tokens(cache, slot, step.pos, h, k, v)
+    write_tokens(cache, slot, step.pos, h, k, v, prepare=prepare)
     n_cells = cache.ring if cache.window else step.end
-    out = decode_attention(q[:, 0], cache.store, slot, pos, n_cells, mode=cache.mode, window=cache.window,
-                           cell_pos=cache.cell_pos, wk=attn.wk.weight, wv=attn.wv.weight,
+    out = decode_attention(q[:, 0], cache.store, cache.table, slot, pos, n_cells, mode=cache.mode,
+                           window=cache.window, cell_pos=cache.cell_pos, wk=attn.wk.weight, wv=attn.wv.weight,
                            rope_cos=step.table_cos, rope_sin=step.table_sin)
     return out.view(B, -1, 1, q.shape[-1])

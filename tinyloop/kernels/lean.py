@@ -380,7 +380,10 @@ class LeanStep:
         qkv = F.linear(h, w.wqkv)
         qk = rope(qkv[..., :(H + KV) * hd].view(B, 1, H + KV, hd), ctx.pos, ctx.step.table_cos, ctx.step.table_sin)
         v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
-        out = decode_attend(cache, _KVProxy(w), slot, ctx.step, qk[:, :, :H], h, qk[:, :, H:], v)
+        # blocks from the host-side span of the context: no device read, so a CUDA graph captures the step
+        # (CudaGraphStep prepares before each replay; during capture the blocks exist and this changes nothing)
+        cache.prepare(slot, ctx.lanes, ctx.lo, ctx.hi)
+        out = decode_attend(cache, _KVProxy(w), slot, ctx.step, qk[:, :, :H], h, qk[:, :, H:], v, prepare=False)
         a = F.linear(out.transpose(1, 2).reshape(B, 1, H * hd), w.wo)
         if w.attn_out_norm is not None:
             x, h = add_rmsnorm(x, add_rmsnorm(a, None, w.attn_out_norm, eps)[1], w.mlp_norm, eps)
@@ -492,6 +495,9 @@ class CudaGraphStep:
     max_len, or the ring's cells): the Triton attention skips cells past each lane's own length, which it
     reads from the positions on the device, so the work still follows the real lengths. Tokens and positions
     are copied into static buffers before each replay; the logits buffer is overwritten by the next replay.
+    Blocks are taken and copied on the host, which a graph cannot do: before each replay every slot the step
+    writes gets its blocks for the lanes' positions (cache.prepare), and the graph reads the block table, which
+    prepare updates in place.
     """
 
     def __init__(self, net: LoopedLM, cache: KVCache, lanes: int, loops: int):
@@ -500,26 +506,49 @@ class CudaGraphStep:
         self.ids = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
         self.graph, self.logits = None, None
+        cfg = net.cfg
+        self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
+                      *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
 
-    def _step(self) -> torch.Tensor:
+    def prepare(self) -> None:
+        """Blocks for this step's cells in every slot it writes (host work, outside the graph)."""
+        at = self.pos[:, 0].tolist()
+        for slot in self.slots:
+            self.cache.prepare(slot, list(range(len(at))), at, at)
+
+    def _context(self) -> StepContext:
+        """The step's shared part, built outside a capture: it reads positions on the host. Its device tensors
+        are views of (or computed from) the static buffers, and the Triton path uses only those."""
         n = self.cache.ring if self.cache.window else self.cache.max_len
         step = Step(self.pos, n, self.net.rope_cos, self.net.rope_sin)
-        return lean_step(self.net).forward(self.ids, self.loops, step, self.cache)
+        return lean_step(self.net).context(step, self.cache)
+
+    def _forward(self, ctx: StepContext) -> torch.Tensor:
+        lean = lean_step(self.net)
+        s, _ = lean.depth(self.ids, self.loops, ctx, self.cache)
+        return lean.head(s, ctx, self.cache)
+
+    def _step(self) -> torch.Tensor:
+        """One step run eagerly (what the graph captures)."""
+        self.prepare()
+        return self._forward(self._context())
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)
         self.pos.copy_(pos)
+        self.prepare()
         if self.graph is None:
             # Warm-up (compiles the Triton kernels) runs the real token: its cache writes are the ones the
             # replay below makes again, so running it twice is harmless.
+            ctx = self._context()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step()
+                self._forward(ctx)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = self._step()
+                self.logits = self._forward(ctx)
         self.graph.replay()
         return self.logits.clone()  # the next replay overwrites the graph's buffer
 
