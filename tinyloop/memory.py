@@ -58,6 +58,19 @@ class MemoryPlan:
                               f"{budget_bytes / 2**20:.1f} MiB:\n{self.table()}")
 
 
+WORKSPACE_LANES = 4  # the gathered keys and values of this many full-length lanes are set aside
+
+
+def workspace_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int) -> int:
+    """Transient tensors of one step: a prefill chunk of max_seq_len tokens (hidden states, q/k/v, the MLP's
+    intermediates, a row of logits per position) plus the keys and values one layer gathers for WORKSPACE_LANES
+    full-length lanes (twice: the stored form and the attention's copy), doubled for what the allocator keeps of
+    freed tensors (measured by tests/test_engine.py under a load that fills the pool). load_model sets it aside."""
+    chunk = max_seq_len * (4 * cfg.d_model + 2 * cfg.kv_dim + 3 * cfg.ffn_hidden + cfg.vocab_size) * dtype_bytes
+    gathered = 2 * WORKSPACE_LANES * max_seq_len * 2 * cfg.kv_dim * dtype_bytes
+    return 2 * (chunk + gathered)
+
+
 def weight_bytes_of(cfg: ModelConfig, dtype: torch.dtype) -> int:
     from .model import LoopedLM  # the model layer sits beside this one; only the parameter count is needed
     with torch.device("meta"):
@@ -73,6 +86,7 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
     pool = (lanes x blocks of one max_seq_len sequence at `loops` (default max_loops)
             + max_handles x blocks of a handle_tokens prefix at max_loops + 1 null block) x block bytes
     handle states = max_handles x (e and s per token + one row of logits), kept beside a handle's blocks.
+    workspace = the transient tensors of one step (workspace_bytes).
     """
     if isinstance(model, ModelConfig):
         cfg, weights = model, None
@@ -95,6 +109,7 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
     plan = MemoryPlan([(f"weights ({dtype})".replace("torch.", ""), weights),
                        (f"KV block pool ({blocks} blocks x {block // 1024} KiB, {cache_mode}: {what})",
                         (blocks + 1) * block)], cfg, blocks, block)
+    plan.items.append(("workspace (one step's activations)", workspace_bytes(cfg, max_seq_len, dbytes)))
     plan.per_handle_bytes = handle_blocks * block + handle_state_bytes(cfg, tokens, dbytes)
     if max_handles:
         plan.items.append((f"handle states ({max_handles} x {tokens} tok)",

@@ -12,7 +12,7 @@ from .artifact import DEFAULT_ARTIFACT, ArtifactInfo, read_artifact
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
 from .env import env_bytes, env_choice
 from .errors import BudgetError, BusyError, ConfigError, HandleError
-from .memory import available_bytes, blocks_for
+from .memory import available_bytes, blocks_for, workspace_bytes
 from .model import LoopedLM
 
 # Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
@@ -42,9 +42,10 @@ class Model:
         return KVCache(self.cfg, lanes, max_len, self.cache_mode, device=self.device, dtype=self.dtype, window=window,
                        ring=ring, pool=self.pool)
 
-    def admit(self, lanes: int, tokens: int, loops: int, window: int = 0, what: str = "the call") -> None:
+    def admit(self, lanes: int, tokens: int, loops: int, window: int = 0, what: str = "the call", now: bool = True
+              ) -> None:
         """BudgetError unless `lanes` sequences of `tokens` tokens at `loops` loops fit the pool: never (more blocks
-        than the pool has) or not now (blocks held by handles)."""
+        than the pool has) or, when `now`, not now (blocks held by handles)."""
         need = lanes * blocks_for(self.cfg, tokens, loops, window)
         pool = self.pool
         if need > pool.num_blocks:
@@ -52,7 +53,7 @@ class Model:
                               f"{need * pool.block_bytes / 2**20:.1f} MiB) but the model's pool has only "
                               f"{pool.num_blocks} ({pool.nbytes / 2**20:.1f} MiB): it can never fit; lower the "
                               f"lanes, beam_size, max_tokens or loops, or load the model with a larger memory_budget")
-        if need > len(pool.free):
+        if now and need > len(pool.free):
             raise BudgetError(f"{what} needs {need} KV blocks but only {len(pool.free)} of {pool.num_blocks} are "
                               f"free now ({pool.used} held by handles and running sequences): free handles or retry")
 
@@ -99,11 +100,12 @@ def default_device() -> torch.device:
 
 def pool_blocks_for(cfg, cache_mode: str, dtype: torch.dtype, device: torch.device, max_seq_len: int, weights: int,
                     memory_budget: int | None) -> int:
-    """Blocks of the KV pool: (budget - weights) / block bytes, the null block aside. Without a budget: enough for
+    """Blocks of the KV pool: (budget - weights - one step's workspace) / block bytes, the null block aside. Without a budget: enough for
     DEFAULT_POOL_SEQUENCES sequences of max_seq_len at max_loops, within DEFAULT_MEMORY_SHARE of available memory."""
-    block = BLOCK_TOKENS * bytes_per_token_slot(cfg, cache_mode, torch.tensor([], dtype=dtype).element_size())
+    dbytes = torch.tensor([], dtype=dtype).element_size()
+    block = BLOCK_TOKENS * bytes_per_token_slot(cfg, cache_mode, dbytes)
     if memory_budget is not None:
-        return (memory_budget - weights) // block - 1
+        return (memory_budget - weights - workspace_bytes(cfg, max_seq_len, dbytes)) // block - 1
     wanted = DEFAULT_POOL_SEQUENCES * blocks_for(cfg, max_seq_len, cfg.max_loops)
     allowed = (int(available_bytes(device) * DEFAULT_MEMORY_SHARE) - weights) // block - 1
     return min(wanted, allowed)
@@ -113,7 +115,7 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
                cache_mode: str | None = None, memory_budget: int | None = None) -> Model:
     """Load a .tinyloop artifact (None: the bundled default model). Raises ArtifactError on a bad file.
 
-    memory_budget: bytes for the weights and the KV block pool together (None: TINYLOOP_MEMORY_BUDGET, else a
+    memory_budget: bytes for the weights, the KV block pool and one step's workspace together (None: TINYLOOP_MEMORY_BUDGET, else a
     pool for DEFAULT_POOL_SEQUENCES full-length sequences within half the available memory). BudgetError when the
     pool could not hold even one sequence of max_seq_len tokens at the model's default loop count.
     """

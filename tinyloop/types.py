@@ -74,6 +74,7 @@ class GenerateStats:
     prefix_hit_tokens: int = 0
     skipped_loops: int = 0
     draft_reused_tokens: int = 0  # resume_generate: answer tokens taken from drafts (docs/cache-reuse.md)
+    preempted: int = 0  # times the sequence gave its blocks back to the pool and was recomputed (docs/engine.md)
     draft_accept_rate: float = 0.0
 
     def to_dict(self) -> dict:

@@ -39,7 +39,10 @@ def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lane
     loops = loops or max(c.resolved_loops(model) for c in cfgs)
     model.net.ensure_positions(longest + ring + 1)
     n = n_lanes or len(prompts)
-    model.admit(n, longest, loops, max(window, ring), what=f"{n} x {what}" if n > 1 else what)
+    if n_lanes or n == 1:  # beam hypotheses run together, so they must fit together
+        model.admit(n, longest, loops, max(window, ring), what=f"{n} x {what}" if n > 1 else what)
+    else:  # batch lanes wait for blocks or are preempted (Runner.run): each must fit on its own
+        model.admit(1, longest, loops, max(window, ring), what=f"the longest {what}", now=False)
     cache = model.decode_cache if n == 1 and not window else model.new_cache(n, longest, window, ring)
     cache.reset()
     try:

@@ -31,7 +31,7 @@ class Runner:
     def __init__(self, model, cache: KVCache, loops: int, early_exit: float = 0.0):
         self.model, self.net, self.cache, self.loops, self.early_exit = model, model.net, cache, loops, early_exit
         self.adaptive = early_exit > 0 or self.net.exit_gate is not None
-        self.preemptions = 0
+        self.hold_back = False  # set by a preemption, cleared when a lane finishes
 
     def lane(self, i: int) -> KVCache:
         return self.cache if self.cache.lanes == 1 else self.cache.lane_view(i)
@@ -88,6 +88,7 @@ class Runner:
                 if i in logits and not seqs[i].step(logits.pop(i)):
                     running.remove(i)
                     self.lane(i).reset()  # a finished lane's blocks go back at once
+                    self.hold_back = False
             if not running:
                 if not waiting:
                     return [seq.result() for seq in seqs]
@@ -98,7 +99,9 @@ class Runner:
             except BudgetError:
                 if len(running) == 1:
                     raise
-                self.preempt(running.pop(), waiting)
+                lane = running.pop()
+                self.preempt(lane, waiting)
+                seqs[lane].stats.preempted += 1
                 continue
             finally:
                 view.commit()
@@ -111,11 +114,16 @@ class Runner:
               first: Prefill | None) -> None:
         """Build the caches of waiting lanes, oldest first, while the pool has room for them (with nothing running a
         lane is tried anyway: a pool that cannot hold it raises BudgetError)."""
-        pool, window = self.cache.pool, self.cache.ring
+        pool, window, cfg = self.cache.pool, self.cache.ring, self.model.cfg
+        if self.hold_back and running:
+            return  # after a preemption lanes rejoin only once a running lane has finished (no thrashing)
+        self.hold_back = False
         while waiting:
             i = waiting[0]
             seq = seqs[i]
-            need = blocks_for(self.model.cfg, len(seq.prompt) + seq.count + 1, seq.loops, window)
+            # its blocks now, and room for every running lane to cross into a new block on the next step
+            need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
+                sum(cfg.n_slots(seqs[r].loops) for r in running + [i])
             if running and need > len(pool.free):
                 return
             waiting.pop(0)
@@ -147,4 +155,4 @@ class Runner:
         self.lane(lane).reset()
         waiting.append(lane)
         waiting.sort()
-        self.preemptions += 1
+        self.hold_back = True
