@@ -49,6 +49,29 @@ def gateway_command(connect, host, port, api_keys, api_key_file, model_name, max
                 timeout=timeout, curve_dir=curve_dir)
 
 
+@click.command("gateway-loadtest")
+@click.option("--workers", default=2, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers).")
+@click.option("--rounds", default=4, show_default=True, help="Alternating rounds per path.")
+@click.option("--requests", "n_requests", default=16, show_default=True, help="Requests per round.")
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--max-tokens", default=16, show_default=True)
+@click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
+@click.option("--json", "json_path", default=None, help="Write the results here as JSON.")
+def gateway_loadtest_command(workers, threads, rounds, n_requests, concurrency, max_tokens, model_path,
+                             json_path) -> None:
+    """Same load through the HTTP gateway and the msgpack client, side by side (starts its own service)."""
+    import json
+
+    from broker.gateway_load import gateway_side_by_side
+
+    results = gateway_side_by_side(workers=workers, threads=threads, rounds=rounds, n_requests=n_requests,
+                                   concurrency=concurrency, max_tokens=max_tokens, model_path=model_path,
+                                   echo=click.echo)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))
+
+
 def start_gateway(frontend: str, host: str, port: int, *, api_key_file: str | None = None,
                   curve_dir: str | None = None, log_path: str | Path | None = None,
                   log_level: str = "info") -> subprocess.Popen:
