@@ -50,9 +50,10 @@ with open(work / "mc.jsonl", "w") as f:
     for i, (context, choices) in enumerate(mc):
         k = i % len(choices)  # move the right answer around
         f.write(json.dumps({"context": context, "choices": choices[k:] + choices[:k], "gold": (len(choices) - k) % len(choices)}) + "\n")
-gen = [("import os\nimport ", "sys"), ("def __init__(self", "):"), ("for i in range(", "10):"),
-       ("if __name__ == ", "'__main__':"), ("class Foo(", "object):"), ("from collections import ", "OrderedDict"),
-       ("    def __repr__(self):\n        return ", "self"), ("try:\n    import ", "json")]
+# No trailing spaces: the byte-level BPE attaches a space to the word after it.
+gen = [("import os\nimport", " sys"), ("def __init__(self", "):"), ("for i in range(", "10):"),
+       ("if __name__ ==", " '__main__':"), ("class Foo(", "object):"), ("from collections import", " OrderedDict"),
+       ("    def __repr__(self):\n        return", " self"), ("try:\n    import", " json")]
 with open(work / "gen.jsonl", "w") as f:
     for prompt, target in gen:
         f.write(json.dumps({"prompt": prompt, "target": target}) + "\n")
@@ -104,7 +105,7 @@ ip = json.loads((work / "inprocess.json").read_text())
 print(f"\n{'task':<8} {'metric':<22} {'gateway':>10} {'in-process':>10}")
 for task in ("tl_mc", "tl_gen"):
     for metric, value in gw_results[task].items():
-        if metric == "alias" or "stderr" in metric:
+        if not isinstance(value, float) or "stderr" in metric:
             continue
         print(f"{task:<8} {metric:<22} {value:>10.4f} {ip['results'][task][metric]:>10.4f}")
 worst, texts_equal, greedy_equal = 0.0, True, True
