@@ -33,12 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_health(url: str, proc: subprocess.Popen, timeout: float, workers: int = 2) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"process exited with {proc.returncode}"
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{url}/health", timeout=2)
+            if health.status_code == 200 and health.json()["ready_workers"] >= workers:
                 return
         except httpx.HTTPError:
             pass
@@ -173,6 +174,24 @@ def test_completion_logprobs_and_echo_match_in_process_scoring(svc, oai):
     assert res0.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
 
 
+def test_token_id_prompts_batched_as_lm_eval_sends_them(svc):
+    """lm-eval's local-completions log-likelihood request: token-id prompts, echo, logprobs 1, max_tokens 1."""
+    with Client(svc.frontend) as client:
+        ids = [client.generate(p, max_tokens=1, temperature=0.0, echo=True, logprobs=True).result["prompt_logprobs"]["tokens"]
+               for p in ("import os\n", "class A:\n    pass\n")]
+    r = svc.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                                     "echo": True, "seed": 1234})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    for c, prompt in zip(choices, ids):
+        lp = c["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert c["text"].startswith("import os\n" if prompt is ids[0] else "class A:")
+    assert r.json()["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+
+
 def test_chat_logprobs_streamed_with_their_tokens(svc, oai):
     msgs = [{"role": "user", "content": "import os"}]
     chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
@@ -255,6 +274,7 @@ def test_error_statuses(svc, oai):
     assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert httpx.get(svc.url + "/v1/models/nope", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
     # 413 body too large (the default limit is 1 MiB).
     r = svc.post("/v1/completions", {**ok, "prompt": "x" * (1 << 20)})
     assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
