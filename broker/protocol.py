@@ -325,6 +325,25 @@ OPS: dict[str, dict[str, Field]] = {
     "ping": {"payload": Field(text(1 << 16), required=False)},
 }
 
+# --- Log-probabilities and chat (the OpenAI-compatible gateway, docs/gateway.md) ----------------
+# Scoring asks: "logprobs" adds result["logprobs"] for the generated tokens (with "top_logprobs"
+# alternatives each), "echo" adds the prompt's under result["prompt_logprobs"] and its text as
+# result["prompt_text"]. The worker scores prompt + output after generation (tinyloop.score).
+SCORING_FIELDS: dict[str, Field] = {
+    "logprobs": Field(boolean, required=False),
+    "top_logprobs": Field(int_in(0, 20), required=False),
+    "echo": Field(boolean, required=False),
+}
+for _op in ("generate", "speculative"):
+    OPS[_op].update(SCORING_FIELDS)
+# Chat: the worker renders `messages` with the model's chat template (tinyloop.chat), then
+# generates (speculatively when any SpeculativeConfig field is set).
+CHAT_MESSAGE = plain_map(8)
+OPS["chat"] = {
+    "messages": Field(list_of(CHAT_MESSAGE, 1024)),
+    **{k: v for k, v in OPS["speculative"].items() if k != "prompt"},
+}
+
 # Ops whose requests must go to the worker that holds params["handle"].
 HANDLE_OPS = frozenset({"resume", "release_handle"})
 

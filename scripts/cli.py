@@ -132,6 +132,8 @@ def train(out, steps, lr, seq_len, batch_size, seed, init_from, state_init, init
 from scripts.service_cli import add_service_commands  # noqa: E402 - the service commands live beside the service code
 
 add_service_commands(main)
+from scripts.gateway_cli import gateway_command, gateway_loadtest_command  # noqa: E402 - docs/gateway.md
+main.add_command(gateway_command), main.add_command(gateway_loadtest_command)
 
 if __name__ == "__main__":
     main()

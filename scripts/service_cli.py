@@ -159,10 +159,13 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--log-dir", default=None, help="Write broker and worker logs here (default: inherit the terminal).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--http-port", type=int, default=None, help="Also start the OpenAI HTTP gateway on this port (docs/gateway.md).")
+@click.option("--http-host", default="127.0.0.1", show_default=True)
+@click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
                   max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget,
                   skip_plan_check, log_dir,
-                  startup_timeout, log_level) -> None:
+                  startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.supervisor import Supervisor
 
@@ -179,7 +182,19 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
                             + (["--curve-dir", curve_dir] if curve_dir else []),
                             curve_dir=curve_dir,
                             log_dir=log_dir, log_level=log_level)
-    sys.exit(supervisor.run(check_plan=not skip_plan_check, device_budget=device_budget, startup_timeout=startup_timeout))
+    gateway = None
+    if http_port is not None:  # the gateway waits for the broker by itself (its /health says when it is ready)
+        from broker.launcher import stop
+        from scripts.gateway_cli import start_gateway
+
+        gateway = start_gateway(frontend, http_host, http_port, api_key_file=api_key_file, curve_dir=curve_dir,
+                                log_path=supervisor.log_path("gateway"), log_level=log_level)
+    try:
+        code = supervisor.run(check_plan=not skip_plan_check, device_budget=device_budget, startup_timeout=startup_timeout)
+    finally:
+        if gateway is not None:
+            stop(gateway)
+    sys.exit(code)
 
 
 # ------------------------------------------------------------------------------------ submit / status

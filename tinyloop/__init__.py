@@ -28,3 +28,5 @@ __all__ = [
     "SpeculativeChoice", "SpeculativeConfig", "SpeculativeStats", "choose_speculative", "generate_speculative",
     "speculative_from_env",
 ]
+from .score import score  # noqa: E402 - per-position logits (docs/gateway.md: log-probabilities)
+__all__.append("score")

@@ -114,6 +114,7 @@ class ModelEngine:
             self.ops_table["release_handle"] = self.op_release_handle
         if hasattr(tinyloop, "generate_speculative") and hasattr(tinyloop, "SpeculativeConfig"):
             self.ops_table["speculative"] = self.op_speculative
+        self.ops_table["chat"] = self.op_chat  # the HTTP gateway's chat completions
         self.ops = ["ping", *self.ops_table]
 
     def set_identity(self, identity: str) -> None:
@@ -163,7 +164,7 @@ class ModelEngine:
 
     def op_generate(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         res = tinyloop.generate_stream(self.model, params["prompt"], self.config(params), self.callback(on_token, should_stop))
-        return self.result(res)
+        return self.scored(params, self.result(res))
 
     def op_generate_pool(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         kwargs = {}
@@ -196,7 +197,38 @@ class ModelEngine:
         if "on_token" in _parameters(tinyloop.generate_speculative):
             kwargs["on_token"] = self.callback(on_token, should_stop)
         res = tinyloop.generate_speculative(self.model, params["prompt"], sc, self.config(params), **kwargs)
-        return self.result(res)
+        return self.scored(params, self.result(res))
+
+    # ---------------------------------------------------------------- gateway: chat and log-probabilities
+
+    def op_chat(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+        """Render the messages with the model's chat template, then generate (speculatively if asked)."""
+        from tinyloop.chat import apply_chat_template
+
+        prompt = apply_chat_template(self.model, params["messages"])
+        rest = {k: v for k, v in params.items() if k != "messages"}
+        op = self.op_speculative if any(k in params for k in SPECULATIVE_FIELDS) else self.op_generate
+        return {**op({**rest, "prompt": prompt}, on_token, should_stop), "prompt_text": prompt}
+
+    def scored(self, params: dict, result: dict) -> dict:
+        """Add the log-probabilities (and echoed prompt) a request asked for, by scoring prompt + output
+        at the loop count the output was decided at (tinyloop.score; docs/gateway.md)."""
+        if not (params.get("logprobs") or params.get("echo")):
+            return result
+        from tinyloop.score import token_logprobs
+
+        prompt = params["prompt"]
+        ids = self.model.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.get("echo"):
+            result["prompt_text"] = prompt if isinstance(prompt, str) else self.model.codec.decode(ids)
+        if params.get("logprobs") and result["stats"].get("stop_reason") != "cancelled":
+            loops = params.get("verify_loops") or params.get("loops") or self.config(params).loops
+            scores = token_logprobs(self.model, ids, result["tokens"], loops, params.get("top_logprobs", 0),
+                                    score_context=bool(params.get("echo")))
+            if "context" in scores:
+                result["prompt_logprobs"] = scores.pop("context")
+            result["logprobs"] = scores
+        return result
 
     def _free_handle(self, handle: Any) -> None:
         free = getattr(tinyloop, "free_handle", None)

@@ -1,0 +1,419 @@
+"""The OpenAI-compatible HTTP gateway: Starlette on uvicorn, in front of the broker.
+
+    POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events, then [DONE])
+    GET  /v1/models             GET  /health                GET  /metrics
+
+Each HTTP request becomes one broker request per choice (n) and prompt, sent through the
+asyncio client (broker/client.py), so many requests are in flight at once on one event loop
+and the gateway never imports torch. What is translated how is in broker/openai_schema.py;
+the decisions are written down in docs/gateway.md.
+
+Readiness comes from a background task that asks the broker for its status twice a second:
+with no ready worker every generation request gets 503 at once instead of waiting in the
+broker's queue until its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from broker import client as bc
+from broker.metrics import LATENCY_BUCKETS
+from broker.openai_schema import (APIError, Plan, chat_choice, chat_logprobs, chat_plan, completion_choice,
+                                  completion_logprobs, completion_plan, finish_reason, usage)
+
+log = logging.getLogger("tinyloop.gateway")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+STATUS_INTERVAL_S = 0.5
+STATUS_STALE_S = 3.0  # a status older than this counts as "no worker ready" (broker unreachable)
+BUNDLED_MODEL_ID = "tinyloop-default"
+
+# Broker error codes -> HTTP status (docs/gateway.md). Anything not listed is a 500.
+STATUS_FOR_CODE = {
+    "invalid_field": 400, "config_error": 400, "mode_error": 400, "too_large": 413, "unknown_op": 400,
+    "unsupported_op": 400, "busy": 429, "timeout": 504, "shutting_down": 503, "worker_lost": 502,
+    "cancelled": 499,
+}
+
+
+def model_id(announced: str) -> str:
+    """The OpenAI model id of what a worker announced: the bundled model, or a file's stem."""
+    return BUNDLED_MODEL_ID if announced == "bundled default model" else Path(announced).stem or announced
+
+
+def load_api_keys(keys: tuple[str, ...] | list[str], key_file: str | None) -> list[str]:
+    """--api-key values plus one key per non-empty, non-# line of --api-key-file."""
+    found = [k for k in keys if k]
+    if key_file:
+        lines = Path(key_file).read_text().splitlines()
+        found += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return found
+
+
+def service_error(err: bc.ServiceError) -> APIError:
+    status = STATUS_FOR_CODE.get(err.code, 500)
+    message = err.message.split(": ", 1)[1] if ": " in err.message else err.message
+    # Name the field when the wire schema or the runtime did ("field 'loops'", "GenerateConfig.loops").
+    found = re.search(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)", message)
+    param = next((g for g in found.groups() if g), None) if found else None
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return APIError(status, message, param=param, code=err.code, headers=headers)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tinyloop_gateway_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("tinyloop_gateway_request_seconds", "HTTP request latency (to the last byte)",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tinyloop_gateway_time_to_first_token_seconds", "Streams: time to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("tinyloop_gateway_in_flight", "HTTP generation requests being served", registry=r)
+        self.ready_workers = Gauge("tinyloop_gateway_ready_workers", "Ready workers as last seen by the gateway",
+                                   registry=r)
+        self.tokens = Counter("tinyloop_gateway_tokens", "Tokens, by kind (prompt|completion)", ["kind"], registry=r)
+        self.disconnects = Counter("tinyloop_gateway_client_disconnects",
+                                   "Requests whose client went away (their broker requests were cancelled)",
+                                   registry=r)
+
+
+class Gateway:
+    """One gateway: a broker connection, readiness, auth and the ASGI app (`self.app`)."""
+
+    def __init__(self, connect: str, *, api_keys: list[str] = (), model_name: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, timeout: float = 300.0, curve_dir: str | None = None):
+        self.connect = connect
+        self.api_keys = [k.encode() for k in api_keys]
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.timeout = timeout
+        self.curve_dir = curve_dir
+        self.client: bc.AsyncClient | None = None
+        self.status: dict = {}
+        self.status_at = 0.0
+        self.metrics = GatewayMetrics()
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{name:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ], lifespan=self.lifespan, exception_handlers={APIError: self.on_api_error, ClientDisconnect: self.on_gone})
+
+    # ------------------------------------------------------------------ lifecycle and readiness
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.client = bc.AsyncClient(self.connect, timeout=self.timeout, curve_dir=self.curve_dir)
+        poller = asyncio.create_task(self.poll_status())
+        try:
+            yield
+        finally:
+            poller.cancel()
+            await self.client.close()
+
+    async def poll_status(self) -> None:
+        while True:
+            try:
+                self.status = await self.client.status(timeout=2.0)
+                self.status_at = time.monotonic()
+            except bc.ServiceError:
+                pass  # stays stale; ready_workers() turns 0 after STATUS_STALE_S
+            except Exception:  # never let the poller die: readiness would freeze
+                log.exception("status poll failed")
+            self.metrics.ready_workers.set(self.ready_workers())
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+    def ready_workers(self) -> int:
+        if time.monotonic() - self.status_at > STATUS_STALE_S or self.status.get("stopping"):
+            return 0
+        return sum(1 for w in self.status.get("workers", []) if w.get("state") != "leaving")
+
+    def served_models(self) -> list[str]:
+        if self.model_name:
+            return [self.model_name]
+        names = {model_id(w.get("model", "")) for w in self.status.get("workers", [])}
+        return sorted(names) or [BUNDLED_MODEL_ID]
+
+    # ------------------------------------------------------------------ small endpoints
+
+    async def health(self, request: Request) -> Response:
+        ready = self.ready_workers()
+        body = {"status": "ok" if ready else "unavailable", "ready_workers": ready,
+                "queue": self.status.get("queue"), "models": self.served_models()}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "tinyloop"}
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [self.model_card(m) for m in self.served_models()]})
+
+    async def model(self, request: Request) -> Response:
+        self.authorize(request)
+        name = request.path_params["name"]
+        if name not in self.served_models():
+            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(self.model_card(name))
+
+    async def on_api_error(self, request: Request, err: APIError) -> Response:
+        self.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def on_gone(self, request: Request, exc: ClientDisconnect) -> Response:
+        # Nobody is listening any more; 499 (nginx's "client closed request") only shows in logs and metrics.
+        self.metrics.requests.labels(request.url.path, "499").inc()
+        return Response(status_code=499)
+
+    # ------------------------------------------------------------------ request intake
+
+    def authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in self.api_keys):
+            raise APIError(401, "Incorrect or missing API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # also caps bodies sent without a Content-Length
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        return body
+
+    async def intake(self, request: Request, make_plan) -> Plan:
+        self.authorize(request)
+        plan = make_plan(await self.read_json(request))
+        if plan.model is not None and plan.model not in self.served_models():
+            raise APIError(404, f"The model '{plan.model}' does not exist (served: {self.served_models()})",
+                           param="model", code="model_not_found")
+        if self.ready_workers() == 0:
+            raise APIError(503, "no worker is ready to serve (starting, stopping, or the broker is unreachable)",
+                           code="no_worker_ready", headers={"Retry-After": "1"})
+        return plan
+
+    async def completions(self, request: Request) -> Response:
+        return await self.serve(request, await self.intake(request, completion_plan))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.serve(request, await self.intake(request, chat_plan))
+
+    # ------------------------------------------------------------------ running a plan
+
+    def base(self, plan: Plan, rid: str) -> dict:
+        obj = "text_completion" if plan.kind == "completion" else "chat.completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": plan.model or self.served_models()[0]}
+
+    async def serve(self, request: Request, plan: Plan) -> Response:
+        rid = ("cmpl-" if plan.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        if plan.stream:
+            return await self.serve_stream(request, plan, rid)
+        t0 = time.perf_counter()
+        self.metrics.in_flight.inc()
+        try:
+            results = await self.until_disconnect(request, self.run_all(plan))
+        finally:
+            self.metrics.in_flight.dec()
+        choices = []
+        for index, p, result in results:
+            prompt = plan.prompts[p]
+            choices.append(completion_choice(index, result, plan, prompt) if plan.kind == "completion"
+                           else chat_choice(index, result, plan))
+        body = {**self.base(plan, rid), "choices": choices, "usage": usage(results, plan)}
+        self.count(request, plan, results, t0)
+        return JSONResponse(body)
+
+    def count(self, request: Request, plan: Plan, results: list, t0: float) -> None:
+        u = usage(results, plan)
+        self.metrics.tokens.labels("prompt").inc(u["prompt_tokens"])
+        self.metrics.tokens.labels("completion").inc(u["completion_tokens"])
+        self.metrics.requests.labels(request.url.path, "200").inc()
+        self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - t0)
+
+    async def run_all(self, plan: Plan) -> list[tuple[int, int, dict]]:
+        """Every choice of every prompt as its own broker request, all at once."""
+        async def one(index: int, p: int, params: dict) -> tuple[int, int, dict]:
+            reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
+            return index, p, reply.result
+
+        try:
+            tasks = [asyncio.ensure_future(one(*r)) for r in plan.requests()]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for t in tasks:  # one failed: stop the others on the service as well
+                    t.cancel()
+        except bc.ServiceError as err:
+            raise service_error(err) from None
+
+    async def until_disconnect(self, request: Request, work):
+        """Await `work` unless the client hangs up first; then cancel it (and so its broker requests)."""
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        job, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not job.done():
+                job.cancel()
+        if not job.done() or job.cancelled():
+            self.metrics.disconnects.inc()
+            raise ClientDisconnect()
+        return job.result()
+
+    # ------------------------------------------------------------------ streams
+
+    async def serve_stream(self, request: Request, plan: Plan, rid: str) -> Response:
+        """SSE. The first event is awaited before answering, so an error that comes at once (busy,
+        invalid config) still gets its HTTP status; later errors arrive as an `error` event."""
+        events: asyncio.Queue = asyncio.Queue()
+        # With logprobs (scored after generation) or echo a choice is sent whole when it is done.
+        token_stream = not plan.logprobs and not plan.echo
+        jobs = [asyncio.ensure_future(self.pump(plan, index, params, token_stream, events))
+                for index, _p, params in plan.requests()]
+        t0 = time.perf_counter()
+        try:
+            first = await self.until_disconnect(request, events.get())
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        if first[1] == "error":
+            for job in jobs:
+                job.cancel()
+            raise service_error(first[2])
+        gen = self.sse(request, plan, rid, jobs, events, first, t0)
+        return StreamingResponse(gen, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def pump(self, plan: Plan, index: int, params: dict, token_stream: bool, events: asyncio.Queue) -> None:
+        """One broker request -> (index, kind, payload) events: token, done or error."""
+        try:
+            if token_stream:
+                messages = self.client._messages(plan.op, params, True, plan.timeout or self.timeout)
+                try:
+                    async for msg in messages:
+                        if msg.type == "error":
+                            raise bc.error_from_reply(msg.fields)
+                        if msg.type == "token":
+                            await events.put((index, "token", bc.TokenEvent(msg["token"], msg["pos"], msg["text"])))
+                        else:
+                            await events.put((index, "done", msg["result"]))
+                finally:
+                    await messages.aclose()  # a cancelled pump cancels its broker request
+            else:
+                reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
+                await events.put((index, "done", reply.result))
+        except bc.ServiceError as err:
+            await events.put((index, "error", err))
+
+    def chunk(self, plan: Plan, rid: str, choice: dict) -> str:
+        body = self.base(plan, rid)
+        body["object"] = "text_completion" if plan.kind == "completion" else "chat.completion.chunk"
+        body["choices"] = [choice]
+        return f"data: {json.dumps(body)}\n\n"
+
+    def piece(self, plan: Plan, index: int, text: str, *, first: bool = False, logprobs: Any = None,
+              finish: str | None = None) -> dict:
+        if plan.kind == "completion":
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        delta = {} if finish and not text else {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    async def sse(self, request: Request, plan: Plan, rid: str, jobs: list, events: asyncio.Queue, first: tuple,
+                  t0: float) -> AsyncIterator[str]:
+        started: set[int] = set()
+        results: list[tuple[int, int, dict]] = []
+        open_choices = len(jobs)
+        event, failed = first, False
+        self.metrics.in_flight.inc()
+        try:
+            while True:
+                index, kind, payload = event
+                if kind == "error":
+                    err, failed = service_error(payload), True
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    break
+                if kind == "token":
+                    if not started:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                    if payload.text or index not in started:
+                        yield self.chunk(plan, rid, self.piece(plan, index, payload.text, first=index not in started))
+                    started.add(index)
+                else:  # done: what was not streamed yet, then the finish reason
+                    prompt = plan.prompts[index // plan.n]
+                    results.append((index, index // plan.n, payload))
+                    if index not in started:  # a whole choice (logprobs, or nothing streamed)
+                        whole = completion_choice(index, payload, plan, prompt) if plan.kind == "completion" else None
+                        text = whole["text"] if whole else payload.get("text", "")
+                        lp = (whole["logprobs"] if whole else chat_logprobs(payload)) if plan.logprobs else None
+                        yield self.chunk(plan, rid, self.piece(plan, index, text, first=True, logprobs=lp))
+                        started.add(index)
+                    yield self.chunk(plan, rid, self.piece(plan, index, "", finish=finish_reason(payload)))
+                    open_choices -= 1
+                    if open_choices == 0:
+                        if plan.include_usage:
+                            body = {**self.base(plan, rid), "choices": [], "usage": usage(results, plan)}
+                            if plan.kind == "chat":
+                                body["object"] = "chat.completion.chunk"
+                            yield f"data: {json.dumps(body)}\n\n"
+                        self.count(request, plan, results, t0)
+                        break
+                event = await events.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            self.metrics.in_flight.dec()
+            if open_choices and not failed:  # the client went away mid-stream
+                self.metrics.disconnects.inc()
+            for job in jobs:  # stop whatever still runs on the service
+                job.cancel()
+
+
+def run_gateway(connect: str, host: str, port: int, **options: Any) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and finishes open requests)."""
+    import uvicorn
+
+    gateway = Gateway(connect, **options)
+    uvicorn.run(gateway.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
