@@ -16,8 +16,8 @@ LAYERS = [
     ("model and cache", {"model", "cache", "memory", "artifact", "runtime"}),
     ("kernels", {"kernels"}),
     ("engine", {"engine"}),
-    ("public API", {"generate", "batch", "decoding", "handles", "prefix", "resume", "speculative", "inspect", "train",
-                    "bench", "bench_reuse", "__init__"}),
+    ("public API", {"generate", "batch", "decoding", "handles", "prefix", "resume", "speculative", "score", "chat",
+                    "inspect", "train", "bench", "bench_reuse", "__init__"}),
 ]
 
 
