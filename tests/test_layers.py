@@ -17,6 +17,7 @@ LAYERS = [
     ("kernels", {"kernels"}),
     ("engine", {"engine"}),
     ("public API", {"generate", "batch", "decoding", "handles", "prefix", "resume", "speculative", "score", "chat",
+                    "bench_engine",
                     "inspect", "train", "bench", "bench_reuse", "__init__"}),
 ]
 

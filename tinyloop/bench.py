@@ -12,6 +12,7 @@ import torch
 from .batch import bench_batch
 from .bench_reuse import bench_cache_reuse, bench_warm_start
 from .cache import CACHE_MODES
+from .bench_engine import bench_engine
 from .generate import GenerateConfig, generate
 from .kernels.bench import bench_kernels
 from .runtime import Model, load_model
@@ -90,6 +91,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "warm_start": bench_warm_start,
     "kernels": bench_kernels,
     "speculative": bench_speculative,
+    "engine": bench_engine,
 }
 
 

@@ -140,6 +140,10 @@ class BlockPool:
         self.peak_used = 0
 
     @property
+    def free_count(self) -> int:
+        return len(self.free)
+
+    @property
     def used(self) -> int:
         return self.num_blocks - len(self.free)
 
@@ -148,6 +152,7 @@ class BlockPool:
         return (self.num_blocks + 1) * self.block_bytes
 
     def take(self) -> int:
+        """A free block, zeroed."""
         if not self.free:
             raise BudgetError(f"KV block pool exhausted: all {self.num_blocks} blocks of {self.block_tokens} tokens "
                               f"({self.nbytes / 2**20:.1f} MiB) are held by running sequences and handles")
@@ -296,6 +301,11 @@ class KVCache:
     def gather(self, slot: int, B: int, n: int) -> dict[str, torch.Tensor]:
         """Entries of cells 0..n-1 of lanes 0..B-1 in `slot`: tensors [B, n, ...]."""
         nb = -(-n // self.bt)
+        if B == 1:  # one lane: a view when its blocks are consecutive (always when it holds one block per slot)
+            held = self.held[slot][0][:nb]
+            if len(held) == nb and held[-1] - held[0] == nb - 1 and held == list(range(held[0], held[0] + nb)):
+                return {name: t[held[0]:held[0] + nb].view(1, nb * self.bt, *t.shape[2:])[:, :n]
+                        for name, t in self.pool.store.items()}
         ids = self.table[slot, :B, :nb].reshape(-1)
         return {name: t.index_select(0, ids).view(B, nb * self.bt, *t.shape[2:])[:, :n]
                 for name, t in self.pool.store.items()}

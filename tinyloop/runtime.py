@@ -53,8 +53,8 @@ class Model:
                               f"{need * pool.block_bytes / 2**20:.1f} MiB) but the model's pool has only "
                               f"{pool.num_blocks} ({pool.nbytes / 2**20:.1f} MiB): it can never fit; lower the "
                               f"lanes, beam_size, max_tokens or loops, or load the model with a larger memory_budget")
-        if now and need > len(pool.free):
-            raise BudgetError(f"{what} needs {need} KV blocks but only {len(pool.free)} of {pool.num_blocks} are "
+        if now and need > pool.free_count:
+            raise BudgetError(f"{what} needs {need} KV blocks but only {pool.free_count} of {pool.num_blocks} are "
                               f"free now ({pool.used} held by handles and running sequences): free handles or retry")
 
     @property

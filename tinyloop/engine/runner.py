@@ -69,7 +69,7 @@ class Runner:
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
-            logits = self.prefill(seq.prompt[cached:], cached, lane)[-1]
+            logits = self.prefill(seq.prompt[cached:], cached, lane)[-1].clone()  # not a view pinning [T, V]
             seq.loop_counts.append(self.loops)
         seq.stats.prefill_ms = (time.perf_counter() - t) * 1000
         return logits
@@ -124,7 +124,7 @@ class Runner:
             # its blocks now, and room for every running lane to cross into a new block on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
                 sum(cfg.n_slots(seqs[r].loops) for r in running + [i])
-            if running and need > len(pool.free):
+            if running and need > pool.free_count:
                 return
             waiting.pop(0)
             try:

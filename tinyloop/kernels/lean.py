@@ -273,13 +273,16 @@ class StepContext:
 
     def write(self, cache: KVCache, slot: int, new: dict[str, torch.Tensor]) -> None:
         """Store this step's entries (each [B, T, ...]) in `slot`, taking or copying blocks first."""
-        cache.prepare(slot, self.lanes, self.lo, self.hi)
         store = cache.store
-        if self.one is not None:
-            b, r = cache.held[slot][0][self.one // cache.bt], self.one % cache.bt
+        if self.one is not None:  # one token of one lane: integer indexing, and the host check inline
+            ids, i = cache.held[slot][0], self.one // cache.bt
+            if i >= len(ids) or cache.pool.refs[ids[i]] > 1:
+                cache.prepare(slot, self.lanes, self.lo, self.hi)
+            b, r = ids[i], self.one % cache.bt
             for name, t in new.items():
                 store[name][b, r].copy_(t[0, 0])
         else:
+            cache.prepare(slot, self.lanes, self.lo, self.hi)
             blk = cache.table[slot, self.lane, self.blk]
             for name, t in new.items():
                 store[name][blk, self.row] = t
