@@ -121,6 +121,7 @@ ERROR_CLASSES: dict[str, type[ServiceError]] = {
     Codes.DUPLICATE_ID: InvalidRequest,
     Codes.CONFIG_ERROR: InvalidRequest,
     Codes.MODE_ERROR: InvalidRequest,
+    Codes.BUDGET: InvalidRequest,
     Codes.UNKNOWN_OP: UnsupportedOperation,
     Codes.UNSUPPORTED_OP: UnsupportedOperation,
     Codes.HANDLE_EVICTED: HandleLost,

@@ -58,6 +58,7 @@ class Codes:
     HANDLE_UNKNOWN = "handle_unknown"  # no such handle (never existed, released, or its worker died)
     CONFIG_ERROR = "config_error"  # the runtime rejected a GenerateConfig field
     MODE_ERROR = "mode_error"  # the runtime rejected a combination of modes
+    BUDGET = "budget"  # the request's KV blocks do not fit the worker's memory budget (tinyloop.BudgetError)
     RUNTIME_ERROR = "runtime_error"  # any other runtime failure on the worker
     SHUTTING_DOWN = "shutting_down"  # the broker is stopping
 

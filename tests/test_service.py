@@ -134,7 +134,7 @@ def test_worker_refuses_to_start_over_budget(tmp_path):
     )
     assert proc.returncode == 3, proc.stderr
     assert "exceeds the budget (--vram-budget: 0.1 MiB)" in proc.stderr
-    assert "weights" in proc.stderr and "decode cache" in proc.stderr and "total" in proc.stderr
+    assert "weights" in proc.stderr and "KV block pool" in proc.stderr and "total" in proc.stderr
 
 
 def test_submit_and_status_commands(service):
@@ -156,6 +156,9 @@ def test_speculative_equals_plain_decode(service, model):
                            max_tokens=10) as stream:
             streamed = [event.token for event in stream]
         reply = stream.result()
+        with pytest.raises(InvalidRequest) as err:  # more beams than the worker's block pool can ever hold
+            client.call("generate", prompt=PROMPT, beam_size=64, max_tokens=200)
+        assert err.value.code == "budget" and "can never fit" in str(err.value)
         with pytest.raises(InvalidRequest) as err:  # speculative x grammar: rejected by the mode matrix
             client.call("speculative", prompt=PROMPT, draft_loops=2, verify_loops=6, grammar="[a-z]+")
         assert err.value.code == "mode_error"

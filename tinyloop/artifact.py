@@ -126,3 +126,22 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in LoopedLM(cfg, max_seq_len=1).state_dict().items()}
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The model config of a .tinyloop file from its header alone (no tensors read): what a memory plan needs
+    before anything large is loaded. ArtifactError when the header is not a TinyLoop artifact's."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such artifact file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for every kind of malformed file
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
+    if meta.get("format") != FORMAT or "config" not in meta:
+        raise ArtifactError(f"{path}: not a TinyLoop artifact (metadata 'format' is {meta.get('format')!r})")
+    try:
+        return ModelConfig.from_dict(json.loads(meta["config"]))
+    except (json.JSONDecodeError, ConfigError, TypeError) as e:
+        raise ArtifactError(f"{path}: bad model config: {e}") from None

@@ -138,6 +138,8 @@ class ModelEngine:
             raise EngineError(Codes.CONFIG_ERROR, str(exc)) from None
         except tinyloop.HandleError as exc:
             raise EngineError(Codes.HANDLE_UNKNOWN, str(exc)) from None
+        except tinyloop.BudgetError as exc:
+            raise EngineError(Codes.BUDGET, str(exc)) from None
         except tinyloop.TinyLoopError as exc:
             raise EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from None
 

@@ -1,9 +1,10 @@
 """Starting a worker: measure the memory budget, load the model, check the plan, then serve.
 
 Order matters: the budget (free VRAM on CUDA, available RAM on CPU, or --vram-budget) is
-measured before the model is loaded, and the plan (weights + decode cache + handles) is
-compared with it before the worker connects to the broker, so an over-budget worker
-never accepts a request. It exits with EXIT_OVER_BUDGET and prints the itemised plan.
+measured first, and the plan (weights + KV block pool + workspace + handle states, from the
+artifact's header alone) is compared with it before any weights are loaded, so an over-budget
+worker never accepts a request. It exits with EXIT_OVER_BUDGET and prints the itemised plan.
+The model is then loaded with exactly the planned block pool.
 """
 
 from __future__ import annotations
@@ -87,18 +88,26 @@ def run_worker(opts: WorkerOptions) -> int:
     else:
         budget, budget_what = available, available_what
     prefixes = load_prefix_file(opts.prefix_file) if opts.prefix_file else []
+    # The plan comes from the artifact's header before anything large is loaded; the model then gets exactly the
+    # planned block pool (weights + pool + workspace: load_model's memory_budget).
     try:
-        model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=opts.cache_mode)
+        from tinyloop.artifact import DEFAULT_ARTIFACT, read_config
+        from tinyloop.env import env_choice
+
+        cfg = read_config(opts.model_path or DEFAULT_ARTIFACT)
+        cache_mode = opts.cache_mode or env_choice("TINYLOOP_CACHE_MODE", tinyloop.CACHE_MODES, "fp16")
+        import torch
+
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=1,
+                                    max_handles=opts.max_handles, dtype=dtype)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
-    plan = tinyloop.plan_memory(model, max_seq_len=opts.max_seq_len, cache_mode=model.cache_mode, lanes=1,
-                                max_handles=opts.max_handles)
     model_name = str(opts.model_path or "bundled default model")
     if opts.plan_only:
         print(json.dumps({"total_bytes": plan.total_bytes, "items": plan.items, "device": device, "table": plan.table(),
                           "available_bytes": available, "available_what": available_what}))
-        tinyloop.free_model(model)
         return 0
     if plan.total_bytes > budget:
         print(
@@ -106,8 +115,13 @@ def run_worker(opts: WorkerOptions) -> int:
             f"the budget ({budget_what}: {budget / 2**20:.1f} MiB)\n{plan.table()}",
             file=sys.stderr,
         )
-        tinyloop.free_model(model)
         return EXIT_OVER_BUDGET
+    try:
+        model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=cache_mode,
+                                    memory_budget=plan.total_bytes - plan.bytes_of("handle states"))
+    except tinyloop.TinyLoopError as exc:
+        print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
     engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
                          prefixes=prefixes)
     process = WorkerProcess(engine, opts.connect, name=opts.name, heartbeat_interval=opts.heartbeat_interval,
