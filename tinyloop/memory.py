@@ -59,16 +59,18 @@ class MemoryPlan:
 
 
 WORKSPACE_LANES = 4  # the gathered keys and values of this many full-length lanes are set aside
+READ_AHEAD_BYTES = 8 * 2**20  # the most a decode step copies out of the blocks at once (lean StepContext.read_ahead)
 
 
 def workspace_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int) -> int:
     """Transient tensors of one step: a prefill chunk of max_seq_len tokens (hidden states, q/k/v, the MLP's
     intermediates, a row of logits per position) plus the keys and values one layer gathers for WORKSPACE_LANES
-    full-length lanes (twice: the stored form and the attention's copy), doubled for what the allocator keeps of
-    freed tensors (measured by tests/test_engine.py under a load that fills the pool). load_model sets it aside."""
+    full-length lanes (twice: the stored form and the attention's copy) and a decode step's read-ahead buffer,
+    doubled for what the allocator keeps of freed tensors (measured by tests/test_engine.py under a load that
+    fills the pool). load_model sets it aside."""
     chunk = max_seq_len * (4 * cfg.d_model + 2 * cfg.kv_dim + 3 * cfg.ffn_hidden + cfg.vocab_size) * dtype_bytes
     gathered = 2 * WORKSPACE_LANES * max_seq_len * 2 * cfg.kv_dim * dtype_bytes
-    return 2 * (chunk + gathered)
+    return 2 * (chunk + gathered + READ_AHEAD_BYTES)
 
 
 def weight_bytes_of(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..cache import KVCache, dequant_int4, dequant_int8, encode_entries
 from ..env import env_choice
 from ..errors import ConfigError
+from ..memory import READ_AHEAD_BYTES
 from ..model import LoopedLM, Step
 from .dispatch import use_triton
 
@@ -256,6 +257,7 @@ class StepContext:
         self.lo, self.hi = span.min(1).values.tolist(), span.max(1).values.tolist()
         self.blk, self.row = self.cells // cache.bt, self.cells % cache.bt
         self.one = int(self.cells) if B == 1 and T == 1 else None  # batch-1 decode: plain integer indexing
+        self.buf_row = None  # read_ahead
         if self.triton:  # the kernels take positions and block tables directly
             return
         if W:
@@ -270,6 +272,37 @@ class StepContext:
         if cache.mode == "int4":
             kp = step.key_pos if tree else kpos.expand(B, step.end)
             self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+
+    def read_ahead(self, cache: KVCache, slots: list[int]) -> None:
+        """Decode rows (one token per lane, no window, no tree) whose step reads little: gather every slot's cells
+        once per step into one buffer (one index_select per stored tensor instead of one per layer); each layer
+        writes its token into the buffer and attends over a view of it, and `flush` stores the step's tokens in
+        the blocks afterwards. The buffer is a copy of what the step reads, so it is only built when that is small
+        (READ_AHEAD_BYTES); otherwise each layer gathers its own slot."""
+        nb = -(-self.end // cache.bt)
+        if self.triton or cache.window or self.T != 1 or self.mask is not None and self.step.cells is not None:
+            return
+        if len(slots) * self.B * nb * cache.pool.block_bytes > READ_AHEAD_BYTES:
+            return
+        for slot in slots:  # blocks for this step's cells exist (and are the lane's own) before the gather
+            cache.prepare(slot, self.lanes, self.lo, self.hi)
+        index = torch.tensor(slots, device=self.pos.device)
+        ids = cache.table.index_select(0, index)[:, :self.B, :nb].reshape(-1)
+        S, B, end = len(slots), self.B, self.end
+        self.buf = {name: t.index_select(0, ids).view(S, B, nb * cache.bt, *t.shape[2:])[:, :, :end]
+                    for name, t in cache.store.items()}
+        self.buf_row = {slot: i for i, slot in enumerate(slots)}
+        self.buf_index, self.buf_blocks = index, None
+        if self.one is not None:
+            self.buf_cell = [t[:, 0, self.one] for t in self.buf.values()]  # [S, ...]: the step's cell per slot
+
+    def flush(self, cache: KVCache) -> None:
+        """Store the step's tokens from the read-ahead buffer in their blocks (one index_put per stored tensor)."""
+        if self.buf_row is None:
+            return
+        blk = cache.table.index_select(0, self.buf_index)[:, self.lane, self.blk]  # [S, B, 1]
+        for name, t in self.buf.items():
+            cache.store[name][blk, self.row] = t[:, self.lane, self.cells]
 
     def write(self, cache: KVCache, slot: int, new: dict[str, torch.Tensor]) -> None:
         """Store this step's entries (each [B, T, ...]) in `slot`, taking or copying blocks first."""
@@ -320,8 +353,12 @@ class LeanStep:
     def forward(self, ids: torch.Tensor, loops: int, step: Step, cache: KVCache) -> torch.Tensor:
         """Logits [B, 1, V] for ids [B, 1] at step.pos [B, 1]: LoopedLM.forward(ids, loops, step, cache)."""
         ctx = self.context(step, cache)
+        cfg = self.cfg
+        ctx.read_ahead(cache, [*range(cfg.n_prelude + cfg.n_core * loops), *range(cfg.coda_slot(0), cfg.n_slots())])
         s, _ = self.depth(ids, loops, ctx, cache)
-        return self.head(s, ctx, cache)
+        logits = self.head(s, ctx, cache)
+        ctx.flush(cache)
+        return logits
 
     def depth(self, ids: torch.Tensor, loops: int, ctx: StepContext, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding, prelude and `loops` loops of the core for ids [B, T]: the state s and the injected e as
@@ -401,6 +438,17 @@ class LeanStep:
         the step's shared indices (torch path); the heads' outputs [B, H, T, hd]."""
         mode, B = cache.mode, ctx.B
         new = encode_entries(mode, h, k, v)
+        row = ctx.buf_row.get(slot) if ctx.buf_row is not None else None
+        if row is not None:  # read-ahead: the token goes into the step's buffer, attention reads a view of it
+            if ctx.one is not None:
+                for cell, t in zip(ctx.buf_cell, new.values()):
+                    cell[row].copy_(t[0, 0])
+            else:
+                for buf, t in zip(ctx.buf.values(), new.values()):
+                    buf[row][ctx.lane, ctx.cells] = t
+            keys, values = self.decode(w, {name: t[row] for name, t in ctx.buf.items()}, mode, cache.dtype, B, None, ctx)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                  attn_mask=ctx.mask, enable_gqa=True)
         if cache.window:  # as KVCache.update: attend over the ring as it was plus the token, then store it
             data = {name: torch.cat((old, new[name]), dim=1) for name, old in cache.gather(slot, B, cache.ring).items()}
             kpos = torch.cat((cache.cell_pos[slot, :B], ctx.pos), dim=1)
