@@ -115,7 +115,7 @@ def test_kill_worker_under_load_restart_clean_shutdown_and_plan_check(tmp):
         serve = start_serve(tmp, "--device-budget", str(int(plan_bytes * 1.5)))
         _, err = serve.communicate(timeout=300)
         assert serve.returncode == 3, err
-        assert "refusing to start: 2 workers" in err and "decode cache" in err
+        assert "refusing to start: 2 workers" in err and "KV block pool" in err
         assert not (tmp / "logs" / "broker.log").exists()
     finally:
         if serve.poll() is None:
