@@ -108,6 +108,13 @@ class GrammarState:
 
     @classmethod
     def for_model(cls, model, grammar) -> "GrammarState":
+        from .continuation import GrammarPrefix
+
+        if isinstance(grammar, GrammarPrefix):  # a continuation: start after the tokens already delivered
+            state = cls.for_model(model, grammar.grammar)
+            for token in grammar.tokens:
+                state.accept(token)
+            return state
         return cls(compile_grammar(model.codec, model.cfg.vocab_size, grammar), model.cfg.vocab_size, model.eos_id)
 
     def fork(self) -> "GrammarState":
