@@ -87,15 +87,21 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @click.option("--max-worker-memory", default=None, callback=byte_size,
               help="Refuse workers whose announced memory plan exceeds this, e.g. 4GiB.")
 @click.option("--max-handles-limit", type=int, default=None, help="Refuse workers whose handle cap exceeds this.")
+@click.option("--max-attempts", default=3, show_default=True,
+              help="Workers a request may lose (each loss re-queues or continues it) before it fails with worker_lost.")
 @click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port (0: any free port).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--ready-file", default=None, help="Write the bound endpoints here as JSON once listening.")
+@click.option("--ready-max-error-rate", default=0.5, show_default=True,
+              help="/readyz fails while this share of recent requests failed on the service's side.")
+@click.option("--ready-window", default=60.0, show_default=True, help="Seconds of requests the error rate looks at.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--log-level", default="info", show_default=True)
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
-                   max_worker_memory, max_handles_limit, metrics_port, metrics_host, ready_file, curve_dir,
-                   log_level) -> None:
+                   max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
+                   ready_max_error_rate,
+                   ready_window, curve_dir, log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     from broker.broker import Broker
     from broker.metrics import serve_http
@@ -104,6 +110,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
     broker = Broker(frontend, backend, max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                     default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
                     max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
+                    max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate, ready_window_s=ready_window,
                     curve_dir=curve_dir)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
@@ -151,7 +158,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True)
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True)
 @click.option("--max-queue", default=64, show_default=True)
-@click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port.")
+@click.option("--metrics-port", type=int, default=None, help="Serve /metrics, /healthz and /readyz on this port.")
+@click.option("--max-attempts", default=3, show_default=True, help="Workers a request may lose before it fails.")
 @worker_options
 @click.option("--device-budget", default=None, callback=byte_size,
               help="Memory all workers on the device may use together (default: free VRAM on CUDA, available RAM on CPU).")
@@ -159,7 +167,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--log-dir", default=None, help="Write broker and worker logs here (default: inherit the terminal).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
-def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
+def serve_command(n_workers, frontend, backend, max_queue, metrics_port, max_attempts, model_path, max_seq_len, cache_mode, device,
                   max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget,
                   skip_plan_check, log_dir,
                   startup_timeout, log_level) -> None:
@@ -174,7 +182,8 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
                         heartbeat_interval, threads, curve_dir)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
-                            broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval)]
+                            broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
+                                         "--max-attempts", str(max_attempts)]
                             + (["--metrics-port", str(metrics_port)] if metrics_port is not None else [])
                             + (["--curve-dir", curve_dir] if curve_dir else []),
                             curve_dir=curve_dir,
@@ -258,6 +267,12 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
     click.echo(f"broker {status['frontend']} up {status['uptime_s']:.0f}s: {len(status['workers'])} worker(s), "
                f"queue {status['queue']}/{status['max_queue']}, in flight {status['in_flight']}"
                + (" (stopping)" if status["stopping"] else ""))
+    ready = status.get("ready") or {}
+    if ready.get("ready"):
+        click.echo(f"ready: yes (error rate {ready['error_rate']:.0%} of {ready['finished']} requests in the last "
+                   f"{ready['window_s']:.0f}s)")
+    elif ready:
+        click.echo("ready: NO: " + "; ".join(ready["problems"]))
     click.echo(f"  {'name':<16} {'pid':>7} {'device':<8} {'state':<8} {'handles':>9} {'plan MiB':>9} {'served':>7}")
     for w in status["workers"]:
         click.echo(f"  {w['name']:<16} {w['pid']:>7} {w['device']:<8} {w['state']:<8} "
