@@ -194,6 +194,20 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, max_att
 # ------------------------------------------------------------------------------------ submit / status
 
 
+def parse_speculative_option(value: str | None) -> dict:
+    """--speculative D:V:A[:W] -> the speculative op's params (parsed here: `submit` never imports torch)."""
+    if value is None:
+        return {}
+    try:
+        nums = [int(x) for x in value.split(":")]
+    except ValueError:
+        nums = []
+    if len(nums) not in (3, 4) or min(nums) < 1:
+        raise click.BadParameter(f"{value!r} must be draft:verify:ahead[:width] with positive integers, e.g. 2:8:4",
+                                 param_hint="--speculative")
+    return dict(zip(("draft_loops", "verify_loops", "draft_ahead", "tree_width"), nums))
+
+
 @click.command("submit")
 @click.argument("prompt")
 @click.option("--connect", default=DEFAULT_FRONTEND, show_default=True, help="The broker's frontend endpoint.")
@@ -204,45 +218,85 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, max_att
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=None, help="CTRL-style penalty for repeated tokens (1 = off).")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
+@click.option("--beam-size", type=int, default=None, help="Beam search width (greedy only).")
+@click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
+@click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+@click.option("--speculative", default=None, metavar="D:V:A[:W]",
+              help="Self-speculative decode (op speculative): draft loops, verify loops, draft-ahead, tree width.")
 @click.option("--timeout", default=120.0, show_default=True, help="Request deadline in seconds.")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole answer instead of streaming tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final reply as JSON.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
-def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, seed, stop, timeout,
-                   no_stream, as_json, curve_dir) -> None:
-    """Send one request to a running service and stream the answer."""
-    from broker.client import Client, ServiceError
+def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
+                   grammar, beam_size, cache_window, early_exit, speculative, timeout, no_stream, as_json,
+                   curve_dir) -> None:
+    """Send one request to a running service and stream the answer.
 
-    config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
+    prints nothing there); the stats line and errors go to stderr."""
+    from broker.client import Client, ServiceError, build_request, generate_params
+
+    config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
+                  cache_window=cache_window, early_exit_threshold=early_exit)
+    config = {k: v for k, v in config.items() if v is not None}
     if stop:
         config["stop_sequences"] = list(stop)
-    if loops is None:
-        config.pop("loops")
+    spec = parse_speculative_option(speculative)
+    if spec:
+        if op not in ("generate", "speculative"):
+            raise click.BadParameter("--speculative runs the speculative op; it cannot go with --op " + op,
+                                     param_hint="--speculative")
+        op = "speculative"
+    params = {**generate_params(prompt, config), **spec}
+    printed = False
     try:
+        build_request(op, params, not (no_stream or as_json), timeout, None)  # schema errors before any output
         with Client(connect, timeout=timeout, curve_dir=curve_dir) as client:
             if no_stream or as_json:
-                reply = client.submit(op, {"prompt": prompt, **config}, timeout=timeout).result()
+                reply = client.submit(op, params, timeout=timeout).result()
                 if as_json:
                     click.echo(json.dumps(reply.result))
                     return
                 click.echo(prompt + reply.text)
             else:
-                click.echo(prompt, nl=False)
-                with client.stream(prompt, op=op, timeout=timeout, **config) as pending:
+                with client.submit(op, params, stream=True, timeout=timeout) as pending:
                     for event in pending:
+                        if not printed:
+                            click.echo(prompt, nl=False)
+                            printed = True
                         click.echo(event.text, nl=False)
                 reply = pending.result()
-                click.echo()
-            stats = reply.stats
-            click.echo(f"[worker {reply.worker}: {stats.get('generated_tokens')} tokens, stop={stats.get('stop_reason')}, "
-                       f"prefill {stats.get('prefill_ms', 0):.1f} ms, first token {stats.get('first_token_ms', 0):.1f} ms, "
-                       f"decode {stats.get('decode_ms', 0):.1f} ms, loops {stats.get('loops_mean', 0):.2f}]", err=True)
+                click.echo(("" if printed else prompt + reply.text))
+                printed = False
+            click.echo(stats_line(reply), err=True)
     except ServiceError as exc:
-        click.echo(f"error: {exc}", err=True)
+        if printed:
+            click.echo()  # end the partial answer's line; the error gets its own line on stderr
+        hint = ""
+        if exc.code == "config_error" and "max_seq_len" in str(exc):  # the runtime's wording names load_model
+            hint = " (for the service: lower --max-tokens, or start `tinyloop serve` with a larger --max-seq-len)"
+        click.echo(f"error: {exc}{hint}", err=True)
         sys.exit(1)
+
+
+def stats_line(reply) -> str:
+    stats = reply.stats
+    line = (f"[worker {reply.worker}: {stats.get('generated_tokens')} tokens, stop={stats.get('stop_reason')}, "
+            f"prefill {stats.get('prefill_ms') or 0:.1f} ms, first token {stats.get('first_token_ms') or 0:.1f} ms, "
+            f"decode {stats.get('decode_ms') or 0:.1f} ms, loops {stats.get('loops_mean') or 0:.2f}")
+    if stats.get("drafted") is not None:
+        drafted, accepted = stats["drafted"], stats.get("accepted") or 0
+        line += (f", speculative {accepted}/{drafted} drafted tokens accepted ({accepted / drafted if drafted else 0:.0%}), "
+                 f"{stats.get('tokens_per_verify') or 0:.2f} tokens per verify step")
+    if stats.get("continued_after"):
+        line += f", continued after {stats['continued_after']} tokens on another worker"
+    return line + "]"
 
 
 @click.command("status")
