@@ -342,13 +342,16 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="closed: fixed concurrency; open: Poisson arrivals at --rate.")
 @click.option("--concurrency", default=4, show_default=True)
 @click.option("--rate", default=2.0, show_default=True, help="Requests per second (open loop).")
-@click.option("--requests", "n_requests", default=32, show_default=True)
+@click.option("--requests", "n_requests", type=int, default=None, help="Requests to send [default: 32; --soak: 10000].")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable; default: a few code snippets).")
 @click.option("--max-tokens", default=16, show_default=True)
 @click.option("--op", default="generate", show_default=True, type=click.Choice(["generate", "generate_pool", "ping"]))
 @click.option("--timeout", default=120.0, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seed of the arrival process.")
 @click.option("--json", "json_path", default=None, help="Write the results here as JSON.")
+@click.option("--soak", is_flag=True,
+              help="Start a service itself and print the broker's and workers' memory every 1,000 requests, "
+                   "with the growth per 1,000 requests (leak check).")
 @click.option("--side-by-side", is_flag=True,
               help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
 @click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
@@ -357,15 +360,20 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     side_by_side, model_path, threads, curve_dir) -> None:
-    """Load a running service (or, with --side-by-side, services it starts) and report latency and throughput."""
+                     soak, side_by_side, model_path, threads, curve_dir) -> None:
+    """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     from broker import loadtest
 
-    if side_by_side:
-        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests, max_tokens=max_tokens,
+    if soak:
+        total = n_requests or 10_000
+        results = loadtest.soak(n_requests=total, every=max(1, min(1000, total // 4)), max_tokens=max_tokens,
+                                concurrency=concurrency,
+                                model_path=model_path, threads=threads, echo=click.echo)
+    elif side_by_side:
+        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
                                         concurrency=concurrency, threads=threads, echo=click.echo)
     else:
-        results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
+        results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests or 32,
                                     prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
                                     seed=seed, progress=True, curve_dir=curve_dir)
         click.echo(loadtest.format_summary(results))
