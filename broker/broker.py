@@ -672,6 +672,7 @@ class Broker:
                     "model": w.model,
                     "state": "leaving" if w.leaving else ("busy" if w.current else "idle"),
                     "current_op": current.op if current else None,
+                    "streamed": len(current.delivered) if current else 0,  # tokens its current request streamed
                     "handles": w.handles,
                     "max_handles": w.max_handles,
                     "plan_bytes": w.plan_bytes,

@@ -144,3 +144,23 @@ def test_resent_stream_that_cannot_be_continued_says_so(service):
             stream.result()
         assert "beam search" in str(err.value) and "cannot be continued" in str(err.value)
         assert client.generate("after").text == "after"
+
+
+def test_submit_cli_rides_out_a_broker_restart(service):
+    import subprocess
+    import sys
+
+    from broker import launcher
+    from test_broker import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "submit", "--connect", service.frontend, TEXT * 2,
+                             "--max-tokens", str(len(TEXT) * 2)], cwd=str(REPO), env=launcher.child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Wait until its request is streaming on a worker, then take the broker down under it.
+    service.wait_workers(lambda ws: any(w["state"] == "busy" for w in ws), timeout=30)
+    time.sleep(0.5)
+    restart_broker(service)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out == TEXT * 2 + TEXT * 2 + "\n"  # the prompt, then the echoed answer once, in one piece
+    assert "72 tokens" in err

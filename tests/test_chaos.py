@@ -28,7 +28,7 @@ from broker.client import AsyncClient, Client, ServiceError
 
 REPO = Path(__file__).resolve().parent.parent
 N_REQUESTS = 24
-MAX_TOKENS = 96
+MAX_TOKENS = 72
 MAX_SEQ_LEN = 256
 WORKER_KILLS = 3
 HEARTBEAT = 0.3
@@ -62,6 +62,7 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.frontend, self.stop = frontend, stop
         self.worker_kills = self.broker_kills = 0
+        self.waited_since = time.monotonic()
         self.error: BaseException | None = None
 
     def status(self, client: Client) -> dict | None:
@@ -78,8 +79,15 @@ class Killer(threading.Thread):
                     busy = [w for w in (status or {}).get("workers", []) if w["state"] == "busy"]
                     if status is None or len(status["workers"]) < 2 or not busy:
                         time.sleep(0.1)  # wait for both workers back and one of them at work
+                        self.waited_since = time.monotonic()
                         continue
-                    time.sleep(0.4)  # let it stream some tokens first
+                    # Prefer a worker in the middle of a stream (its request must then be continued).
+                    streaming = [w for w in busy if w["streamed"] > 0]
+                    if not streaming and time.monotonic() < self.waited_since + 3:
+                        time.sleep(0.05)
+                        continue
+                    busy = streaming or busy
+                    self.waited_since = time.monotonic()
                     if self.worker_kills == 1 and not self.broker_kills:
                         os.kill(status["pid"], signal.SIGKILL)
                         self.broker_kills += 1
@@ -173,6 +181,7 @@ def test_chaos_kills_workers_and_the_broker(tmp, record_property):
         assert not failed, (counts, failed)
         assert duplicates == 0 and not mismatches, (counts, mismatches)
         assert counts["client_reconnects"] >= 2  # both clients rode out the broker restart
+        assert counts["continued"] >= 1, counts  # at least one stream went on after its worker died
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
