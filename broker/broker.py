@@ -149,8 +149,9 @@ class Broker:
         self.drain_timeout_s = drain_timeout_s
         self.ready_window_s = ready_window_s
         self.ready_max_error_rate = ready_max_error_rate
-        self.outcomes: deque[tuple[float, str | None]] = deque()  # (when, fault code or None) in the window
-        self.faults: dict[str, int] = {}  # fault code -> count among self.outcomes
+        # Finished requests in the readiness window, one bucket per second: [second, finished, {fault code: n}].
+        # Buckets, not one entry per request, so the memory stays bounded at any request rate.
+        self.outcomes: deque[list] = deque()
         self.answered_recently: OrderedDict[tuple[bytes, str], Answered] = OrderedDict()
         self.metrics = BrokerMetrics()
         self.started = time.monotonic()
@@ -629,10 +630,12 @@ class Broker:
         while self.answered_recently and (len(self.answered_recently) > ANSWERED_KEEP
                                           or next(iter(self.answered_recently.values())).at < now - ANSWERED_TTL_S):
             self.answered_recently.popitem(last=False)
-        fault = fields.get("code") if fields.get("code") in SERVICE_FAULT_CODES else None
-        self.outcomes.append((now, fault))
-        if fault is not None:
-            self.faults[fault] = self.faults.get(fault, 0) + 1
+        if not self.outcomes or self.outcomes[-1][0] != int(now):
+            self.outcomes.append([int(now), 0, {}])
+        bucket = self.outcomes[-1]
+        bucket[1] += 1
+        if fields.get("code") in SERVICE_FAULT_CODES:
+            bucket[2][fields["code"]] = bucket[2].get(fields["code"], 0) + 1
 
     def log_request(self, req: Request, outcome: str, worker: str | None, **extra: Any) -> None:
         now = time.monotonic()
@@ -698,13 +701,14 @@ class Broker:
     def readiness(self, now: float) -> dict:
         """Can the service serve now? `problems` names every reason it cannot (empty when ready)."""
         while self.outcomes and self.outcomes[0][0] < now - self.ready_window_s:
-            _, code = self.outcomes.popleft()
-            if code is not None:
-                self.faults[code] -= 1
+            self.outcomes.popleft()
         queued = len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values())
         ready_workers = sum(1 for w in self.workers.values() if not w.leaving)
-        faults = {code: n for code, n in self.faults.items() if n}
-        finished = len(self.outcomes)
+        faults: dict[str, int] = {}
+        for _, _, codes in self.outcomes:
+            for code, n in codes.items():
+                faults[code] = faults.get(code, 0) + n
+        finished = sum(bucket[1] for bucket in self.outcomes)
         rate = sum(faults.values()) / finished if finished else 0.0
         problems = []
         if self.stopping:
