@@ -88,12 +88,15 @@ class Killer(threading.Thread):
                         continue
                     busy = streaming or busy
                     self.waited_since = time.monotonic()
-                    if self.worker_kills == 1 and not self.broker_kills:
-                        os.kill(status["pid"], signal.SIGKILL)
-                        self.broker_kills += 1
-                    else:
-                        os.kill(busy[0]["pid"], signal.SIGKILL)
-                        self.worker_kills += 1
+                    try:
+                        if self.worker_kills == 1 and not self.broker_kills:
+                            os.kill(status["pid"], signal.SIGKILL)
+                            self.broker_kills += 1
+                        else:
+                            os.kill(busy[0]["pid"], signal.SIGKILL)
+                            self.worker_kills += 1
+                    except ProcessLookupError:
+                        continue  # the broker still listed a worker that had died already: look again
                     time.sleep(1.0)
         except BaseException as exc:  # reported by the test
             self.error = exc
