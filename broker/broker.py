@@ -351,6 +351,8 @@ class Broker:
 
     @staticmethod
     def why_not_continuable(req: Request) -> str:
+        """What keeps a streamed request from being continued elsewhere; "" when it can be (the worker still
+        refuses modes it cannot continue exactly, such as early exit)."""
         if req.op not in CONTINUABLE_OPS:
             return f"op {req.op!r}"
         return "beam search" if req.params.get("beam_size", 1) > 1 else ""

@@ -285,7 +285,8 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
         sys.exit(1)
 
 
-def stats_line(reply) -> str:
+def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, imported lazily (no zmq at import)
+    """The stats line `submit` prints on stderr."""
     stats = reply.stats
     line = (f"[worker {reply.worker}: {stats.get('generated_tokens')} tokens, stop={stats.get('stop_reason')}, "
             f"prefill {stats.get('prefill_ms') or 0:.1f} ms, first token {stats.get('first_token_ms') or 0:.1f} ms, "
