@@ -278,8 +278,13 @@ def soak(*, n_requests: int = 10_000, every: int = 1000, max_tokens: int = 4, co
             samples.append(sample)
             echo(f"  {done:>8}  " + "  ".join(f"{sample[name] / 2**20:>8.1f}" for name in pids))
     steady = samples[1:] if len(samples) > 2 else samples
+    late = samples[len(samples) // 2:]  # a leak keeps growing here; warm-up has levelled off
     growth = {name: slope_per_1000([(s["requests"], s[name]) for s in steady]) / 2**20 for name in pids}
+    late_growth = {name: slope_per_1000([(s["requests"], s[name]) for s in late]) / 2**20 for name in pids}
     echo("growth per 1,000 requests (after the first batch): "
          + ", ".join(f"{name} {mib:+.3f} MiB" for name, mib in growth.items()) + f"; errors {errors}")
+    echo(f"growth per 1,000 requests (second half, from {late[0]['requests']}): "
+         + ", ".join(f"{name} {mib:+.3f} MiB" for name, mib in late_growth.items()))
     return {"requests": n_requests, "every": every, "max_tokens": max_tokens, "concurrency": concurrency,
-            "samples": samples, "growth_mib_per_1000": growth, "errors": errors}
+            "samples": samples, "growth_mib_per_1000": growth, "late_growth_mib_per_1000": late_growth,
+            "errors": errors}
