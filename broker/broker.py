@@ -80,6 +80,8 @@ class Request:
     worker: bytes | None = None  # the worker running it, if any
     pinned: bytes | None = None  # handle ops must run on this worker
     dispatched_at: float | None = None
+    # The id the worker knows this attempt by ("<key>.<attempt>"): replies of an earlier attempt never count.
+    dispatch_id: str | None = None
     first_token_at: float | None = None
     delivered: list = field(default_factory=list)  # token ids sent to the client, in order
     texts: list = field(default_factory=list)  # their text pieces (replayed to a re-sending client)
@@ -153,6 +155,7 @@ class Broker:
         # Buckets, not one entry per request, so the memory stays bounded at any request rate.
         self.outcomes: deque[list] = deque()
         self.answered_recently: OrderedDict[tuple[bytes, str], Answered] = OrderedDict()
+        self.told_reconnect: dict[bytes, float] = {}  # unknown worker identity -> when it was told to re-announce
         self.metrics = BrokerMetrics()
         self.started = time.monotonic()
 
@@ -371,7 +374,7 @@ class Broker:
             self.answer_error(req, Codes.CANCELLED, "cancelled by the client before it started")
         else:
             # The worker stops decoding and replies "done" with stop_reason "cancelled".
-            self.send_worker(req.worker, "cancel", id=req.key)
+            self.send_worker(req.worker, "cancel", id=req.dispatch_id)
 
     def reject(self, client: bytes, client_id: str, code: str, message: str) -> None:
         self.metrics.errors.labels(code).inc()
@@ -391,10 +394,18 @@ class Broker:
             return
         worker = self.workers.get(identity)
         if msg.type == "ready":
+            self.told_reconnect.pop(identity, None)
             return self.on_ready(identity, msg)
         if worker is None:
-            # Unknown worker (e.g. this broker restarted, or it was dropped as dead): make it re-announce.
-            self.send_worker(identity, "reconnect")
+            # Unknown worker (e.g. this broker restarted, or it was dropped as dead): make it re-announce. Once per
+            # heartbeat: a worker streaming tokens would otherwise get one "reconnect" per token, and each extra
+            # re-announcement would cost it the request it got meanwhile.
+            now = time.monotonic()
+            if now - self.told_reconnect.get(identity, 0.0) > self.heartbeat_interval:
+                self.told_reconnect[identity] = now
+                self.send_worker(identity, "reconnect")
+            if len(self.told_reconnect) > 4096:  # identities that never came back
+                self.told_reconnect.clear()
             return
         worker.expires_at = time.monotonic() + self.heartbeat_expiry
         if msg.type == "heartbeat":
@@ -441,9 +452,20 @@ class Broker:
         log.info("worker %s ready (pid %d, %s, plan %d bytes)", msg["name"], msg["pid"], msg["device"], msg["plan_bytes"])
         self.dispatch()
 
+    def current_request(self, worker: Worker, dispatch_id: str) -> Request | None:
+        """The request a worker's message is about, if it is the attempt running there now."""
+        req = self.requests.get(dispatch_id.rpartition(".")[0])
+        if req is None or req.worker != worker.identity or req.dispatch_id != dispatch_id:
+            return None
+        return req
+
     def on_worker_token(self, worker: Worker, msg: protocol.Message) -> None:
-        req = self.requests.get(msg["id"])
-        if req is None or req.answered or req.worker != worker.identity:
+        req = self.current_request(worker, msg["id"])
+        if req is None:
+            # Work nobody waits for here (an earlier attempt, or a previous broker's request): stop it.
+            self.send_worker(worker.identity, "cancel", id=msg["id"])
+            return
+        if req.answered:
             return  # late token of a request that was already answered
         if msg["pos"] != len(req.delivered):
             return  # not the next token (a continuation restates nothing): the client never sees one twice
@@ -457,8 +479,8 @@ class Broker:
             self.send_client(req.client, "token", id=req.client_id, token=msg["token"], pos=msg["pos"], text=msg["text"])
 
     def on_worker_final(self, worker: Worker, msg: protocol.Message) -> None:
-        req = self.requests.get(msg["id"])
-        if req is None or req.worker != worker.identity:
+        req = self.current_request(worker, msg["id"])
+        if req is None:
             return
         worker.current = None
         worker.served += 1
@@ -546,13 +568,14 @@ class Broker:
         req.worker = worker.identity
         req.attempts += 1
         req.dispatched_at = now
+        req.dispatch_id = f"{req.key}.{req.attempts}"
         worker.current = req.key
         self.metrics.queue_wait.observe(now - req.arrived)
         continuation = {"delivered": req.delivered} if req.delivered else {}
         self.send_worker(
             worker.identity,
             "request",
-            id=req.key,
+            id=req.dispatch_id,
             op=req.op,
             params=req.params,
             stream=req.stream,
@@ -586,7 +609,7 @@ class Broker:
                 self.unqueue(req)
             else:
                 # Stop the decode; the worker's late final reply will be dropped.
-                self.send_worker(req.worker, "cancel", id=req.key)
+                self.send_worker(req.worker, "cancel", id=req.dispatch_id)
             waited = now - req.arrived
             self.answer_error(req, Codes.TIMEOUT, f"deadline of {req.deadline - req.arrived:.3f}s passed after {waited:.3f}s")
 
@@ -753,7 +776,7 @@ class Broker:
         for req in list(self.requests.values()):
             if not req.answered:
                 if req.worker is not None:
-                    self.send_worker(req.worker, "cancel", id=req.key)
+                    self.send_worker(req.worker, "cancel", id=req.dispatch_id)
                 self.answer_error(req, Codes.SHUTTING_DOWN, "the broker shut down before the request finished")
         self.requests.clear()
         self.frontend.close(linger=1000)  # give the last replies a moment to leave

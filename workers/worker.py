@@ -105,6 +105,7 @@ class WorkerProcess:
         self.stop_requested = threading.Event()
         self.outbox_endpoint = f"inproc://worker-outbox-{uuid.uuid4().hex}"
         self.dealer: zmq.Socket | None = None
+        self.last_ready_at = 0.0
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -189,6 +190,7 @@ class WorkerProcess:
         self.send_ready()
 
     def send_ready(self) -> None:
+        self.last_ready_at = time.monotonic()
         self.send(
             "ready",
             name=self.name,
@@ -234,8 +236,10 @@ class WorkerProcess:
             if job is not None:
                 job.cancelled.set()
         elif msg.type == "reconnect":
-            self.abandon_running("the broker does not know this worker")
-            self.send_ready()
+            if time.monotonic() - self.last_ready_at > self.heartbeat_interval:
+                self.abandon_running("the broker does not know this worker")
+                self.send_ready()
+            # else: it answers a message sent before our "ready" reached the broker; the broker knows us now
         elif msg.type == "refused":
             log.error("worker %s refused by the broker: %s", self.name, msg["reason"])
             return EXIT_REFUSED_BY_BROKER
