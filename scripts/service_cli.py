@@ -167,9 +167,9 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--log-dir", default=None, help="Write broker and worker logs here (default: inherit the terminal).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
-def serve_command(n_workers, frontend, backend, max_queue, metrics_port, max_attempts, model_path, max_seq_len, cache_mode, device,
+def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
                   max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget,
-                  skip_plan_check, log_dir,
+                  skip_plan_check, log_dir, max_attempts,
                   startup_timeout, log_level) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.supervisor import Supervisor
