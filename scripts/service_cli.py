@@ -168,8 +168,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget,
-                  skip_plan_check, log_dir, max_attempts,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget, max_attempts,
+                  skip_plan_check, log_dir,
                   startup_timeout, log_level) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.supervisor import Supervisor
