@@ -10,8 +10,14 @@ Pattern: the Majordomo broker and Paranoid Pirate heartbeats from the ZeroMQ gui
 * Every request gets exactly one final reply (done or error). The broker tracks each
   request until it has answered it, and drops anything a worker sends for a request that
   was already answered (for example after its deadline passed).
-* A worker that stops heartbeating is dropped. Its request is re-queued if nothing was
-  streamed to the client yet, otherwise it fails with "worker_lost".
+* A worker that stops heartbeating is dropped. Its request is re-queued: from the start if
+  nothing was streamed to the client yet, otherwise as a continuation (the tokens already
+  delivered go with it and the next worker generates what follows them). Requests that
+  cannot be continued exactly (handle ops, beam search, early exit) fail with "worker_lost".
+* Lazy Pirate: a client that lost its connection re-sends its open requests under the same
+  id with the tokens it already holds. A re-sent id this broker still knows is attached to,
+  not run again (its missing tokens and final reply are replayed); an unknown one is run,
+  as a continuation when the client holds tokens of it (the broker restarted).
 * The queue is bounded: past `max_queue` waiting requests the client gets "busy" at once.
 
 The broker is single-threaded: one poll loop owns both sockets. It imports no torch.
@@ -25,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +54,17 @@ request_log = logging.getLogger("tinyloop.requests")
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_LIVENESS = 3  # missed intervals before a peer is declared dead
 DEFAULT_TIMEOUT_S = 300.0  # deadline of a request that does not set timeout_s
+# Ops a lost worker's stream can be continued on another worker from the tokens already delivered
+# (the worker still refuses modes that are not exact, e.g. early exit; docs/service.md "Faults").
+CONTINUABLE_OPS = frozenset({"generate", "generate_pool", "speculative"})
+# Final replies kept for Lazy Pirate re-sends whose first reply was lost in transit.
+ANSWERED_KEEP = 1024
+ANSWERED_TTL_S = 60.0
+# Readiness: error codes that mean the service failed a request (not the client's mistakes).
+SERVICE_FAULT_CODES = frozenset({Codes.RUNTIME_ERROR, Codes.WORKER_LOST, Codes.TIMEOUT})
+DEFAULT_READY_WINDOW_S = 60.0
+DEFAULT_READY_MAX_ERROR_RATE = 0.5
+READY_MIN_SAMPLES = 5  # fewer finished requests than this in the window say nothing about the error rate
 
 
 @dataclass
@@ -63,11 +80,24 @@ class Request:
     worker: bytes | None = None  # the worker running it, if any
     pinned: bytes | None = None  # handle ops must run on this worker
     dispatched_at: float | None = None
+    # The id the worker knows this attempt by ("<key>.<attempt>"): replies of an earlier attempt never count.
+    dispatch_id: str | None = None
     first_token_at: float | None = None
-    tokens_streamed: int = 0
+    delivered: list = field(default_factory=list)  # token ids sent to the client, in order
+    texts: list = field(default_factory=list)  # their text pieces (replayed to a re-sending client)
     attempts: int = 0
     cancelled: bool = False
     answered: bool = False
+
+
+@dataclass
+class Answered:
+    """A final reply kept for a while, for a client that re-sends because it may have missed it."""
+
+    tokens: list  # (token, pos, text) of a streamed request
+    msg_type: str
+    fields: dict
+    at: float
 
 
 @dataclass
@@ -100,9 +130,11 @@ class Broker:
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         max_worker_plan_bytes: int | None = None,
         max_handles_per_worker: int | None = None,
-        max_attempts: int = 2,
+        max_attempts: int = 3,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         drain_timeout_s: float = 30.0,
+        ready_window_s: float = DEFAULT_READY_WINDOW_S,
+        ready_max_error_rate: float = DEFAULT_READY_MAX_ERROR_RATE,
         curve_dir: str | None = None,
         context: zmq.Context | None = None,
     ) -> None:
@@ -117,6 +149,13 @@ class Broker:
         self.max_attempts = max_attempts
         self.default_timeout_s = default_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        self.ready_window_s = ready_window_s
+        self.ready_max_error_rate = ready_max_error_rate
+        # Finished requests in the readiness window, one bucket per second: [second, finished, {fault code: n}].
+        # Buckets, not one entry per request, so the memory stays bounded at any request rate.
+        self.outcomes: deque[list] = deque()
+        self.answered_recently: OrderedDict[tuple[bytes, str], Answered] = OrderedDict()
+        self.told_reconnect: dict[bytes, float] = {}  # unknown worker identity -> when it was told to re-announce
         self.metrics = BrokerMetrics()
         self.started = time.monotonic()
 
@@ -247,12 +286,16 @@ class Broker:
     def on_request(self, client: bytes, msg: protocol.Message) -> None:
         client_id = msg["id"]
         now = time.monotonic()
+        received = msg.get("received")  # present: a Lazy Pirate re-send of a request the client may have lost
+        if received is not None and self.on_resend(client, client_id, received):
+            return
         if self.stopping:
             return self.reject(client, client_id, Codes.SHUTTING_DOWN, "the broker is shutting down")
         if (client, client_id) in self.by_client:
             return self.reject(client, client_id, Codes.DUPLICATE_ID, f"request id {client_id!r} is already in flight")
         waiting = len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values())
-        if waiting >= self.max_queue:
+        # A re-send was admitted by a previous broker already: a restart must not turn it into "busy".
+        if waiting >= self.max_queue and received is None:
             return self.reject(client, client_id, Codes.BUSY, f"queue is full ({self.max_queue} requests waiting)")
         timeout = msg.get("timeout_s") or self.default_timeout_s
         self.next_key += 1
@@ -266,6 +309,14 @@ class Broker:
             arrived=now,
             deadline=now + timeout,
         )
+        if received:
+            # The client holds part of the answer from a previous broker: continue after it, or say why not.
+            req.delivered, req.texts = list(received), [""] * len(received)
+            if not self.continuable(req):
+                self.requests[req.key] = req
+                return self.answer_error(req, Codes.WORKER_LOST, f"the broker restarted after {len(received)} token(s) "
+                                         f"were streamed and this request ({self.why_not_continuable(req)}) cannot be "
+                                         "continued without duplicating output")
         if req.op in protocol.HANDLE_OPS:
             # Handle ids are "<worker identity>:<n>", so the owner is known without a lookup table.
             owner = req.params["handle"].rpartition(":")[0].encode()
@@ -285,6 +336,33 @@ class Broker:
         self.by_client[(client, client_id)] = req.key
         self.dispatch()
 
+    def on_resend(self, client: bytes, client_id: str, received: list) -> bool:
+        """Attach a re-sent request to what this broker knows of it; False when it knows nothing."""
+        key = self.by_client.get((client, client_id))
+        if key is not None:
+            req = self.requests[key]
+            for i in range(len(received), len(req.delivered)):  # tokens lost in transit
+                self.send_client(client, "token", id=client_id, token=req.delivered[i], pos=i, text=req.texts[i])
+            return True
+        old = self.answered_recently.get((client, client_id))
+        if old is None:
+            return False
+        for token, pos, text in old.tokens[len(received):]:
+            self.send_client(client, "token", id=client_id, token=token, pos=pos, text=text)
+        self.send_client(client, old.msg_type, **old.fields)
+        return True
+
+    @staticmethod
+    def why_not_continuable(req: Request) -> str:
+        """What keeps a streamed request from being continued elsewhere; "" when it can be (the worker still
+        refuses modes it cannot continue exactly, such as early exit)."""
+        if req.op not in CONTINUABLE_OPS:
+            return f"op {req.op!r}"
+        return "beam search" if req.params.get("beam_size", 1) > 1 else ""
+
+    def continuable(self, req: Request) -> bool:
+        return not self.why_not_continuable(req)
+
     def on_cancel(self, client: bytes, client_id: str) -> None:
         key = self.by_client.get((client, client_id))
         if key is None:
@@ -296,7 +374,7 @@ class Broker:
             self.answer_error(req, Codes.CANCELLED, "cancelled by the client before it started")
         else:
             # The worker stops decoding and replies "done" with stop_reason "cancelled".
-            self.send_worker(req.worker, "cancel", id=req.key)
+            self.send_worker(req.worker, "cancel", id=req.dispatch_id)
 
     def reject(self, client: bytes, client_id: str, code: str, message: str) -> None:
         self.metrics.errors.labels(code).inc()
@@ -316,10 +394,18 @@ class Broker:
             return
         worker = self.workers.get(identity)
         if msg.type == "ready":
+            self.told_reconnect.pop(identity, None)
             return self.on_ready(identity, msg)
         if worker is None:
-            # Unknown worker (e.g. this broker restarted, or it was dropped as dead): make it re-announce.
-            self.send_worker(identity, "reconnect")
+            # Unknown worker (e.g. this broker restarted, or it was dropped as dead): make it re-announce. Once per
+            # heartbeat: a worker streaming tokens would otherwise get one "reconnect" per token, and each extra
+            # re-announcement would cost it the request it got meanwhile.
+            now = time.monotonic()
+            if now - self.told_reconnect.get(identity, 0.0) > self.heartbeat_interval:
+                self.told_reconnect[identity] = now
+                self.send_worker(identity, "reconnect")
+            if len(self.told_reconnect) > 4096:  # identities that never came back
+                self.told_reconnect.clear()
             return
         worker.expires_at = time.monotonic() + self.heartbeat_expiry
         if msg.type == "heartbeat":
@@ -366,21 +452,35 @@ class Broker:
         log.info("worker %s ready (pid %d, %s, plan %d bytes)", msg["name"], msg["pid"], msg["device"], msg["plan_bytes"])
         self.dispatch()
 
+    def current_request(self, worker: Worker, dispatch_id: str) -> Request | None:
+        """The request a worker's message is about, if it is the attempt running there now."""
+        req = self.requests.get(dispatch_id.rpartition(".")[0])
+        if req is None or req.worker != worker.identity or req.dispatch_id != dispatch_id:
+            return None
+        return req
+
     def on_worker_token(self, worker: Worker, msg: protocol.Message) -> None:
-        req = self.requests.get(msg["id"])
-        if req is None or req.answered or req.worker != worker.identity:
+        req = self.current_request(worker, msg["id"])
+        if req is None:
+            # Work nobody waits for here (an earlier attempt, or a previous broker's request): stop it.
+            self.send_worker(worker.identity, "cancel", id=msg["id"])
+            return
+        if req.answered:
             return  # late token of a request that was already answered
+        if msg["pos"] != len(req.delivered):
+            return  # not the next token (a continuation restates nothing): the client never sees one twice
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.ttft.observe(now - req.arrived)
-        req.tokens_streamed += 1
+        req.delivered.append(msg["token"])
+        req.texts.append(msg["text"])
         if req.stream:
             self.send_client(req.client, "token", id=req.client_id, token=msg["token"], pos=msg["pos"], text=msg["text"])
 
     def on_worker_final(self, worker: Worker, msg: protocol.Message) -> None:
-        req = self.requests.get(msg["id"])
-        if req is None or req.worker != worker.identity:
+        req = self.current_request(worker, msg["id"])
+        if req is None:
             return
         worker.current = None
         worker.served += 1
@@ -395,7 +495,7 @@ class Broker:
             result = dict(msg["result"])
             result.setdefault("worker", worker.name)
             self.answer_done(req, result)
-        elif msg["code"] == Codes.SHUTTING_DOWN and req.tokens_streamed == 0 and not req.cancelled:
+        elif msg["code"] == Codes.SHUTTING_DOWN and not req.delivered and not req.cancelled:
             # The worker began shutting down as this request reached it: give it to another worker.
             self.requeue(req)
         else:
@@ -417,16 +517,21 @@ class Broker:
                     self.answer_error(req, Codes.CANCELLED, "cancelled by the client; its worker then died")
                 elif req.pinned is not None:
                     self.answer_error(req, Codes.HANDLE_UNKNOWN, f"the worker holding handle {req.params['handle']!r} died ({why})")
-                elif req.tokens_streamed == 0 and req.attempts < self.max_attempts:
-                    log.warning("re-queueing request %s from lost worker %s", req.client_id, worker.name)
+                elif req.attempts >= self.max_attempts:
+                    self.answer_error(req, Codes.WORKER_LOST, f"worker {worker.name} died ({why}); the request "
+                                      f"already lost {req.attempts} worker(s), the most it may")
+                elif not req.delivered or self.continuable(req):
+                    # Nothing streamed: run it again. Tokens streamed: the next worker continues after them.
+                    log.warning("re-queueing request %s from lost worker %s (%d token(s) delivered)", req.client_id,
+                                worker.name, len(req.delivered))
                     self.metrics.retries.inc()
                     self.requeue(req)
                 else:
                     self.answer_error(
                         req,
                         Codes.WORKER_LOST,
-                        f"worker {worker.name} died ({why}) after streaming {req.tokens_streamed} token(s); "
-                        "the request was not retried to avoid duplicate output",
+                        f"worker {worker.name} died ({why}) after streaming {len(req.delivered)} token(s); "
+                        f"this request ({self.why_not_continuable(req)}) cannot be continued without duplicating output",
                     )
         while worker.pinned_queue:
             req = worker.pinned_queue.popleft()
@@ -463,16 +568,19 @@ class Broker:
         req.worker = worker.identity
         req.attempts += 1
         req.dispatched_at = now
+        req.dispatch_id = f"{req.key}.{req.attempts}"
         worker.current = req.key
         self.metrics.queue_wait.observe(now - req.arrived)
+        continuation = {"delivered": req.delivered} if req.delivered else {}
         self.send_worker(
             worker.identity,
             "request",
-            id=req.key,
+            id=req.dispatch_id,
             op=req.op,
             params=req.params,
             stream=req.stream,
             timeout_s=max(0.0, req.deadline - now),
+            **continuation,
         )
 
     def requeue(self, req: Request) -> None:
@@ -501,14 +609,14 @@ class Broker:
                 self.unqueue(req)
             else:
                 # Stop the decode; the worker's late final reply will be dropped.
-                self.send_worker(req.worker, "cancel", id=req.key)
+                self.send_worker(req.worker, "cancel", id=req.dispatch_id)
             waited = now - req.arrived
             self.answer_error(req, Codes.TIMEOUT, f"deadline of {req.deadline - req.arrived:.3f}s passed after {waited:.3f}s")
 
     # ------------------------------------------------------------------ replies
 
     def answer_done(self, req: Request, result: dict) -> None:
-        self.finish(req)
+        self.finish(req, "done", {"id": req.client_id, "result": result})
         self.send_client(req.client, "done", id=req.client_id, result=result)
         stats = result.get("stats") if isinstance(result.get("stats"), dict) else {}
         self.metrics.requests.labels(req.op, "done").inc()
@@ -527,19 +635,32 @@ class Broker:
         self.log_request(req, "done", result.get("worker"), stats=stats)
 
     def answer_error(self, req: Request, code: str, message: str) -> None:
-        self.finish(req)
+        self.finish(req, "error", {"id": req.client_id, "code": code, "message": message})
         self.send_client(req.client, "error", id=req.client_id, code=code, message=message)
         self.metrics.requests.labels(req.op, "error").inc()
         self.metrics.errors.labels(code).inc()
         worker = self.workers.get(req.worker) if req.worker else None
         self.log_request(req, "error", worker.name if worker else None, code=code, message=message)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, msg_type: str, fields: dict) -> None:
         assert not req.answered, "a request must get exactly one final reply"
         req.answered = True
         self.by_client.pop((req.client, req.client_id), None)
         if req.worker is None:
             self.requests.pop(req.key, None)  # on a worker it stays tracked until the worker is free
+        now = time.monotonic()
+        tokens = list(zip(req.delivered, range(len(req.delivered)), req.texts)) if req.stream else []
+        self.answered_recently[(req.client, req.client_id)] = Answered(tokens, msg_type, fields, now)
+        self.answered_recently.move_to_end((req.client, req.client_id))
+        while self.answered_recently and (len(self.answered_recently) > ANSWERED_KEEP
+                                          or next(iter(self.answered_recently.values())).at < now - ANSWERED_TTL_S):
+            self.answered_recently.popitem(last=False)
+        if not self.outcomes or self.outcomes[-1][0] != int(now):
+            self.outcomes.append([int(now), 0, {}])
+        bucket = self.outcomes[-1]
+        bucket[1] += 1
+        if fields.get("code") in SERVICE_FAULT_CODES:
+            bucket[2][fields["code"]] = bucket[2].get(fields["code"], 0) + 1
 
     def log_request(self, req: Request, outcome: str, worker: str | None, **extra: Any) -> None:
         now = time.monotonic()
@@ -579,6 +700,7 @@ class Broker:
                     "model": w.model,
                     "state": "leaving" if w.leaving else ("busy" if w.current else "idle"),
                     "current_op": current.op if current else None,
+                    "streamed": len(current.delivered) if current else 0,  # tokens its current request streamed
                     "handles": w.handles,
                     "max_handles": w.max_handles,
                     "plan_bytes": w.plan_bytes,
@@ -596,17 +718,48 @@ class Broker:
             "stopping": self.stopping,
             "frontend": self.frontend_endpoint,
             "backend": self.backend_endpoint,
+            "pid": os.getpid(),
+            "instance": self.instance,
+            "ready": self.readiness(now),
         }
 
-    def refresh_gauges(self) -> None:
+    def readiness(self, now: float) -> dict:
+        """Can the service serve now? `problems` names every reason it cannot (empty when ready)."""
+        while self.outcomes and self.outcomes[0][0] < now - self.ready_window_s:
+            self.outcomes.popleft()
         queued = len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values())
-        ready = sum(1 for w in self.workers.values() if not w.leaving)
-        self.metrics.queue_depth.set(queued)
-        self.metrics.ready_workers.set(ready)
+        ready_workers = sum(1 for w in self.workers.values() if not w.leaving)
+        faults: dict[str, int] = {}
+        for _, _, codes in self.outcomes:
+            for code, n in codes.items():
+                faults[code] = faults.get(code, 0) + n
+        finished = sum(bucket[1] for bucket in self.outcomes)
+        rate = sum(faults.values()) / finished if finished else 0.0
+        problems = []
+        if self.stopping:
+            problems.append("the broker is shutting down")
+        if ready_workers == 0:
+            problems.append("no ready workers")
+        if queued >= self.max_queue:
+            problems.append(f"the queue is full ({queued} of {self.max_queue} waiting)")
+        if finished >= READY_MIN_SAMPLES and rate >= self.ready_max_error_rate:
+            detail = ", ".join(f"{n} {code}" for code, n in sorted(faults.items()))
+            problems.append(f"{rate:.0%} of the last {finished} requests failed ({detail}) in the last "
+                            f"{self.ready_window_s:.0f}s; the limit is {self.ready_max_error_rate:.0%}")
+        return {"ready": not problems, "problems": problems, "ready_workers": ready_workers, "queue": queued,
+                "max_queue": self.max_queue, "error_rate": round(rate, 4), "finished": finished,
+                "window_s": self.ready_window_s}
+
+    def refresh_gauges(self) -> None:
+        now = time.monotonic()
+        readiness = self.readiness(now)
+        self.metrics.queue_depth.set(readiness["queue"])
+        self.metrics.ready_workers.set(readiness["ready_workers"])
         self.metrics.busy_workers.set(sum(1 for w in self.workers.values() if w.current))
         self.metrics.live_handles.set(sum(w.handles for w in self.workers.values()))
-        status = "stopping" if self.stopping else ("ok" if ready else "no_workers")
-        self.metrics.health = {"status": status, "ready_workers": ready, "queue": queued}
+        # Replaced whole (the HTTP thread reads it); `at` lets /healthz see a stalled loop.
+        self.metrics.health = {"at": now, "uptime_s": round(now - self.started, 3), "instance": self.instance,
+                               "readiness": readiness}
 
     def begin_shutdown(self) -> None:
         """Stop taking work: queued requests fail with "shutting_down", running ones may finish."""
@@ -623,7 +776,7 @@ class Broker:
         for req in list(self.requests.values()):
             if not req.answered:
                 if req.worker is not None:
-                    self.send_worker(req.worker, "cancel", id=req.key)
+                    self.send_worker(req.worker, "cancel", id=req.dispatch_id)
                 self.answer_error(req, Codes.SHUTTING_DOWN, "the broker shut down before the request finished")
         self.requests.clear()
         self.frontend.close(linger=1000)  # give the last replies a moment to leave

@@ -17,6 +17,14 @@ Every call has a timeout. The deadline is sent to the broker, which expires the 
 (and stops the decode on the worker); the client also stops waiting a little after it, in
 case the broker itself is unreachable. Failures raise a subclass of ServiceError chosen by
 the reply's error code.
+
+Losing the broker costs latency, not answers (the Lazy Pirate pattern of the ZeroMQ guide):
+the client notices a lost connection (the socket's disconnect event, or no answer to a probe
+after `heartbeat * liveness` seconds of silence), opens a fresh socket under the same
+identity and re-sends every request that has no final reply yet, under the same id and with
+the tokens it already received, so a restarted broker continues streams where they broke
+and a live one replays only what was lost. Token positions are checked on arrival, so a
+token is never handed out twice.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import asyncio
 import itertools
 import os
 import time
+from zmq.utils.monitor import recv_monitor_message
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
@@ -37,6 +46,9 @@ from broker.protocol import BROKER_TO_CLIENT, CLIENT_TO_BROKER, Codes, ProtocolE
 DEFAULT_TIMEOUT_S = 120.0
 # How long past the request deadline the client waits for the broker's own timeout reply.
 CLIENT_GRACE_S = 2.0
+# Lazy Pirate: probe a broker silent this long while requests are open; reconnect after LIVENESS silences.
+HEARTBEAT_S = 1.0
+LIVENESS = 3
 
 # ---------------------------------------------------------------------------- errors
 
@@ -181,12 +193,15 @@ def new_request_id() -> str:
     return f"{os.getpid():x}-{next(_ids)}"
 
 
-def build_request(op: str, params: dict, stream: bool, timeout: float, request_id: str | None) -> tuple[str, list[bytes]]:
-    """Validate locally (so a bad field raises InvalidRequest without a round trip) and encode."""
+def build_request(op: str, params: dict, stream: bool, timeout: float, request_id: str | None,
+                  received: list[int] | None = None) -> tuple[str, list[bytes]]:
+    """Validate locally (so a bad field raises InvalidRequest without a round trip) and encode.
+    `received` (a re-send): the tokens of this request already received."""
     request_id = request_id or new_request_id()
+    resend = {"received": received} if received is not None else {}
     try:
         frames = protocol.encode(
-            CLIENT_TO_BROKER, "request", id=request_id, op=op, params=params, stream=stream, timeout_s=timeout
+            CLIENT_TO_BROKER, "request", id=request_id, op=op, params=params, stream=stream, timeout_s=timeout, **resend
         )
     except ProtocolError as err:
         raise ERROR_CLASSES.get(err.code, InvalidRequest)(f"{err.code}: {err.message}", code=err.code) from None
@@ -197,15 +212,46 @@ def generate_params(prompt: str | list[int], config: dict) -> dict:
     return {"prompt": prompt, **{k: v for k, v in config.items() if v is not None or k in ("loops", "seed")}}
 
 
-def _connect(ctx: zmq.Context, endpoint: str, curve_dir: str | None) -> zmq.Socket:
+def _connect(ctx: zmq.Context, endpoint: str, curve_dir: str | None, identity: bytes) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER under `identity` (kept across reconnects: the broker knows a re-sent request by identity and
+    id) and a monitor socket that reports when its connection drops."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    sock.setsockopt(zmq.IDENTITY, identity)
     if curve_dir is not None:  # encrypted, authenticated connection (see broker/security.py)
         from broker.security import make_client
 
         make_client(sock, curve_dir)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)
-    return sock
+    return sock, monitor
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket, linger: int) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=linger)
+
+
+def new_identity() -> bytes:
+    return b"c-" + os.urandom(8).hex().encode()
+
+
+@dataclass
+class Outgoing:
+    """What a re-send needs of a request that has no final reply yet."""
+
+    op: str | None  # None: a status request
+    params: dict | None
+    stream: bool
+    deadline: float  # monotonic time the broker's deadline ends
+    received: list[int] = field(default_factory=list)  # streamed token ids received so far, in order
+
+    def frames(self, request_id: str, now: float) -> list[bytes]:
+        if self.op is None:
+            return protocol.encode(CLIENT_TO_BROKER, "status", id=request_id)
+        remaining = max(self.deadline - now, 0.001)
+        return build_request(self.op, self.params, self.stream, remaining, request_id, list(self.received))[1]
 
 
 # ---------------------------------------------------------------------------- sync client
@@ -219,14 +265,21 @@ class Client:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
-                 curve_dir: str | None = None, context: zmq.Context | None = None):
+                 curve_dir: str | None = None, context: zmq.Context | None = None, heartbeat: float = HEARTBEAT_S,
+                 liveness: int = LIVENESS):
         self.endpoint = endpoint
         self.timeout = timeout
         self.grace = grace
+        self.curve_dir = curve_dir
+        self.heartbeat = heartbeat
+        self.liveness = liveness
         self.ctx = context or zmq.Context.instance()
-        self.socket = _connect(self.ctx, endpoint, curve_dir)
+        self.identity = new_identity()
+        self.socket, self.monitor = _connect(self.ctx, endpoint, curve_dir, self.identity)
         self.inbox: dict[str, list[protocol.Message]] = {}  # request id -> messages not yet consumed
-        self.open: set[str] = set()  # request ids still waiting for their final reply
+        self.open: dict[str, Outgoing] = {}  # requests still waiting for their final reply
+        self.last_heard = self.last_probe = time.monotonic()
+        self.reconnects = 0  # connections lost and re-established (each re-sent every open request)
 
     def __enter__(self) -> "Client":
         return self
@@ -237,7 +290,7 @@ class Client:
     def close(self) -> None:
         for request_id in list(self.open):
             self.cancel_quietly(request_id)
-        self.socket.close(linger=100)
+        _close(self.socket, self.monitor, 100)
 
     # ---- high-level calls
 
@@ -246,8 +299,7 @@ class Client:
         timeout = timeout or self.timeout
         request_id, frames = build_request(op, params, stream, timeout, request_id)
         self._send(frames, timeout + self.grace)
-        self.open.add(request_id)
-        self.inbox.setdefault(request_id, [])
+        self._track(request_id, Outgoing(op, params, stream, time.monotonic() + timeout))
         return Pending(self, request_id, time.monotonic() + timeout + self.grace)
 
     def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
@@ -266,8 +318,7 @@ class Client:
     def status(self, timeout: float = 5.0) -> dict:
         request_id = new_request_id()
         self._send(protocol.encode(CLIENT_TO_BROKER, "status", id=request_id), timeout)
-        self.open.add(request_id)
-        self.inbox.setdefault(request_id, [])
+        self._track(request_id, Outgoing(None, None, False, time.monotonic() + timeout))
         msg = self._next(request_id, time.monotonic() + timeout)
         self._forget(request_id)
         if msg.type == "error":
@@ -290,28 +341,77 @@ class Client:
         except zmq.Again:
             raise RequestTimeout(f"cannot send to {self.endpoint}: no connection to the broker") from None
 
+    def _track(self, request_id: str, outgoing: Outgoing) -> None:
+        if not self.open:
+            self.last_heard = time.monotonic()  # silence while nothing was open says nothing about the broker
+        self.open[request_id] = outgoing
+        self.inbox.setdefault(request_id, [])
+
     def _next(self, request_id: str, deadline: float) -> protocol.Message:
         """The next message for request_id, receiving (and filing) others' messages meanwhile."""
         box = self.inbox[request_id]
+        poller = None
         while not box:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.socket.poll(int(remaining * 1000) + 1):
-                if time.monotonic() >= deadline:
-                    self._forget(request_id)
-                    self.cancel_quietly(request_id)
-                    raise RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id)
-                continue
-            self._file(self.socket.recv_multipart())
+            now = time.monotonic()
+            if now >= deadline:
+                self._forget(request_id)
+                self.cancel_quietly(request_id)
+                raise RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id)
+            if poller is None:  # (re)built after a reconnect replaced the sockets
+                poller = zmq.Poller()
+                poller.register(self.socket, zmq.POLLIN)
+                poller.register(self.monitor, zmq.POLLIN)
+            events = dict(poller.poll(int(min(deadline - now, self.heartbeat / 2) * 1000) + 1))
+            if self.socket in events:
+                self._file(self.socket.recv_multipart())
+            lost = self.monitor in events and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+            if self._check_broker(lost):
+                poller = None
         return box.pop(0)
 
+    def _check_broker(self, lost: bool) -> bool:
+        """Lazy Pirate: probe a silent broker; on a lost connection reconnect and re-send. True if reconnected."""
+        now = time.monotonic()
+        silent = now - self.last_heard
+        if lost or silent > self.heartbeat * self.liveness:
+            self._reconnect("the connection dropped" if lost else f"no answer for {silent:.1f}s")
+            return True
+        if silent > self.heartbeat and now - self.last_probe > self.heartbeat:
+            self.last_probe = now  # any reply proves the broker alive; a status request is the cheapest
+            try:
+                self.socket.send_multipart(protocol.encode(CLIENT_TO_BROKER, "status", id="probe"), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        return False
+
+    def _reconnect(self, why: str) -> None:
+        _close(self.socket, self.monitor, 0)
+        self.socket, self.monitor = _connect(self.ctx, self.endpoint, self.curve_dir, self.identity)
+        self.reconnects += 1
+        self.last_heard = self.last_probe = now = time.monotonic()
+        for request_id, outgoing in self.open.items():
+            try:  # queued until the connection is up; the broker attaches it to what it still knows
+                self.socket.send_multipart(outgoing.frames(request_id, now), zmq.NOBLOCK)
+            except zmq.Again:
+                break  # no room: the next reconnect tries again
+
     def _file(self, frames: list[bytes]) -> None:
+        self.last_heard = time.monotonic()
         try:
             msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
         except ProtocolError:
             return  # nothing sensible to do with a garbled reply; the request will time out
         request_id = msg.get("id")
-        if request_id in self.inbox:
-            self.inbox[request_id].append(msg)
+        outgoing = self.open.get(request_id)
+        if outgoing is None or request_id not in self.inbox:
+            return  # not ours, or its final reply is already here (a replay after a reconnect)
+        if msg.type == "token":
+            if msg["pos"] != len(outgoing.received):
+                return  # replayed after a reconnect and already here: never hand a token out twice
+            outgoing.received.append(msg["token"])
+        else:
+            del self.open[request_id]  # final: nothing left to re-send
+        self.inbox[request_id].append(msg)
 
     def cancel_quietly(self, request_id: str) -> None:
         try:
@@ -320,7 +420,7 @@ class Client:
             pass
 
     def _forget(self, request_id: str) -> None:
-        self.open.discard(request_id)
+        self.open.pop(request_id, None)
         self.inbox.pop(request_id, None)
 
 
@@ -401,14 +501,22 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
-                 curve_dir: str | None = None, context: zmq.asyncio.Context | None = None):
+                 curve_dir: str | None = None, context: zmq.asyncio.Context | None = None,
+                 heartbeat: float = HEARTBEAT_S, liveness: int = LIVENESS):
         self.endpoint = endpoint
         self.timeout = timeout
         self.grace = grace
+        self.curve_dir = curve_dir
+        self.heartbeat = heartbeat
+        self.liveness = liveness
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.socket = _connect(self.ctx, endpoint, curve_dir)
+        self.identity = new_identity()
+        self.socket, self.monitor = _connect(self.ctx, endpoint, curve_dir, self.identity)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.open: dict[str, Outgoing] = {}  # requests still waiting for their final reply (re-sent on reconnect)
         self.reader: asyncio.Task | None = None
+        self.last_heard = self.last_probe = time.monotonic()
+        self.reconnects = 0
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -417,7 +525,7 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        for request_id in list(self.queues):
+        for request_id in list(self.open):
             try:
                 await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), 0.1)
             except RequestTimeout:
@@ -428,7 +536,7 @@ class AsyncClient:
                 await self.reader
             except asyncio.CancelledError:
                 pass
-        self.socket.close(linger=100)
+        _close(self.socket, self.monitor, 100)
 
     async def _send(self, frames: list[bytes], timeout: float) -> None:
         # Without a connection a DEALER send waits forever; bound it (see Client._send).
@@ -442,15 +550,65 @@ class AsyncClient:
             self.reader = asyncio.get_running_loop().create_task(self._read_forever())
 
     async def _read_forever(self) -> None:
+        """Route replies to their requests; while requests are open, watch the broker (see Client._check_broker)."""
+        poller, polled = None, None
         while True:
-            frames = await self.socket.recv_multipart()
+            if polled is not self.socket:  # (re)built after a reconnect replaced the sockets
+                poller, polled = zmq.asyncio.Poller(), self.socket
+                poller.register(self.socket, zmq.POLLIN)
+                poller.register(self.monitor, zmq.POLLIN)
+            events = dict(await poller.poll(int(self.heartbeat * 500)))
+            if self.socket in events:
+                for _ in range(256):
+                    try:
+                        self._file(await self.socket.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            lost = False
+            if self.monitor in events:
+                lost = (await recv_monitor_message(self.monitor))["event"] == zmq.EVENT_DISCONNECTED
+            if self.open:
+                self._check_broker(lost)
+            else:
+                self.last_heard = time.monotonic()  # silence while nothing is open says nothing
+
+    def _check_broker(self, lost: bool) -> None:
+        now = time.monotonic()
+        silent = now - self.last_heard
+        if lost or silent > self.heartbeat * self.liveness:
+            _close(self.socket, self.monitor, 0)
+            self.socket, self.monitor = _connect(self.ctx, self.endpoint, self.curve_dir, self.identity)
+            self.reconnects += 1
+            self.last_heard = self.last_probe = now
+            for request_id, outgoing in self.open.items():
+                try:  # queued until the connection is up (a fresh socket has room)
+                    self.socket.send_multipart(outgoing.frames(request_id, now), zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+        elif silent > self.heartbeat and now - self.last_probe > self.heartbeat:
+            self.last_probe = now
             try:
-                msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
-            except ProtocolError:
-                continue
-            queue = self.queues.get(msg.get("id"))
-            if queue is not None:
-                queue.put_nowait(msg)
+                self.socket.send_multipart(protocol.encode(CLIENT_TO_BROKER, "status", id="probe"), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
+    def _file(self, frames: list[bytes]) -> None:
+        self.last_heard = time.monotonic()
+        try:
+            msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
+        except ProtocolError:
+            return
+        request_id = msg.get("id")
+        outgoing, queue = self.open.get(request_id), self.queues.get(request_id)
+        if outgoing is None or queue is None:
+            return  # not ours, or its final reply is already here (a replay after a reconnect)
+        if msg.type == "token":
+            if msg["pos"] != len(outgoing.received):
+                return  # already delivered: never hand a token out twice
+            outgoing.received.append(msg["token"])
+        else:
+            del self.open[request_id]
+        queue.put_nowait(msg)
 
     async def _messages(self, op: str | None, params: dict | None, stream: bool, timeout: float | None,
                         msg_type: str = "request") -> AsyncIterator[protocol.Message]:
@@ -463,6 +621,9 @@ class AsyncClient:
             frames = protocol.encode(CLIENT_TO_BROKER, msg_type, id=request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
+        if not self.open:
+            self.last_heard = time.monotonic()
+        self.open[request_id] = Outgoing(op if msg_type == "request" else None, params, stream, time.monotonic() + timeout)
         self._ensure_reader()
         deadline = asyncio.get_running_loop().time() + timeout + self.grace
         finished = sent = False
@@ -481,6 +642,7 @@ class AsyncClient:
                     return
         finally:
             self.queues.pop(request_id, None)
+            self.open.pop(request_id, None)
             if sent and not finished and msg_type == "request":
                 # Cancelled task, timeout or abandoned stream: stop the work on the service.
                 try:

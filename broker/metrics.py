@@ -4,7 +4,12 @@ The broker loop is single-threaded; it updates these metrics and a small health 
 A daemon thread serves them over HTTP:
 
     GET /metrics  -> Prometheus text format
-    GET /healthz  -> 200 {"status": "ok", ...} when at least one worker is ready, else 503
+    GET /healthz  -> liveness: 200 {"status": "ok", ...} while the broker loop runs, 503 when it stalled
+    GET /readyz   -> readiness: 200 when the service can serve now (a ready worker, room in the queue,
+                     recent error rate below its limit), else 503; the body names every problem
+
+Liveness says nothing about workers on purpose: an orchestrator restarts a broker that fails it,
+and restarting the broker cannot bring workers back. Readiness is what a load balancer routes by.
 
 Each broker gets its own CollectorRegistry so several brokers can live in one process (tests).
 """
@@ -13,10 +18,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# The broker loop ticks at least every 50 ms; silence this long means it is stuck.
+STALLED_AFTER_S = 5.0
 # Buckets in seconds: from sub-millisecond broker round trips to minute-long CPU generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -52,10 +60,22 @@ class BrokerMetrics:
             "tinyloop_queue_wait_seconds", "Arrival at the broker to dispatch to a worker", buckets=LATENCY_BUCKETS, registry=r
         )
         # Written by the broker loop, read by the HTTP thread; replaced whole, so no lock is needed.
-        self.health: dict = {"status": "starting", "ready_workers": 0, "queue": 0}
+        self.health: dict = {"at": time.monotonic(), "uptime_s": 0.0, "instance": None,
+                             "readiness": {"ready": False, "problems": ["the broker is starting"]}}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def probe(health: dict, readiness: bool) -> tuple[int, dict]:
+    """HTTP status and JSON body of /healthz (readiness False) or /readyz from the broker's snapshot."""
+    age = time.monotonic() - health["at"]
+    if age > STALLED_AFTER_S:
+        return 503, {"status": "stalled", "problems": [f"the broker loop has not run for {age:.1f}s"]}
+    if not readiness:
+        return 200, {"status": "ok", "uptime_s": health["uptime_s"], "instance": health["instance"]}
+    ready = health["readiness"]
+    return (200 if ready["ready"] else 503), {"status": "ready" if ready["ready"] else "not_ready", **ready}
 
 
 def serve_http(metrics: BrokerMetrics, host: str, port: int) -> ThreadingHTTPServer:
@@ -65,10 +85,9 @@ def serve_http(metrics: BrokerMetrics, host: str, port: int) -> ThreadingHTTPSer
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
             if self.path == "/metrics":
                 body, status, ctype = metrics.render(), 200, CONTENT_TYPE_LATEST
-            elif self.path in ("/healthz", "/health"):
-                health = metrics.health
-                status = 200 if health.get("status") == "ok" else 503
-                body, ctype = json.dumps(health).encode(), "application/json"
+            elif self.path in ("/healthz", "/health", "/readyz"):
+                status, answer = probe(metrics.health, self.path == "/readyz")
+                body, ctype = json.dumps(answer).encode(), "application/json"
             else:
                 body, status, ctype = b"not found\n", 404, "text/plain"
             self.send_response(status)

@@ -218,6 +218,9 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "params": Field(plain_map(64)),
             "stream": Field(boolean, required=False, default=False),
             "timeout_s": Field(optional(number_in(0.0, MAX_TIMEOUT_S, lo_open=True)), required=False),
+            # Lazy Pirate re-send (the client lost its broker connection): the token ids of this request the
+            # client already holds. Present (even empty) marks a re-send, which is never run twice.
+            "received": Field(token_list(1 << 16), required=False),
         },
         # Stop a request: queued ones end with error "cancelled", running ones stop decoding
         # and end with "done" (stop_reason "cancelled").
@@ -264,6 +267,8 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "params": Field(plain_map(64)),
             "stream": Field(boolean),
             "timeout_s": Field(optional(number_in(0.0, MAX_TIMEOUT_S))),
+            # A continuation: these tokens were already delivered to the client; generate what follows them.
+            "delivered": Field(token_list(1 << 16), required=False),
         },
         "cancel": {"id": REQUEST_ID},
         "heartbeat": {},

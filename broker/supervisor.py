@@ -6,6 +6,9 @@
 * A worker that dies (crash, OOM killer, SIGKILL) is restarted; one that exits because
   it was refused (over budget, broker limits, unloadable model) is not, since it would
   only be refused again.
+* A broker that dies is restarted on the same endpoints (at most MAX_RESTARTS_IN_WINDOW
+  times a minute, like workers). Workers reconnect and re-register by themselves; clients
+  re-send what had no final reply (broker/client.py), so a broker restart costs latency.
 * Ctrl-C or SIGTERM stops the broker first, which lets in-flight requests finish (or
   answers them with an error), then the workers.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +49,8 @@ class Supervisor:
         self.broker: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, list[float]] = {}
+        self.broker_restarts = 0
+        self.state_dir: Path | None = None  # the broker's ready file lives here
         self.stopping = False
 
     def log_path(self, name: str) -> Path | None:
@@ -83,7 +89,10 @@ class Supervisor:
     # ------------------------------------------------------------------ processes
 
     def start_broker(self, timeout: float = 30.0) -> dict:
-        ready_file = Path(tempfile.mkdtemp(prefix="tinyloop-serve-")) / "broker.json"
+        if self.state_dir is None:
+            self.state_dir = Path(tempfile.mkdtemp(prefix="tinyloop-serve-"))
+        ready_file = self.state_dir / "broker.json"
+        ready_file.unlink(missing_ok=True)  # a restart must not read the previous broker's file
         self.broker = launcher.spawn(
             ["broker", "--frontend", self.frontend, "--backend", self.backend, "--ready-file", str(ready_file),
              "--log-level", self.log_level, *self.broker_args],
@@ -131,9 +140,18 @@ class Supervisor:
     def supervise(self) -> int:
         while not self.stopping:
             time.sleep(0.2)
-            if self.broker.poll() is not None:
-                self.say(f"the broker exited with code {self.broker.returncode}; stopping")
-                return 1
+            if self.broker.poll() is not None and not self.stopping:
+                code = self.broker.returncode
+                if not self.restart_allowed("broker"):
+                    self.say(f"the broker keeps dying ({MAX_RESTARTS_IN_WINDOW} restarts in {RESTART_WINDOW_S:.0f}s); stopping")
+                    return 1
+                self.say(f"the broker (pid {self.broker.pid}) died with code {code}; restarting it on the same endpoints")
+                try:
+                    self.start_broker()
+                except (RuntimeError, TimeoutError) as exc:
+                    self.say(f"the broker could not be restarted: {exc}; stopping")
+                    return 1
+                self.broker_restarts += 1
             for name, proc in list(self.workers.items()):
                 if proc.poll() is None or self.stopping:
                     continue
@@ -166,4 +184,6 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         for proc in self.workers.values():
             launcher.stop(proc, timeout=15.0)
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         self.say("stopped")

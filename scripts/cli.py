@@ -20,6 +20,7 @@ def fail(err: Exception) -> None:
 @click.argument("prompt")
 @click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
 @click.option("--max-tokens", default=64, show_default=True)
+@click.option("--max-seq-len", default=2048, show_default=True, help="Longest sequence (prompt + output) to allocate for.")
 @click.option("--loops", type=int, default=None, help="Loop count (default: the model's).")
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
@@ -34,13 +35,17 @@ def fail(err: Exception) -> None:
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode: draft loops, verify loops, draft-ahead tokens, tree width (e.g. 2:8:4).")
-def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-             cache_mode, cache_window, early_exit, beam_size, grammar, speculative) -> None:
-    """Generate a continuation of PROMPT, streamed, then print the stats line."""
+def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, top_k, top_p, repetition_penalty, seed,
+             stop, cache_mode, cache_window, early_exit, beam_size, grammar, speculative) -> None:
+    """Generate a continuation of PROMPT, streamed, then print the stats line.
+
+    stdout carries the prompt and the answer only; the stats line and errors go to stderr. Everything
+    that can be checked before decoding is checked first, so an error never lands after the prompt."""
     import tinyloop
 
+    printed = None  # text on stdout so far; None until the prompt is printed (at the first token)
     try:
-        model = tinyloop.load_model(model_path, cache_mode=cache_mode)
+        model = tinyloop.load_model(model_path, max_seq_len, cache_mode=cache_mode)
         cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
                                       stop_sequences=list(stop), beam_size=beam_size, grammar=grammar)
@@ -48,29 +53,49 @@ def generate(prompt, model_path, max_tokens, loops, temperature, top_k, top_p, r
             cfg.cache_window = cache_window
         if early_exit is not None:
             cfg.early_exit_threshold = early_exit
-        click.echo(prompt, nl=False)
-        printed = ""
+        cfg.validate(model)
+        prompt_len = len(model.encode_prompt(prompt))
+        if prompt_len + max_tokens > max_seq_len:  # worded for the command line, which has no load_model call
+            raise tinyloop.ConfigError(f"the prompt ({prompt_len} tokens) + --max-tokens {max_tokens} exceeds "
+                                       f"--max-seq-len {max_seq_len}; raise --max-seq-len or lower --max-tokens")
+        sc = None
+        if speculative:
+            from tinyloop.speculative import parse_speculative
+
+            sc = parse_speculative(speculative, "--speculative")
         tokens: list[int] = []
 
         def on_token(token: int, index: int) -> bool:
             nonlocal printed
+            if printed is None:
+                click.echo(prompt, nl=False)
+                printed = ""
             tokens.append(token)
             text = model.codec.decode(tokens)
             click.echo(text[len(printed):], nl=False)
             printed = text
             return True
 
-        if speculative:
-            from tinyloop.speculative import parse_speculative
-
-            sc = parse_speculative(speculative, "--speculative")
+        if sc is not None:
             result = tinyloop.generate_speculative(model, prompt, sc, cfg, on_token=on_token)
         else:
             result = tinyloop.generate_stream(model, prompt, cfg, on_token)
-        click.echo(result.text[len(printed):])
-        click.echo(result.stats.line(), err=True)
+        click.echo((prompt if printed is None else "") + result.text[len(printed or ""):])
+        click.echo(result.stats.line() + speculative_line(result.stats), err=True)
     except tinyloop.TinyLoopError as e:
+        if printed is not None:
+            click.echo()  # end the partial answer's line: the error gets a line of its own on stderr
         fail(e)
+
+
+def speculative_line(stats: object) -> str:
+    """What speculation did, for the stats line (empty for plain decode)."""
+    drafted = getattr(stats, "drafted", None)
+    if drafted is None:
+        return ""
+    rate = stats.accepted / drafted if drafted else 0.0
+    return (f" [speculative: {stats.accepted}/{drafted} drafted tokens accepted ({rate:.0%}), "
+            f"{stats.tokens_per_verify:.2f} tokens per verify step]")
 
 
 @main.command()

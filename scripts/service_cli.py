@@ -87,15 +87,21 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @click.option("--max-worker-memory", default=None, callback=byte_size,
               help="Refuse workers whose announced memory plan exceeds this, e.g. 4GiB.")
 @click.option("--max-handles-limit", type=int, default=None, help="Refuse workers whose handle cap exceeds this.")
+@click.option("--max-attempts", default=3, show_default=True,
+              help="Workers a request may lose (each loss re-queues or continues it) before it fails with worker_lost.")
 @click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port (0: any free port).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--ready-file", default=None, help="Write the bound endpoints here as JSON once listening.")
+@click.option("--ready-max-error-rate", default=0.5, show_default=True,
+              help="/readyz fails while this share of recent requests failed on the service's side.")
+@click.option("--ready-window", default=60.0, show_default=True, help="Seconds of requests the error rate looks at.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--log-level", default="info", show_default=True)
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
-                   max_worker_memory, max_handles_limit, metrics_port, metrics_host, ready_file, curve_dir,
-                   log_level) -> None:
+                   max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
+                   ready_max_error_rate,
+                   ready_window, curve_dir, log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     from broker.broker import Broker
     from broker.metrics import serve_http
@@ -104,6 +110,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
     broker = Broker(frontend, backend, max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                     default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
                     max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
+                    max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate, ready_window_s=ready_window,
                     curve_dir=curve_dir)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
@@ -151,7 +158,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True)
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True)
 @click.option("--max-queue", default=64, show_default=True)
-@click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port.")
+@click.option("--metrics-port", type=int, default=None, help="Serve /metrics, /healthz and /readyz on this port.")
+@click.option("--max-attempts", default=3, show_default=True, help="Workers a request may lose before it fails.")
 @worker_options
 @click.option("--device-budget", default=None, callback=byte_size,
               help="Memory all workers on the device may use together (default: free VRAM on CUDA, available RAM on CPU).")
@@ -163,7 +171,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--http-host", default="127.0.0.1", show_default=True)
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget, max_attempts,
                   skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
@@ -177,7 +185,8 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
                         heartbeat_interval, threads, curve_dir)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
-                            broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval)]
+                            broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
+                                         "--max-attempts", str(max_attempts)]
                             + (["--metrics-port", str(metrics_port)] if metrics_port is not None else [])
                             + (["--curve-dir", curve_dir] if curve_dir else []),
                             curve_dir=curve_dir,
@@ -200,6 +209,20 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
 # ------------------------------------------------------------------------------------ submit / status
 
 
+def parse_speculative_option(value: str | None) -> dict:
+    """--speculative D:V:A[:W] -> the speculative op's params (parsed here: `submit` never imports torch)."""
+    if value is None:
+        return {}
+    try:
+        nums = [int(x) for x in value.split(":")]
+    except ValueError:
+        nums = []
+    if len(nums) not in (3, 4) or min(nums) < 1:
+        raise click.BadParameter(f"{value!r} must be draft:verify:ahead[:width] with positive integers, e.g. 2:8:4",
+                                 param_hint="--speculative")
+    return dict(zip(("draft_loops", "verify_loops", "draft_ahead", "tree_width"), nums))
+
+
 @click.command("submit")
 @click.argument("prompt")
 @click.option("--connect", default=DEFAULT_FRONTEND, show_default=True, help="The broker's frontend endpoint.")
@@ -210,45 +233,86 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=None, help="CTRL-style penalty for repeated tokens (1 = off).")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
+@click.option("--beam-size", type=int, default=None, help="Beam search width (greedy only).")
+@click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
+@click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+@click.option("--speculative", default=None, metavar="D:V:A[:W]",
+              help="Self-speculative decode (op speculative): draft loops, verify loops, draft-ahead, tree width.")
 @click.option("--timeout", default=120.0, show_default=True, help="Request deadline in seconds.")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole answer instead of streaming tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final reply as JSON.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
-def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, seed, stop, timeout,
-                   no_stream, as_json, curve_dir) -> None:
-    """Send one request to a running service and stream the answer."""
-    from broker.client import Client, ServiceError
+def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
+                   grammar, beam_size, cache_window, early_exit, speculative, timeout, no_stream, as_json,
+                   curve_dir) -> None:
+    """Send one request to a running service and stream the answer.
 
-    config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
+    prints nothing there); the stats line and errors go to stderr."""
+    from broker.client import Client, ServiceError, build_request, generate_params
+
+    config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
+                  cache_window=cache_window, early_exit_threshold=early_exit)
+    config = {k: v for k, v in config.items() if v is not None}
     if stop:
         config["stop_sequences"] = list(stop)
-    if loops is None:
-        config.pop("loops")
+    spec = parse_speculative_option(speculative)
+    if spec:
+        if op not in ("generate", "speculative"):
+            raise click.BadParameter("--speculative runs the speculative op; it cannot go with --op " + op,
+                                     param_hint="--speculative")
+        op = "speculative"
+    params = {**generate_params(prompt, config), **spec}
+    printed = False
     try:
+        build_request(op, params, not (no_stream or as_json), timeout, None)  # schema errors before any output
         with Client(connect, timeout=timeout, curve_dir=curve_dir) as client:
             if no_stream or as_json:
-                reply = client.submit(op, {"prompt": prompt, **config}, timeout=timeout).result()
+                reply = client.submit(op, params, timeout=timeout).result()
                 if as_json:
                     click.echo(json.dumps(reply.result))
                     return
                 click.echo(prompt + reply.text)
             else:
-                click.echo(prompt, nl=False)
-                with client.stream(prompt, op=op, timeout=timeout, **config) as pending:
+                with client.submit(op, params, stream=True, timeout=timeout) as pending:
                     for event in pending:
+                        if not printed:
+                            click.echo(prompt, nl=False)
+                            printed = True
                         click.echo(event.text, nl=False)
                 reply = pending.result()
-                click.echo()
-            stats = reply.stats
-            click.echo(f"[worker {reply.worker}: {stats.get('generated_tokens')} tokens, stop={stats.get('stop_reason')}, "
-                       f"prefill {stats.get('prefill_ms', 0):.1f} ms, first token {stats.get('first_token_ms', 0):.1f} ms, "
-                       f"decode {stats.get('decode_ms', 0):.1f} ms, loops {stats.get('loops_mean', 0):.2f}]", err=True)
+                click.echo(("" if printed else prompt + reply.text))
+                printed = False
+            click.echo(stats_line(reply), err=True)
     except ServiceError as exc:
-        click.echo(f"error: {exc}", err=True)
+        if printed:
+            click.echo()  # end the partial answer's line; the error gets its own line on stderr
+        hint = ""
+        if exc.code == "config_error" and "max_seq_len" in str(exc):  # the runtime's wording names load_model
+            hint = " (for the service: lower --max-tokens, or start `tinyloop serve` with a larger --max-seq-len)"
+        click.echo(f"error: {exc}{hint}", err=True)
         sys.exit(1)
+
+
+def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, imported lazily (no zmq at import)
+    """The stats line `submit` prints on stderr."""
+    stats = reply.stats
+    line = (f"[worker {reply.worker}: {stats.get('generated_tokens')} tokens, stop={stats.get('stop_reason')}, "
+            f"prefill {stats.get('prefill_ms') or 0:.1f} ms, first token {stats.get('first_token_ms') or 0:.1f} ms, "
+            f"decode {stats.get('decode_ms') or 0:.1f} ms, loops {stats.get('loops_mean') or 0:.2f}")
+    if stats.get("drafted") is not None:
+        drafted, accepted = stats["drafted"], stats.get("accepted") or 0
+        line += (f", speculative {accepted}/{drafted} drafted tokens accepted ({accepted / drafted if drafted else 0:.0%}), "
+                 f"{stats.get('tokens_per_verify') or 0:.2f} tokens per verify step")
+    if stats.get("continued_after"):
+        line += f", continued after {stats['continued_after']} tokens on another worker"
+    return line + "]"
 
 
 @click.command("status")
@@ -273,6 +337,12 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
     click.echo(f"broker {status['frontend']} up {status['uptime_s']:.0f}s: {len(status['workers'])} worker(s), "
                f"queue {status['queue']}/{status['max_queue']}, in flight {status['in_flight']}"
                + (" (stopping)" if status["stopping"] else ""))
+    ready = status.get("ready") or {}
+    if ready.get("ready"):
+        click.echo(f"ready: yes (error rate {ready['error_rate']:.0%} of {ready['finished']} requests in the last "
+                   f"{ready['window_s']:.0f}s)")
+    elif ready:
+        click.echo("ready: NO: " + "; ".join(ready["problems"]))
     click.echo(f"  {'name':<16} {'pid':>7} {'device':<8} {'state':<8} {'handles':>9} {'plan MiB':>9} {'served':>7}")
     for w in status["workers"]:
         click.echo(f"  {w['name']:<16} {w['pid']:>7} {w['device']:<8} {w['state']:<8} "
@@ -288,13 +358,16 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="closed: fixed concurrency; open: Poisson arrivals at --rate.")
 @click.option("--concurrency", default=4, show_default=True)
 @click.option("--rate", default=2.0, show_default=True, help="Requests per second (open loop).")
-@click.option("--requests", "n_requests", default=32, show_default=True)
+@click.option("--requests", "n_requests", type=int, default=None, help="Requests to send [default: 32; --soak: 10000].")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable; default: a few code snippets).")
 @click.option("--max-tokens", default=16, show_default=True)
 @click.option("--op", default="generate", show_default=True, type=click.Choice(["generate", "generate_pool", "ping"]))
 @click.option("--timeout", default=120.0, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seed of the arrival process.")
 @click.option("--json", "json_path", default=None, help="Write the results here as JSON.")
+@click.option("--soak", is_flag=True,
+              help="Start a service itself and print the broker's and workers' memory every 1,000 requests, "
+                   "with the growth per 1,000 requests (leak check).")
 @click.option("--side-by-side", is_flag=True,
               help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
 @click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
@@ -303,15 +376,20 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     side_by_side, model_path, threads, curve_dir) -> None:
-    """Load a running service (or, with --side-by-side, services it starts) and report latency and throughput."""
+                     soak, side_by_side, model_path, threads, curve_dir) -> None:
+    """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     from broker import loadtest
 
-    if side_by_side:
-        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests, max_tokens=max_tokens,
+    if soak:
+        total = n_requests or 10_000
+        results = loadtest.soak(n_requests=total, every=max(1, min(1000, total // 4)), max_tokens=max_tokens,
+                                concurrency=concurrency,
+                                model_path=model_path, threads=threads, echo=click.echo)
+    elif side_by_side:
+        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
                                         concurrency=concurrency, threads=threads, echo=click.echo)
     else:
-        results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests,
+        results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests or 32,
                                     prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
                                     seed=seed, progress=True, curve_dir=curve_dir)
         click.echo(loadtest.format_summary(results))

@@ -61,7 +61,10 @@ class EchoEngine:
     def live_handles(self):
         return len(self.handles)
 
-    def run(self, op, params, on_token, should_stop):
+    def run(self, op, params, on_token, should_stop, delivered=None):
+        # delivered: a continuation (the previous worker died mid-stream); echo from where it broke.
+        if delivered and params.get("beam_size", 1) > 1:
+            raise EngineError(Codes.WORKER_LOST, "echo: a beam stream cannot be continued")
         if op == "build_handle":
             return {"handle": self.handles.add(params["prompt"])}
         if op == "release_handle":
@@ -77,6 +80,9 @@ class EchoEngine:
             raise EngineError(Codes.MODE_ERROR, "temperature > 50 is rejected by the echo engine")
         tokens, stop = [], "max_tokens"
         for pos, ch in enumerate(prompt[: params.get("max_tokens", 64)]):
+            if pos < len(delivered or []):
+                tokens.append(ord(ch))
+                continue
             time.sleep(delay)
             if should_stop():
                 stop = "cancelled"
@@ -270,15 +276,18 @@ def test_cancel_queued_and_running(service):
 
 
 def test_exactly_one_reply_when_worker_killed(service):
-    """SIGKILL a worker mid-load: unstreamed requests retry elsewhere, streamed ones fail; none twice."""
+    """SIGKILL a worker mid-load: unstreamed requests retry elsewhere, streamed ones continue elsewhere
+    from the tokens already delivered; none answered twice, no token seen twice."""
     victim = service.start_worker("w1", delay=0.05)
     service.start_worker("w2", delay=0.05)
     with service.client() as client:
         streamed = [client.submit("generate", {"prompt": "s" * 30}, stream=True) for _ in range(2)]
+        beams = [client.submit("generate", {"prompt": "b" * 30, "beam_size": 2}, stream=True) for _ in range(2)]
         plain = [client.submit("generate", {"prompt": "p" * 6}) for _ in range(6)]
         time.sleep(0.4)  # both workers busy, the rest queued
         victim.kill()
-        everything = streamed + plain
+        everything = streamed + beams + plain
+        tokens = {p.id: [(e.pos, e.token) for e in p] for p in streamed}
         outcomes = final_replies(client, everything)
         # Anything else arriving later would be a duplicate: there must be nothing left.
         assert not client.socket.poll(500)
@@ -286,8 +295,14 @@ def test_exactly_one_reply_when_worker_killed(service):
     for p in plain:
         kind, value = outcomes[p.id]
         assert kind == "done" and value.text == "p" * 6, value  # retried if it was on w1
-    lost = [outcomes[p.id] for p in streamed if outcomes[p.id][0] == "error"]
-    assert len(lost) == 1 and isinstance(lost[0][1], WorkerLost)
+    for p in streamed:  # continued on w2 if it was on w1: every token once, in order
+        kind, value = outcomes[p.id]
+        assert kind == "done" and value.text == "s" * 30, value
+        assert tokens[p.id] == [(i, ord("s")) for i in range(30)]
+    # A beam stream cannot be continued: if one was hit after streaming, it is the only kind of loss.
+    for p in beams:
+        kind, value = outcomes[p.id]
+        assert (kind == "done" and value.text == "b" * 30) or (kind == "error" and isinstance(value, WorkerLost)), value
     workers = service.wait_workers(lambda ws: [w["name"] for w in ws] == ["w2"])
     assert workers[0]["state"] == "idle"
 
@@ -473,12 +488,15 @@ def test_metrics_health_and_request_log(service):
     svc.start_broker()
     try:
         url = svc.info["metrics"]
+        # Liveness: the broker runs, workers or not. Readiness: no workers yet, and it says so.
+        assert json.loads(urllib.request.urlopen(url + "/healthz", timeout=5).read())["status"] == "ok"
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(url + "/healthz", timeout=5)
-        assert err.value.code == 503  # no workers yet
+            urllib.request.urlopen(url + "/readyz", timeout=5)
+        assert err.value.code == 503
+        assert json.loads(err.value.read())["problems"] == ["no ready workers"]
         svc.start_worker("w1")
-        health = json.loads(urllib.request.urlopen(url + "/healthz", timeout=5).read())
-        assert health == {"status": "ok", "ready_workers": 1, "queue": 0}
+        ready = json.loads(urllib.request.urlopen(url + "/readyz", timeout=5).read())
+        assert ready["status"] == "ready" and ready["ready_workers"] == 1 and ready["queue"] == 0
         with svc.client() as client:
             client.generate("metrics")
             with pytest.raises(InvalidRequest):

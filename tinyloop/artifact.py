@@ -65,13 +65,20 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
 def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tensor]]:
     """Validate a .tinyloop file completely and return its metadata and tensors; ArtifactError on any fault."""
     path = Path(path)
+    expected = "expected a .tinyloop model file (a safetensors file with TinyLoop metadata)"
+    if path.is_dir():
+        raise ArtifactError(f"{path}: is a directory; {expected}")
     if not path.is_file():
-        raise ArtifactError(f"{path}: no such artifact file")
+        raise ArtifactError(f"{path}: no such artifact file; {expected}")
     size = path.stat().st_size
-    if size < 8:
-        raise ArtifactError(f"{path}: truncated ({size} bytes; not even a safetensors header length)")
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
+        head = f.read(9)
+    if size < 9:
+        raise ArtifactError(f"{path}: truncated ({size} bytes; not even a safetensors header); {expected}")
+    if head[8:9] != b"{":  # a safetensors file is an 8-byte length, then a JSON header
+        raise ArtifactError(f"{path}: not a readable safetensors file (no safetensors header at its start), "
+                            f"so not a TinyLoop model; {expected}")
+    (header_len,) = struct.unpack("<Q", head[:8])
     if 8 + header_len > size:
         raise ArtifactError(f"{path}: truncated (header claims {header_len} bytes, file has {size})")
     try:

@@ -16,6 +16,7 @@ grammar allows nothing but EOS next (`must_end`), so decode never spends a forwa
 from __future__ import annotations
 
 import json
+import re
 import weakref
 
 import torch
@@ -80,7 +81,14 @@ def compile_grammar(codec, vocab_size: int, grammar) -> xgr.CompiledGrammar:
     except ConfigError:
         raise
     except Exception as exc:  # xgrammar reports bad input as RuntimeError / ValueError subclasses
-        raise ConfigError(f"GenerateConfig.grammar: invalid {kind}: {str(exc).strip().splitlines()[0][:300]}") from None
+        raise ConfigError(f"GenerateConfig.grammar: invalid {kind}: {library_message(exc)}") from None
+
+
+def library_message(exc: Exception) -> str:
+    """xgrammar's message without its log prefix ("[03:52:51] /project/cpp/regex_converter.cc:94: "): the
+    user's grammar error only, not the library's source paths."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^(\[[0-9:.]+\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)+", "", first)[:300]
 
 
 # xgrammar 0.2.9 lowers a string with minLength/maxLength to a bare class that admits raw control characters
@@ -108,6 +116,13 @@ class GrammarState:
 
     @classmethod
     def for_model(cls, model, grammar) -> "GrammarState":
+        from .continuation import GrammarPrefix
+
+        if isinstance(grammar, GrammarPrefix):  # a continuation: start after the tokens already delivered
+            state = cls.for_model(model, grammar.grammar)
+            for token in grammar.tokens:
+                state.accept(token)
+            return state
         return cls(compile_grammar(model.codec, model.cfg.vocab_size, grammar), model.cfg.vocab_size, model.eos_id)
 
     def fork(self) -> "GrammarState":

@@ -129,9 +129,12 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     cache_mode = cache_mode or env_choice("TINYLOOP_CACHE_MODE", CACHE_MODES, "fp16")
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"cache_mode {cache_mode!r} not one of {CACHE_MODES}")
-    device = torch.device(device) if device is not None else default_device()
+    device = check_device(device) if device is not None else default_device()
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ConfigError(f"load_model(dtype={dtype!r}): expected a torch floating dtype (torch.float32, "
+                          "torch.float16 or torch.bfloat16)")
     info, tensors = read_artifact(path or DEFAULT_ARTIFACT)
     cfg = info.config
     check_mode(cfg, cache_mode)
@@ -151,8 +154,27 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     return Model(net, info, cache_mode, max_seq_len, blocks)
 
 
+def check_device(device) -> torch.device:
+    """load_model's `device` as a torch.device; ConfigError naming the argument when it cannot be used here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"load_model(device={device!r}): not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"load_model(device={device!r}): CUDA is not available on this machine; use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"load_model(device={device!r}): this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ConfigError(f"load_model(device={device!r}): TinyLoop runs on 'cpu' or 'cuda'")
+    return dev
+
+
 def free_model(model: Model) -> None:
-    """Release the weights and caches; every later use of the model or its handles raises HandleError."""
+    """Release the weights and caches; every later use of the model or its handles raises HandleError.
+    Freeing a freed model does nothing (like free_handle)."""
+    if model.freed:
+        return
     with model.busy():
         model.freed = True
         model.decode_cache.reset()

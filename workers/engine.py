@@ -126,11 +126,16 @@ class ModelEngine:
 
     # ---------------------------------------------------------------- dispatch
 
-    def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
+    def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
+            delivered: list[int] | None = None) -> dict:
         handler = self.ops_table.get(op)
         if handler is None:
             raise EngineError(Codes.UNSUPPORTED_OP, f"op {op!r} is not supported by this worker's runtime (supported: {self.ops})")
         try:
+            if delivered:  # a stream whose worker died: continue after the tokens the client has
+                from workers.continuation import run_continuation
+
+                return run_continuation(self, handler, params, delivered, on_token, should_stop)
             return handler(params, on_token, should_stop)
         except tinyloop.ModeError as exc:
             raise EngineError(Codes.MODE_ERROR, str(exc)) from None

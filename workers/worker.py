@@ -51,7 +51,11 @@ class Engine(Protocol):
     device: str
     model_name: str
 
-    def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict: ...
+    def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
+            delivered: list[int] | None = None) -> dict:
+        """Run one op. `delivered` (a continuation): tokens the client already has; generate what follows them,
+        streaming positions from len(delivered) on, and return the whole answer (delivered tokens included)."""
+        ...
 
     def live_handles(self) -> int: ...
 
@@ -63,6 +67,7 @@ class Job:
     params: dict
     stream: bool
     deadline: float | None
+    delivered: list[int] | None = None  # a continuation of a stream whose worker was lost
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def should_stop(self) -> bool:
@@ -100,6 +105,7 @@ class WorkerProcess:
         self.stop_requested = threading.Event()
         self.outbox_endpoint = f"inproc://worker-outbox-{uuid.uuid4().hex}"
         self.dealer: zmq.Socket | None = None
+        self.last_ready_at = 0.0
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -158,6 +164,7 @@ class WorkerProcess:
             if now - last_heard > self.heartbeat_expiry and leaving_since is None:
                 # Paranoid Pirate: the broker went quiet. Reconnect with a growing back-off.
                 log.warning("worker %s: broker silent for %.1fs, reconnecting in %.1fs", self.name, now - last_heard, reconnect_delay)
+                self.abandon_running("the broker went silent")
                 time.sleep(reconnect_delay)
                 reconnect_delay = min(reconnect_delay * 2, self.reconnect_max_s)
                 self.connect()
@@ -183,6 +190,7 @@ class WorkerProcess:
         self.send_ready()
 
     def send_ready(self) -> None:
+        self.last_ready_at = time.monotonic()
         self.send(
             "ready",
             name=self.name,
@@ -219,7 +227,8 @@ class WorkerProcess:
                 self.send("error", id=msg["id"], code=Codes.SHUTTING_DOWN, message=f"worker {self.name} is shutting down")
                 return None
             timeout = msg["timeout_s"]
-            job = Job(msg["id"], msg["op"], msg["params"], msg["stream"], None if timeout is None else time.monotonic() + timeout)
+            job = Job(msg["id"], msg["op"], msg["params"], msg["stream"], None if timeout is None else time.monotonic() + timeout,
+                      msg.get("delivered"))
             self.running[job.key] = job
             self.jobs.put(job)
         elif msg.type == "cancel":
@@ -227,11 +236,22 @@ class WorkerProcess:
             if job is not None:
                 job.cancelled.set()
         elif msg.type == "reconnect":
-            self.send_ready()
+            if time.monotonic() - self.last_ready_at > self.heartbeat_interval:
+                self.abandon_running("the broker does not know this worker")
+                self.send_ready()
+            # else: it answers a message sent before our "ready" reached the broker; the broker knows us now
         elif msg.type == "refused":
             log.error("worker %s refused by the broker: %s", self.name, msg["reason"])
             return EXIT_REFUSED_BY_BROKER
         return None  # heartbeats only refresh liveness
+
+    def abandon_running(self, why: str) -> None:
+        """Stop work no broker will take a reply for: the broker that sent it restarted, or wrote this worker
+        off as dead and re-queued the work elsewhere. Frees the compute thread for new requests sooner."""
+        if self.running:
+            log.warning("worker %s: cancelling %d running request(s): %s", self.name, len(self.running), why)
+        for job in list(self.running.values()):
+            job.cancelled.set()
 
     def request_stop(self) -> None:
         self.stop_requested.set()
@@ -264,7 +284,8 @@ class WorkerProcess:
                     # Round trip through the worker without touching the model.
                     result = {"payload": job.params.get("payload", "")}
                 else:
-                    result = self.engine.run(job.op, job.params, on_token, job.should_stop)
+                    continuation = {"delivered": job.delivered} if job.delivered else {}
+                    result = self.engine.run(job.op, job.params, on_token, job.should_stop, **continuation)
                 if not job.cancelled.is_set() and job.should_stop():
                     # Stopped by its deadline: that is a timeout, whatever the engine made of it.
                     raise EngineError(Codes.TIMEOUT, "the request's deadline passed on the worker")
