@@ -12,7 +12,8 @@ import tinyloop
 
 ROOT = Path(tinyloop.__file__).parent
 LAYERS = [
-    ("core types", {"errors", "env", "config", "tokenizer", "stops", "sampling", "grammar", "modes", "types", "timing"}),
+    ("core types", {"errors", "env", "config", "tokenizer", "stops", "sampling", "grammar", "modes", "types", "timing",
+                    "continuation"}),
     ("model and cache", {"model", "cache", "memory", "artifact", "runtime"}),
     ("kernels", {"kernels"}),
     ("engine", {"engine"}),
