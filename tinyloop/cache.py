@@ -289,9 +289,14 @@ class KVCache:
 
     def prepare(self, slot: int, lanes: list[int], lo: list[int], hi: list[int]) -> None:
         """Make the cells lane lanes[i] will write in `slot` (lo[i]..hi[i], positions) writable."""
+        bt, refs, row = self.bt, self.pool.refs, self.held[slot]
         for lane, a, b in zip(lanes, lo, hi):
             if self.window:  # a ring takes all its blocks at once: it wraps, and holds only `ring` cells anyway
                 a, b = 0, self.ring - 1
+            ids, first, last = row[lane], a // bt, b // bt
+            if last < len(ids) and refs[ids[last]] == 1 and (first == last or all(
+                    refs[ids[i]] == 1 for i in range(first, last))):
+                continue  # the common case, checked inline: every block there and the lane's own
             self._ensure(slot, lane, a, b)
 
     def locate(self, slot: int, lane: torch.Tensor, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,3 +132,23 @@ def available_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _libc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_malloc_trim = _libc_trim()
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed heap memory back to the OS (glibc malloc_trim) after a large transient on CPU, such as a long
+    prompt's prefill. glibc raises its mmap threshold to the size of the largest block freed, so later tensors of
+    that size come from the heap and stay resident after they are freed: without this, RSS under a load of long
+    prompts grows well past the pool and workspace the budget set aside (measured by `tinyloop bench engine`)."""
+    if device.type == "cpu" and _malloc_trim is not None:
+        _malloc_trim(0)

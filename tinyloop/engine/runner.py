@@ -5,9 +5,9 @@ chunk: the same call for a sequence alone or in a batch, so their outputs are eq
 together, one token per lane per forward. A finished lane leaves the forward and gives its blocks back; when the
 pool runs out, the youngest lane is preempted and recomputed later (`run`).
 
-The model forward is `forward`: the lean step of tinyloop/kernels for one-token-per-lane rows (the fast path),
-the model's chunk forward otherwise; with early exit (a threshold or the model's exit gate) decode rows run
-`forward_adaptive`, which stops each lane's looping on its own.
+Forwards: `decode` runs one-token-per-lane rows through the lean step of tinyloop/kernels (the fast path), or
+with early exit (a threshold or the model's exit gate) through `forward_adaptive`, which stops each lane's looping
+on its own; `prefill` runs a chunk through the model's forward.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from ..cache import KVCache
 from ..errors import BudgetError
 from ..kernels.lean import decode_forward
-from ..memory import blocks_for
+from ..memory import blocks_for, release_freed_memory
 from .sequence import Sequence
 
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
@@ -36,12 +36,12 @@ class Runner:
     def lane(self, i: int) -> KVCache:
         return self.cache if self.cache.lanes == 1 else self.cache.lane_view(i)
 
-    def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None) -> torch.Tensor:
+    def prefill(self, ids: list[int], start: int, lane: int = 0) -> torch.Tensor:
         """Logits [T, V] of a chunk at positions start.. in `lane`: all loops (a chunk does not exit early)."""
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
-        return self.net(x, self.loops if loops is None else loops, step, self.lane(lane))[0]
+        return self.net(x, self.loops, step, self.lane(lane))[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None
                ) -> tuple[torch.Tensor, list[int]]:
@@ -71,6 +71,7 @@ class Runner:
         else:
             logits = self.prefill(seq.prompt[cached:], cached, lane)[-1].clone()  # not a view pinning [T, V]
             seq.loop_counts.append(self.loops)
+            release_freed_memory(self.model.device)
         seq.stats.prefill_ms = (time.perf_counter() - t) * 1000
         return logits
 
