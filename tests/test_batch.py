@@ -109,8 +109,7 @@ def test_call_entry_constraints_name_the_rule(tiny_model):
         generate_batch(m, ["a", "b"], GenerateConfig(cache_window=8))
     with pytest.raises(ModeError, match=r"Beam search.*Batched"):
         generate_batch(m, ["a", "b"], GenerateConfig(beam_size=2))
-    for field, a, b in [("loops", 2, 3), ("temperature", 0.0, 0.5), ("top_k", 0, 5), ("top_p", 1.0, 0.9),
-                        ("repetition_penalty", 1.0, 1.2), ("early_exit_threshold", 0.0, 0.5)]:
+    for field, a, b in [("loops", 2, 3), ("early_exit_threshold", 0.0, 0.5)]:
         cfgs = [GenerateConfig(**{field: a}), GenerateConfig(**{field: b})]
         with pytest.raises(ConfigError, match=rf"share.*lane 1 has {field}="):
             generate_batch(m, ["a", "b"], cfgs)
@@ -147,3 +146,15 @@ def test_batch_cache_has_one_lane_per_prompt(tiny_model, monkeypatch):
     monkeypatch.setattr(tinyloop.KVCache, "__init__", spy)
     generate_batch(tiny_model, [[1] * 10, [2] * 30, [3]], [GenerateConfig(max_tokens=5)] * 2 + [GenerateConfig(max_tokens=9)])
     assert made == [(3, 35)]
+
+
+def test_lanes_sample_with_their_own_settings(tiny_model):
+    """Each lane's Sequence samples on its own: temperatures, top-k/p and penalties may differ per lane, and each
+    lane's tokens equal generate of that prompt with that config alone."""
+    cfgs = [GenerateConfig(max_tokens=12, temperature=0.0), GenerateConfig(max_tokens=12, temperature=0.9, seed=3),
+            GenerateConfig(max_tokens=12, temperature=0.7, top_k=5, seed=4),
+            GenerateConfig(max_tokens=12, temperature=1.0, top_p=0.8, repetition_penalty=1.3, seed=5)]
+    prompts = ["def", "import os", "class A:", "x = 1"]
+    batch = generate_batch(tiny_model, prompts, cfgs)
+    for p, c, r in zip(prompts, cfgs, batch):
+        assert r.tokens == generate(tiny_model, p, c).tokens

@@ -26,9 +26,10 @@ from .types import GenerateConfig, GenerateResult
 # on_token(lane, token, index) -> bool; False cancels that lane only.
 OnLaneToken = Callable[[int, int, int], bool]
 
-# Settings that shape the batched kernel or the shared sampler: every lane must agree (seed table; early exit
-# added because one threshold drives the batched adaptive-depth loop).
-SHARED_FIELDS = ("loops", "temperature", "top_k", "top_p", "repetition_penalty", "early_exit_threshold")
+# Settings that shape the batched forward: every lane must agree (one loop count and one early-exit threshold drive
+# the batched step). The seed table also shared temperature, top-k/p and the repetition penalty; each lane's
+# Sequence samples on its own, so those may differ per lane.
+SHARED_FIELDS = ("loops", "early_exit_threshold")
 
 
 def lane_configs(prompts, cfg) -> list[GenerateConfig]:
