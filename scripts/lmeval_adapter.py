@@ -8,6 +8,7 @@ tokenized exactly as for an API model, then:
 * loglikelihood: tinyloop.score of context + continuation at `loops`, log_softmax, summed over the
   continuation; greedy = every continuation token is the argmax (what the gateway's
   echo + logprobs gives lm-eval);
+* loglikelihood_rolling: the same over a whole text after the end-of-text token (perplexity tasks);
 * generate_until: tinyloop.generate, greedy, with the `until` strings as stop sequences.
 
     python scripts/lmeval_adapter.py --tasks tl_mc,tl_gen --include-path DIR --out results.json
@@ -51,7 +52,13 @@ class TinyLoopLM(TemplateLM):
         return out
 
     def loglikelihood_rolling(self, requests, **kwargs) -> list[float]:
-        raise NotImplementedError("the check's tasks need loglikelihood and generate_until only")
+        """Log-likelihood of each whole text, its first token conditioned on the end-of-text token (lm-eval's
+        convention); texts longer than max_seq_len are scored on their last max_seq_len - 1 tokens."""
+        out = []
+        for request in requests:
+            tokens = self.tok_encode(request.args[0])[-(self.model.max_seq_len - 1):]
+            out.append(self._loglikelihood_tokens([(None, [self.eot_token_id], tokens)])[0][0])
+        return out
 
     def generate_until(self, requests, **kwargs) -> list[str]:
         out = []
