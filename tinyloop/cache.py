@@ -261,7 +261,6 @@ class KVCache:
         if self.cell_pos is not None:
             self.cell_pos.fill_(-1)
 
-    release = reset
 
     def __del__(self):
         try:

@@ -280,7 +280,7 @@ class StepContext:
         the blocks afterwards. The buffer is a copy of what the step reads, so it is only built when that is small
         (READ_AHEAD_BYTES); otherwise each layer gathers its own slot."""
         nb = -(-self.end // cache.bt)
-        if self.triton or cache.window or self.T != 1 or self.mask is not None and self.step.cells is not None:
+        if self.triton or cache.window or self.T != 1 or self.step.cells is not None:
             return
         if len(slots) * self.B * nb * cache.pool.block_bytes > READ_AHEAD_BYTES:
             return
@@ -292,7 +292,7 @@ class StepContext:
         self.buf = {name: t.index_select(0, ids).view(S, B, nb * cache.bt, *t.shape[2:])[:, :, :end]
                     for name, t in cache.store.items()}
         self.buf_row = {slot: i for i, slot in enumerate(slots)}
-        self.buf_index, self.buf_blocks = index, None
+        self.buf_index = index
         if self.one is not None:
             self.buf_cell = [t[:, 0, self.one] for t in self.buf.values()]  # [S, ...]: the step's cell per slot
 
