@@ -107,6 +107,8 @@ def save_dir(model, tok: Tokenizer, out: Path, tok_config: dict, shard: str | No
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out, safe_serialization=True, **kw)
     model.float()
+    if hasattr(model, "freqs_cis"):  # Huginn saves its RoPE table as a weight, now bf16-rounded: rebuild it in fp32
+        model.freqs_cis = model._precompute_freqs_cis()
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     for extra in out.glob("*.py"):

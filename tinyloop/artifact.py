@@ -1,7 +1,7 @@
 """The .tinyloop artifact: one safetensors file whose metadata carries everything needed to run it.
 
 Metadata keys: format ("tinyloop"), format_version, config (ModelConfig JSON), tokenizer (tokenizers JSON),
-beta, loss_vs_loops (JSON {loops: held-out loss}), provenance (JSON), data_sha256 (of the tensor bytes,
+chat (JSON {template, bos_token, eos_token}: a chat model's template; optional), beta, loss_vs_loops (JSON {loops: held-out loss}), provenance (JSON), data_sha256 (of the tensor bytes,
 so a flipped bit in the weights is caught at load, not as garbage output).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
     # clone: parameters may be views of one fused matrix (kernels/lean.py), safetensors wants separate storage
     tensors = {k: v.detach().to("cpu", dtype).clone() for k, v in model.state_dict().items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": json.dumps(model.cfg.to_dict()),
-            "tokenizer": codec.to_json(), "beta": "" if beta is None else repr(float(beta)),
+            "tokenizer": codec.to_json(), "chat": json.dumps(codec.chat_dict()), "beta": "" if beta is None else repr(float(beta)),
             "loss_vs_loops": json.dumps({str(k): v for k, v in (loss_vs_loops or {}).items()}),
             "provenance": json.dumps(provenance or {}), "data_sha256": ""}
     save_file(tensors, str(path), metadata=meta)
@@ -103,7 +103,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
     except (json.JSONDecodeError, ConfigError, TypeError) as e:
         raise ArtifactError(f"{path}: bad model config: {e}") from None
     try:
-        codec = TextCodec.from_json(meta["tokenizer"])
+        codec = TextCodec.from_json(meta["tokenizer"], json.loads(meta.get("chat") or "{}"), cfg.eos_id)
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise ArtifactError(f"{path}: bad tokenizer: {e}") from None
     if codec.vocab_size > cfg.vocab_size:

@@ -8,6 +8,8 @@ from .errors import ConfigError
 
 INJECTIONS = ("none", "add", "adapter")
 STATE_INITS = ("zeros", "embed", "normal")
+EXIT_RULES = ("latent", "cdf")
+EXIT_KV = ("copy", "compute")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     bos_id: int = 0
     eos_id: int = 0
+    # What real checkpoints (Ouro, Huginn; tinyloop/hf.py) bring. The defaults are the family as it was before them.
+    embed_scale: float = 1.0        # embeddings are multiplied by this (Huginn: sqrt(d_model))
+    qk_bias: bool = False           # the query and key projections have biases (Huginn)
+    sandwich_residual: bool = False  # sandwich norms normalise the residual sum (Huginn) instead of the branch output (Ouro)
+    loop_norm: bool = False         # the final norm is applied to the state after every loop, and that feeds the next (Ouro)
+    coda_norm: bool = False         # the final norm is also applied to s_L before the coda (Huginn uses it twice)
+    final_norm: bool = True         # the final norm before the head (off when loop_norm already normalised s_L)
+    init_trunc: float = 0.0         # "normal" state init truncated at +-init_trunc sigma (Huginn: 3); 0: untruncated
+    exit_rule: str = "latent"       # latent: relative change < threshold or gate >= 0.5 | cdf: Ouro's cumulative exit prob >= threshold
+    exit_kv: str = "copy"           # copy: skipped loops are not run, their K/V copied | compute: loops run on for K/V, logits from the exit loop
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +84,11 @@ class ModelConfig:
         need(self.injection in INJECTIONS, f"injection {self.injection!r} not one of {INJECTIONS}")
         need(self.state_init in STATE_INITS, f"state_init {self.state_init!r} not one of {STATE_INITS}")
         need(self.init_sigma >= 0, f"init_sigma must be >= 0, got {self.init_sigma}")
+        need(self.init_trunc >= 0, f"init_trunc must be >= 0, got {self.init_trunc}")
+        need(self.embed_scale > 0, f"embed_scale must be > 0, got {self.embed_scale}")
+        need(self.exit_rule in EXIT_RULES, f"exit_rule {self.exit_rule!r} not one of {EXIT_RULES}")
+        need(self.exit_kv in EXIT_KV, f"exit_kv {self.exit_kv!r} not one of {EXIT_KV}")
+        need(self.exit_rule != "cdf" or self.exit_gate, "exit_rule 'cdf' needs exit_gate")
         need(0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size, "bos_id/eos_id outside the vocabulary")
         return self
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .artifact import DEFAULT_ARTIFACT, ArtifactInfo, read_artifact
+from .hf import is_hf_dir, load_hf, with_init_scale
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
 from .env import env_bytes, env_choice
 from .errors import BudgetError, BusyError, ConfigError, HandleError
@@ -112,8 +113,13 @@ def pool_blocks_for(cfg, cache_mode: str, dtype: torch.dtype, device: torch.devi
 
 
 def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, device=None, dtype=None,
-               cache_mode: str | None = None, memory_budget: int | None = None) -> Model:
-    """Load a .tinyloop artifact (None: the bundled default model). Raises ArtifactError on a bad file.
+               cache_mode: str | None = None, memory_budget: int | None = None, init_scale: float | None = None) -> Model:
+    """Load a .tinyloop artifact (None: the bundled default model) or a Hugging Face model directory (Ouro,
+    Huginn-0125; docs/hf.md). Raises ArtifactError on a bad file or directory.
+
+    dtype: None keeps bf16 weights in bf16 and runs others in fp32 on CPU, bf16 on CUDA.
+    init_scale: multiplies the init_sigma of a random initial state ("normal" state init; Huginn's init_scale, whose
+    default is 1.0); 0 gives a zero state, the reference's deterministic init_scale=0.0 output.
 
     memory_budget: bytes for the weights, the KV block pool and one step's workspace together (None: TINYLOOP_MEMORY_BUDGET, else a
     pool for DEFAULT_POOL_SEQUENCES full-length sequences within half the available memory). BudgetError when the
@@ -130,12 +136,16 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"cache_mode {cache_mode!r} not one of {CACHE_MODES}")
     device = check_device(device) if device is not None else default_device()
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ConfigError(f"load_model(dtype={dtype!r}): expected a torch floating dtype (torch.float32, "
                           "torch.float16 or torch.bfloat16)")
-    info, tensors = read_artifact(path or DEFAULT_ARTIFACT)
+    # A Hugging Face model directory (Ouro, Huginn) is converted on the fly (tinyloop/hf.py).
+    info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
+    if init_scale is not None:
+        info.config = with_init_scale(info.config, init_scale)
+    if dtype is None:  # bf16 weights stay bf16; others run in bf16 on CUDA and fp32 on CPU (fp16 matmuls are slow there)
+        stored = next(iter(tensors.values())).dtype
+        dtype = stored if stored == torch.bfloat16 else torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = info.config
     check_mode(cfg, cache_mode)
     weights = sum(t.numel() for t in tensors.values()) * torch.tensor([], dtype=dtype).element_size()
@@ -147,10 +157,14 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
                           f"{cfg.default_loops} loops needs {need} KV blocks, the {have} leaves room for "
                           f"{max(blocks, 0)} after {weights / 2**20:.1f} MiB of weights; lower max_seq_len or raise "
                           f"memory_budget")
-    net = LoopedLM(cfg, max_seq_len=max_seq_len)
-    net.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-    net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    net.set_max_seq_len(max_seq_len)  # rebuild position tables in the final dtype and device
+    with torch.device("meta"):  # no random init of weights about to be replaced (seconds and GBs for real models)
+        net = LoopedLM(cfg, max_seq_len=1)
+    # assign: the loaded tensors become the parameters, so a bf16 checkpoint is held once, not widened and copied
+    net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
+    del tensors
+    net.set_max_seq_len(max_seq_len)  # position tables on the weights' device and dtype
+    net = net.to(device=device).eval().requires_grad_(False)
+    net.set_max_seq_len(max_seq_len)  # rebuilt on the final device
     return Model(net, info, cache_mode, max_seq_len, blocks)
 
 
