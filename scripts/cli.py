@@ -18,7 +18,8 @@ def fail(err: Exception) -> None:
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
+@click.option("--model", "model_path", default=None,
+              help="A .tinyloop artifact or a Hugging Face model directory (Ouro, Huginn; default: the bundled model).")
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option("--max-seq-len", default=2048, show_default=True, help="Longest sequence (prompt + output) to allocate for.")
 @click.option("--loops", type=int, default=None, help="Loop count (default: the model's).")
@@ -35,8 +36,15 @@ def fail(err: Exception) -> None:
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode: draft loops, verify loops, draft-ahead tokens, tree width (e.g. 2:8:4).")
+@click.option("--chat", is_flag=True, help="PROMPT is a user message: render it with the model's chat template.")
+@click.option("--system", default=None, help="With --chat: a system message before the user's.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Weights' dtype (default: bf16 checkpoints stay bf16, others run fp32 on CPU).")
+@click.option("--init-scale", type=float, default=None,
+              help="Scale of a random initial state (Huginn's init_scale, default 1.0; 0: a zero state).")
 def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, top_k, top_p, repetition_penalty, seed,
-             stop, cache_mode, cache_window, early_exit, beam_size, grammar, speculative) -> None:
+             stop, cache_mode, cache_window, early_exit, beam_size, grammar, speculative, chat, system, dtype,
+             init_scale) -> None:
     """Generate a continuation of PROMPT, streamed, then print the stats line.
 
     stdout carries the prompt and the answer only; the stats line and errors go to stderr. Everything
@@ -45,7 +53,18 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
 
     printed = None  # text on stdout so far; None until the prompt is printed (at the first token)
     try:
-        model = tinyloop.load_model(model_path, max_seq_len, cache_mode=cache_mode)
+        import torch
+
+        model = tinyloop.load_model(model_path, max_seq_len, cache_mode=cache_mode, init_scale=init_scale,
+                                    dtype=getattr(torch, dtype) if dtype else None)
+        if chat:  # the prompt becomes the rendered conversation, shown as it goes in
+            from tinyloop.chat import chat_ids
+
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            prompt_ids = chat_ids(model, messages)
+            prompt_text = model.codec.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        else:
+            prompt_ids, prompt_text = prompt, prompt
         cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
                                       stop_sequences=list(stop), beam_size=beam_size, grammar=grammar)
@@ -54,7 +73,7 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
         if early_exit is not None:
             cfg.early_exit_threshold = early_exit
         cfg.validate(model)
-        prompt_len = len(model.encode_prompt(prompt))
+        prompt_len = len(model.encode_prompt(prompt_ids))
         if prompt_len + max_tokens > max_seq_len:  # worded for the command line, which has no load_model call
             raise tinyloop.ConfigError(f"the prompt ({prompt_len} tokens) + --max-tokens {max_tokens} exceeds "
                                        f"--max-seq-len {max_seq_len}; raise --max-seq-len or lower --max-tokens")
@@ -68,7 +87,7 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
         def on_token(token: int, index: int) -> bool:
             nonlocal printed
             if printed is None:
-                click.echo(prompt, nl=False)
+                click.echo(prompt_text, nl=False)
                 printed = ""
             tokens.append(token)
             text = model.codec.decode(tokens)
@@ -77,10 +96,10 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
             return True
 
         if sc is not None:
-            result = tinyloop.generate_speculative(model, prompt, sc, cfg, on_token=on_token)
+            result = tinyloop.generate_speculative(model, prompt_ids, sc, cfg, on_token=on_token)
         else:
-            result = tinyloop.generate_stream(model, prompt, cfg, on_token)
-        click.echo((prompt if printed is None else "") + result.text[len(printed or ""):])
+            result = tinyloop.generate_stream(model, prompt_ids, cfg, on_token)
+        click.echo((prompt_text if printed is None else "") + result.text[len(printed or ""):])
         click.echo(result.stats.line() + speculative_line(result.stats), err=True)
     except tinyloop.TinyLoopError as e:
         if printed is not None:
@@ -100,13 +119,37 @@ def speculative_line(stats: object) -> str:
 
 @main.command()
 @click.argument("path", required=False)
-def inspect(path) -> None:
-    """Show an artifact's config, parameter counts, beta, loss-versus-loops table and cache costs."""
-    from tinyloop.inspect import inspect_text
+@click.option("--config-only", is_flag=True,
+              help="Read the config alone (no weights) and print the memory plan per cache mode.")
+@click.option("--max-seq-len", default=4096, show_default=True, help="Sequence length of the --config-only plan.")
+def inspect(path, config_only, max_seq_len) -> None:
+    """Show an artifact's (or Hugging Face model directory's) config, parameter counts, beta, loss-versus-loops table
+    and cache costs."""
+    from tinyloop.artifact import DEFAULT_ARTIFACT
+    from tinyloop.inspect import config_text, inspect_text
     import tinyloop
 
     try:
-        click.echo(inspect_text(path))
+        click.echo(config_text(path or str(DEFAULT_ARTIFACT), max_seq_len) if config_only else inspect_text(path))
+    except tinyloop.TinyLoopError as e:
+        fail(e)
+
+
+@main.command()
+@click.argument("hf_dir")
+@click.argument("out")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Stored dtype (default: the checkpoint's, bf16 for the real ones).")
+def convert(hf_dir, out, dtype) -> None:
+    """Convert a Hugging Face model directory (Ouro, Huginn) into a .tinyloop artifact, shard by shard."""
+    import torch
+
+    import tinyloop
+    from tinyloop.hf import convert as run_convert
+
+    try:
+        path = run_convert(hf_dir, out, getattr(torch, dtype) if dtype else None)
+        click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     except tinyloop.TinyLoopError as e:
         fail(e)
 

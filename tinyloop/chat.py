@@ -6,8 +6,10 @@ rendered in a sandboxed environment with `messages`, `add_generation_prompt`, `b
 transformers renders them, so a model's own template gives the prompt it was trained on.
 
 Which template: $TINYLOOP_CHAT_TEMPLATE (a tokenizer_config.json or a Jinja file) if set,
-else the model's own (a tokenizer_config.json beside a model loaded from a directory), else
-DEFAULT_CHAT_TEMPLATE. The bundled model was trained on Python source, not on dialogues, so
+else the model's own (a Hugging Face checkpoint's, kept by `tinyloop convert` in the artifact; or a
+tokenizer_config.json beside a model loaded from a directory), else DEFAULT_CHAT_TEMPLATE. The
+rendered prompt already holds the special tokens the template writes (a BOS, say), so `chat_ids`
+encodes it without adding the tokenizer's own, as transformers' apply_chat_template(tokenize=True). The bundled model was trained on Python source, not on dialogues, so
 its template is deliberately plain (docs/gateway.md shows what it renders).
 """
 from __future__ import annotations
@@ -57,6 +59,9 @@ def template_for(model) -> str:
     env = os.environ.get("TINYLOOP_CHAT_TEMPLATE")
     if env:
         return load_chat_template(env)
+    own = getattr(getattr(model, "codec", None), "chat_template", None)
+    if own:
+        return own
     source = Path(getattr(getattr(model, "info", None), "path", "") or "")
     config = source / "tokenizer_config.json" if source.is_dir() else None
     if config is not None and config.exists():
@@ -98,21 +103,26 @@ def check_messages(messages) -> list[dict]:
 
 
 def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "") -> str:
-    """Render messages with a Jinja chat template (ConfigError if the template fails)."""
+                bos_token: str = "", eos_token: str = "", **extra) -> str:
+    """Render messages with a Jinja chat template (ConfigError if the template fails). `extra` are further
+    template variables (enable_thinking=True for the Ouro thinking models' template, say)."""
     from jinja2 import TemplateError
 
     check_messages(messages)
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token)
+                                         bos_token=bos_token, eos_token=eos_token, **extra)
     except TemplateError as exc:
         raise ConfigError(f"chat template failed: {exc}") from None
 
 
-def apply_chat_template(model, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def apply_chat_template(model, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
     """The prompt string for `messages` with this model's template and its special tokens."""
-    from .tokenizer import EOS_TOKEN
-
+    codec = model.codec
     return render_chat(template_for(model), messages, add_generation_prompt=add_generation_prompt,
-                       bos_token="", eos_token=EOS_TOKEN)
+                       bos_token=codec.bos_token, eos_token=codec.eos_token, **extra)
+
+
+def chat_ids(model, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+    """Token ids of the rendered chat prompt (special tokens as the template wrote them, none added)."""
+    return model.codec.encode(apply_chat_template(model, messages, add_generation_prompt, **extra), special=False)

@@ -1,11 +1,15 @@
-"""`tinyloop inspect`: what an artifact is, what it costs, how it behaves with loops."""
+"""`tinyloop inspect`: what an artifact (or a Hugging Face model directory) is, what it costs, how it behaves with
+loops. `config_only` reads the config alone (an artifact's header, a directory's config.json) and prints the
+memory plan without loading any weight, so a multi-GB checkpoint can be sized on any machine."""
 from __future__ import annotations
 
 import torch
 
-from .artifact import DEFAULT_ARTIFACT, read_artifact
+from .artifact import DEFAULT_ARTIFACT, read_artifact, read_config
 from .cache import CACHE_MODES, bytes_per_token_slot
-from .memory import plan_memory
+from .config import ModelConfig
+from .hf import checkpoint_dtype, is_hf_dir, load_hf, read_hf_config, read_raw
+from .memory import plan_memory, weight_bytes_of
 
 
 def parameter_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -16,8 +20,38 @@ def parameter_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     return groups
 
 
+def plan_table(cfg: ModelConfig, dtype: torch.dtype, max_seq_len: int, loops: int | None = None) -> str:
+    """One row per cache mode: KV bytes per token at `loops` (default: the model's default loop count), the pool
+    for one sequence of max_seq_len tokens, and the total with weights and one step's workspace."""
+    loops = loops or cfg.default_loops
+    dbytes = torch.tensor([], dtype=dtype).element_size()
+    weights = weight_bytes_of(cfg, dtype)
+    rows = [f"memory plan: weights {str(dtype).replace('torch.', '')}, {max_seq_len} tokens, {loops} loops "
+            f"({cfg.n_slots(loops)} KV slots per token)",
+            f"  {'cache':<6} {'KV per token':>14} {'KV per sequence':>16} {'weights':>11} {'total, 1 seq':>13}"]
+    for mode in CACHE_MODES:
+        per_token = bytes_per_token_slot(cfg, mode, dbytes) * cfg.n_slots(loops)
+        plan = plan_memory(cfg, max_seq_len, mode, dtype=dtype, loops=loops)
+        rows.append(f"  {mode:<6} {per_token / 2**10:>11.1f} KiB {plan.bytes_of('KV') / 2**20:>12,.0f} MiB "
+                    f"{weights / 2**30:>7.2f} GiB {plan.total_bytes / 2**30:>9.2f} GiB")
+    return "\n".join(rows)
+
+
+def config_text(path: str, max_seq_len: int = 4096) -> str:
+    """Config and memory plan from the config alone (no weights read)."""
+    if is_hf_dir(path):
+        cfg, dtype = read_hf_config(path), checkpoint_dtype(read_raw(path)) or torch.float32
+    else:
+        cfg, dtype = read_config(path), torch.float32
+    n = weight_bytes_of(cfg, torch.float32) // 4
+    lines = [f"model: {path}", "config:"] + [f"  {k:<22} {v}" for k, v in cfg.to_dict().items()]
+    lines.append(f"parameters: {n:,}")
+    lines.append(plan_table(cfg, dtype, max_seq_len))
+    return "\n".join(lines)
+
+
 def inspect_text(path: str | None = None) -> str:
-    info, tensors = read_artifact(path or DEFAULT_ARTIFACT)
+    info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
     cfg = info.config
     counts = parameter_counts(tensors)
     lines = [f"artifact: {info.path}", "config:"]

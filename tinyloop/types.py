@@ -93,6 +93,7 @@ class GenerateResult:
     text: str
     stats: GenerateStats
     n_best: list | None = None  # beam search: decoding.Hypothesis list, best first
+    loops_used: list[int] | None = None  # loops run by each forward that produced a token (early exit's choices)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -213,9 +213,10 @@ class ModelEngine:
         from tinyloop.chat import apply_chat_template
 
         prompt = apply_chat_template(self.model, params["messages"])
+        ids = self.model.codec.encode(prompt, special=False)  # the template wrote the special tokens (a BOS) itself
         rest = {k: v for k, v in params.items() if k != "messages"}
         op = self.op_speculative if any(k in params for k in SPECULATIVE_FIELDS) else self.op_generate
-        return {**op({**rest, "prompt": prompt}, on_token, should_stop), "prompt_text": prompt}
+        return {**op({**rest, "prompt": ids}, on_token, should_stop), "prompt_text": prompt}
 
     def scored(self, params: dict, result: dict) -> dict:
         """Add the log-probabilities (and echoed prompt) a request asked for, by scoring prompt + output

@@ -115,7 +115,7 @@ class Sequence:
         st.total_ms = (self.t_end - self.t_call) * 1000
         counts = self.loop_counts
         st.loops_mean = sum(counts) / len(counts) if counts else float(self.loops)
-        return GenerateResult(tokens, self.text, st)
+        return GenerateResult(tokens, self.text, st, loops_used=list(counts[:len(tokens)]))
 
     def fork(self) -> "Sequence":
         """An independent copy (beam search: a child hypothesis); the model, config and callback are shared."""
