@@ -40,7 +40,7 @@ def byte_size(ctx, param, value):  # click callback
 def worker_options(fn):
     """Options shared by `worker` and `serve` (the latter passes them on to each worker)."""
     options = [
-        click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model)."),
+        click.option("--model", "model_path", default=None, help="A .tinyloop artifact or a Hugging Face model directory (default: the bundled model)."),
         click.option("--max-seq-len", default=2048, show_default=True, help="Longest sequence a request may reach."),
         click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None,
                      help="KV cache mode (default: $TINYLOOP_CACHE_MODE or fp16)."),

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .artifact import FORMAT, FORMAT_VERSION, ArtifactInfo, _expected_shapes, read_config
 from .config import ModelConfig
 from .errors import ArtifactError, ConfigError
 from .tokenizer import TextCodec
@@ -278,11 +279,6 @@ def _huginn_names(name: str, cfg: ModelConfig) -> list[tuple[str, Callable]] | N
     return None
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from .artifact import _expected_shapes
-    return _expected_shapes(cfg)
-
-
 def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(TinyLoop name, tensor) for every weight, shard by shard, in `dtype` (None: as stored). Checks that every
@@ -291,7 +287,7 @@ def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
     raw = read_raw(path)
     names = _ouro_names if raw.get("model_type") == "ouro" else _huginn_names
     declared = checkpoint_dtype(raw)
-    expected = expected_shapes(cfg)
+    expected = _expected_shapes(cfg)
     seen: set[str] = set()
     for file, listed in _shards(path).items():
         try:
@@ -328,11 +324,22 @@ def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
 
 def load_hf(path, dtype: torch.dtype | None = None):
     """(ArtifactInfo, tensors) of a Hugging Face directory, as read_artifact gives for a .tinyloop file."""
-    from .artifact import ArtifactInfo
     cfg = read_hf_config(path)
     codec = read_hf_tokenizer(path, cfg)
     tensors = dict(iter_weights(path, cfg, dtype))
     return ArtifactInfo(str(path), cfg, codec, None, {}, provenance(path)), tensors
+
+
+def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype]:
+    """A model's config and the dtype load_model gives its weights on CPU (bf16 stays bf16, others fp32), from
+    config.json or the artifact's header: what a memory plan needs before anything large is read."""
+    if is_hf_dir(path):
+        return read_hf_config(path), checkpoint_dtype(read_raw(path)) or torch.float32
+    cfg = read_config(path)
+    with safe_open(str(path), framework="pt") as f:
+        first = next(iter(f.keys()), None)
+        stored = f.get_slice(first).get_dtype() if first else ""
+    return cfg, torch.bfloat16 if stored == "BF16" else torch.float32
 
 
 def provenance(path) -> dict:
@@ -357,14 +364,13 @@ def convert(path, out, dtype: torch.dtype | None = None, progress: bool = True) 
     """Write a .tinyloop artifact from a Hugging Face directory, streamed: the safetensors header is computed from
     the config first, then each shard's tensors are converted and written at their offsets, so memory holds one
     shard at a time, not the model. dtype None keeps the checkpoint's (bf16 for the real ones)."""
-    from .artifact import FORMAT, FORMAT_VERSION
     path, out = Path(path), Path(out)
     cfg = read_hf_config(path)
     codec = read_hf_tokenizer(path, cfg)
     dtype = dtype or checkpoint_dtype(read_raw(path)) or torch.float32
     if dtype not in _ST_DTYPES:
         raise ConfigError(f"convert: dtype must be one of {list(_ST_DTYPES)}, got {dtype}")
-    shapes = expected_shapes(cfg)
+    shapes = _expected_shapes(cfg)
     size = torch.tensor([], dtype=dtype).element_size()
     header, offsets, pos = {}, {}, 0
     for name, shape in sorted(shapes.items()):

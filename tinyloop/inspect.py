@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .artifact import DEFAULT_ARTIFACT, read_artifact, read_config
+from .artifact import DEFAULT_ARTIFACT, read_artifact
 from .cache import CACHE_MODES, bytes_per_token_slot
 from .config import ModelConfig
-from .hf import checkpoint_dtype, is_hf_dir, load_hf, read_hf_config, read_raw
+from .hf import config_and_dtype, is_hf_dir, load_hf
 from .memory import plan_memory, weight_bytes_of
 
 
@@ -39,10 +39,7 @@ def plan_table(cfg: ModelConfig, dtype: torch.dtype, max_seq_len: int, loops: in
 
 def config_text(path: str, max_seq_len: int = 4096) -> str:
     """Config and memory plan from the config alone (no weights read)."""
-    if is_hf_dir(path):
-        cfg, dtype = read_hf_config(path), checkpoint_dtype(read_raw(path)) or torch.float32
-    else:
-        cfg, dtype = read_config(path), torch.float32
+    cfg, dtype = config_and_dtype(path)
     n = weight_bytes_of(cfg, torch.float32) // 4
     lines = [f"model: {path}", "config:"] + [f"  {k:<22} {v}" for k, v in cfg.to_dict().items()]
     lines.append(f"parameters: {n:,}")

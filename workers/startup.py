@@ -91,14 +91,15 @@ def run_worker(opts: WorkerOptions) -> int:
     # The plan comes from the artifact's header before anything large is loaded; the model then gets exactly the
     # planned block pool (weights + pool + workspace: load_model's memory_budget).
     try:
-        from tinyloop.artifact import DEFAULT_ARTIFACT, read_config
+        from tinyloop.artifact import DEFAULT_ARTIFACT
         from tinyloop.env import env_choice
+        from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
 
-        cfg = read_config(opts.model_path or DEFAULT_ARTIFACT)
+        cfg, dtype = config_and_dtype(opts.model_path or DEFAULT_ARTIFACT)
         cache_mode = opts.cache_mode or env_choice("TINYLOOP_CACHE_MODE", tinyloop.CACHE_MODES, "fp16")
         import torch
 
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        dtype = torch.bfloat16 if device.startswith("cuda") else dtype
         plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=1,
                                     max_handles=opts.max_handles, dtype=dtype)
     except tinyloop.TinyLoopError as exc:

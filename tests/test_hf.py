@@ -1,0 +1,261 @@
+"""Hugging Face checkpoints (Ouro, Huginn) against the reference code's recorded outputs (tests/data/hf).
+
+The tiny checkpoints and `<arch>_reference.*` were made by scripts/make_hf_fixtures.py with the reference modeling
+code on transformers 4.56.2; the suite needs neither. Everything runs in fp32 from the bf16 weights (the reference
+ran fp32 on the same values) with Huginn's initial state at init_scale 0 (the reference's deterministic output).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tinyloop
+from tinyloop.chat import apply_chat_template, chat_ids
+from tinyloop.hf import convert, read_hf_config
+
+DATA = Path(__file__).parent / "data" / "hf"
+ARCHS = ("ouro", "huginn")
+TOL = 1e-4
+
+
+def reference(arch: str) -> tuple[dict, dict]:
+    return load_file(str(DATA / f"{arch}_reference.safetensors")), json.loads((DATA / f"{arch}_reference.json").read_text())
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(arch):
+    return tinyloop.load_model(DATA / f"{arch}-tiny", 256, dtype=torch.float32, init_scale=0.0)
+
+
+@pytest.fixture(scope="module")
+def converted(arch, tmp_path_factory):
+    """The same checkpoint through `tinyloop convert` and the .tinyloop loader."""
+    out = convert(DATA / f"{arch}-tiny", tmp_path_factory.mktemp("conv") / f"{arch}.tinyloop", progress=False)
+    return tinyloop.load_model(out, 256, dtype=torch.float32, init_scale=0.0)
+
+
+def greedy(max_tokens=16, **kw) -> tinyloop.GenerateConfig:
+    return tinyloop.GenerateConfig(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+# --- parity with the reference --------------------------------------------------------------------------------
+
+def test_logits_equal_the_reference_at_every_loop_count(model, arch):
+    ref, meta = reference(arch)
+    diffs = {L: float((tinyloop.score(model, meta["prompts"]["a"], L) - ref[f"logits_L{L}"]).abs().max())
+             for L in range(1, meta["max_loops"] + 1)}
+    print(arch, "max |logit - reference| by loops:", {k: f"{v:.1e}" for k, v in diffs.items()})
+    assert max(diffs.values()) < TOL, diffs
+    assert model.cfg.max_loops == meta["max_loops"]
+
+
+def test_greedy_continuation_equals_the_reference_with_its_cache(model, converted, arch):
+    _, meta = reference(arch)
+    for key, want in meta["greedy"].items():
+        name, loops = key.split("_L")
+        prompt = meta["prompts"][name]
+        assert tinyloop.generate(model, prompt, greedy(loops=int(loops))).tokens == want, key
+        assert tinyloop.generate(converted, prompt, greedy(loops=int(loops))).tokens == want, key
+
+
+def test_cached_decode_equals_full_recompute(model, arch):
+    _, meta = reference(arch)
+    prompt = meta["prompts"]["c"]
+    for loops in (1, 3, 8):
+        out = tinyloop.generate(model, prompt, greedy(24, loops=loops)).tokens
+        logits = tinyloop.score(model, prompt + out, loops)
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
+
+
+def test_exit_choices_equal_the_reference(model, arch):
+    """Ouro: the exit gate's cumulative distribution picks each token's step (every loop still runs, so K/V and the
+    chosen logits are the reference's). Huginn: latent-difference adaptive compute, skipped loops' K/V are the last
+    loop's (the reference's "latest-m4" cache lookup)."""
+    ref, meta = reference(arch)
+    for key, rec in meta["exit"].items():
+        threshold = float(key[1:])
+        loops = 4 if arch == "ouro" else 8
+        res = tinyloop.generate(model, meta["prompts"]["b"], greedy(loops=loops, early_exit_threshold=threshold))
+        assert res.tokens == rec["greedy_b"], key
+        if arch == "huginn":  # the prompt runs every loop; each later token's forward exits where the reference's did
+            assert res.loops_used == [loops] + rec["steps"], key
+        else:  # every position of a forward chooses its step (the prompt included): logits of the chosen steps
+            x = torch.tensor([meta["prompts"]["a"]])
+            with torch.inference_mode():
+                got = model.net(x, loops, exit_threshold=threshold)[0]
+            assert float((got - ref[f"exit_logits_{key}"]).abs().max()) < TOL, key
+    plain = tinyloop.generate(model, meta["prompts"]["b"], greedy(loops=4))
+    assert plain.loops_used == [4] * 16  # no threshold: every loop, as the reference's default (Ouro: 1.0)
+
+
+# --- tokenizer and chat template ------------------------------------------------------------------------------
+
+def test_tokenizer_and_chat_template_render_as_transformers_does(model, arch):
+    _, meta = reference(arch)
+    for text, ids in meta["tokens"].items():
+        assert model.codec.encode(text) == ids
+    chat = meta["chat"]
+    assert apply_chat_template(model, chat["messages"]) == chat["text"]
+    assert chat_ids(model, chat["messages"]) == chat["ids"]
+    eos = {"ouro": "<|im_end|>", "huginn": "<|end_text|>"}[arch]
+    assert model.eos_id == model.codec.tokenizer.token_to_id(eos)
+
+
+def test_converted_artifact_keeps_tokenizer_and_template(converted, model, arch):
+    _, meta = reference(arch)
+    assert chat_ids(converted, meta["chat"]["messages"]) == meta["chat"]["ids"]
+    assert converted.cfg == model.cfg == read_hf_config(DATA / f"{arch}-tiny").__class__(**{
+        **read_hf_config(DATA / f"{arch}-tiny").to_dict(), "init_sigma": 0.0})
+    assert converted.info.provenance["source"] == "huggingface" and converted.info.provenance["model_type"] == (
+        "ouro" if arch == "ouro" else "huginn_raven")
+
+
+# --- runtime features on converted models ---------------------------------------------------------------------
+
+def test_batched_prompts_of_different_lengths_are_exact(converted, arch):
+    _, meta = reference(arch)
+    prompts = [meta["prompts"][k] for k in ("a", "b", "c")]
+    alone = [tinyloop.generate(converted, p, greedy(12, loops=3)).tokens for p in prompts]
+    batched = [r.tokens for r in tinyloop.generate_batch(converted, prompts, greedy(12, loops=3))]
+    assert batched == alone
+
+
+def test_prefix_reuse_warm_start_and_speculative_equal_plain_generate(converted, arch):
+    _, meta = reference(arch)
+    prefix, suffix = meta["prompts"]["c"], meta["prompts"]["b"]
+    want = tinyloop.generate(converted, prefix + suffix, greedy(12, loops=4)).tokens
+    cache = tinyloop.create_prefix_cache(converted, prefix, 4)
+    assert tinyloop.generate_from_prefix_cache(converted, cache, suffix, greedy(12, loops=4)).tokens == want
+    handle = tinyloop.build_resume_handle(converted, prefix + suffix, 2)
+    assert tinyloop.resume_generate(handle, 4, greedy(12)).tokens == want
+    sc = tinyloop.SpeculativeConfig(draft_loops=2, verify_loops=4, draft_ahead=3)
+    assert tinyloop.generate_speculative(converted, prefix + suffix, sc, greedy(12)).tokens == want
+    tinyloop.free_handle(cache), tinyloop.free_handle(handle)
+
+
+def test_window_and_beam_on_converted_models(converted, arch):
+    _, meta = reference(arch)
+    prompt = meta["prompts"]["a"]
+    want = tinyloop.generate(converted, prompt, greedy(12, loops=3)).tokens
+    assert tinyloop.generate(converted, prompt, greedy(12, loops=3, cache_window=64)).tokens == want
+    beam = tinyloop.generate(converted, prompt, greedy(8, loops=3, beam_size=3))
+
+    def logprob(out):  # the sequence's log-probability by a full recompute
+        lp = torch.log_softmax(tinyloop.score(converted, prompt + out, 3), -1)
+        return sum(float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(out))
+    assert logprob(beam.tokens) >= logprob(want[:8]) - 1e-4
+
+
+def test_cache_modes_on_converted_models(arch):
+    """fp16 is exact; int8 and int4 (store-h) approximate it: the cached next-token distribution along a greedy
+    output stays within a small total-variation distance of a full recompute (bounds measured: 0.001 / 0.022)."""
+    from tinyloop.engine.runner import Runner
+
+    _, meta = reference(arch)
+    prompt = meta["prompts"]["c"]
+    exact = tinyloop.load_model(DATA / f"{arch}-tiny", 128, dtype=torch.float32, init_scale=0.0)
+    out = tinyloop.generate(exact, prompt, greedy(12, loops=3)).tokens
+    for mode, bound in (("fp16", 1e-5), ("int8", 0.01), ("int4", 0.05)):
+        m = tinyloop.load_model(DATA / f"{arch}-tiny", 128, dtype=torch.float32, init_scale=0.0, cache_mode=mode)
+        assert tinyloop.generate(m, prompt, greedy(4, loops=3)).stats.cache_mode == mode
+        for i in (0, 5, 11):
+            ids = prompt + out[:i]
+            cache = m.new_cache(1, 128)
+            runner = Runner(m, cache, 3)
+            with torch.inference_mode():
+                runner.prefill(ids[:-1], 0)
+                row, _ = runner.decode([ids[-1]], [len(ids) - 1])
+            cache.reset()
+            p, q = torch.softmax(tinyloop.score(exact, ids, 3)[-1], -1), torch.softmax(row[0].float(), -1)
+            assert 0.5 * float((p - q).abs().sum()) < bound, (mode, i)
+
+
+# --- precision, init scale, errors ----------------------------------------------------------------------------
+
+def test_bf16_weights_stay_bf16_unless_asked(arch):
+    _, meta = reference(arch)
+    m = tinyloop.load_model(DATA / f"{arch}-tiny", 128, init_scale=0.0)
+    assert m.dtype == torch.bfloat16 and m.pool.dtype == torch.bfloat16
+    ref, _ = reference(arch)
+    got = tinyloop.score(m, meta["prompts"]["a"], 4)
+    assert got.dtype == torch.float32
+    assert float((got - ref["logits_L4"]).abs().max()) < 0.25  # bf16 arithmetic: close, not exact
+    assert (got.argmax(-1) == ref["logits_L4"].argmax(-1)).float().mean() >= 0.75
+
+
+def test_huginn_init_scale():
+    _, meta = reference("huginn")
+    p = meta["prompts"]["a"]
+    default = tinyloop.load_model(DATA / "huginn-tiny", 64, dtype=torch.float32)
+    assert default.cfg.init_sigma == pytest.approx((2 / 5) ** 0.5)  # std sqrt(2/(5d)) x embed scale sqrt(d)
+    zero = tinyloop.load_model(DATA / "huginn-tiny", 64, dtype=torch.float32, init_scale=0.0)
+    assert not torch.allclose(tinyloop.score(default, p, 2), tinyloop.score(zero, p, 2))
+    assert torch.equal(tinyloop.score(default, p, 2), tinyloop.score(default, p, 2))  # fixed noise per position
+    noise = default.net.init_noise[:256]
+    assert float(noise.abs().max()) <= 3 * default.cfg.init_sigma + 1e-6  # truncated at 3 std, as the reference
+    with pytest.raises(tinyloop.ConfigError, match="init_scale"):
+        tinyloop.load_model(DATA / "huginn-tiny", 64, init_scale=-1.0)
+
+
+def broken(tmp_path: Path, arch: str) -> Path:
+    d = tmp_path / arch
+    shutil.copytree(DATA / f"{arch}-tiny", d)
+    return d
+
+
+def test_unsupported_model_type_names_it_and_the_supported_ones(tmp_path):
+    d = broken(tmp_path, "ouro")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(tinyloop.ArtifactError, match=r"model_type 'llama'.*ouro, huginn_raven"):
+        tinyloop.load_model(d)
+
+
+def test_missing_shard_tensor_tokenizer_and_bad_shape_or_dtype(tmp_path):
+    d = broken(tmp_path, "huginn")
+    (d / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(tinyloop.ArtifactError, match=r"missing shard.*model-00002-of-00004"):
+        tinyloop.load_model(d)
+
+    d = broken(tmp_path / "t", "ouro")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(tinyloop.ArtifactError, match="no tokenizer.json"):
+        tinyloop.load_model(d)
+
+    d = broken(tmp_path / "s", "ouro")
+    tensors = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({**tensors, name: tensors[name][:-1].contiguous()}, str(d / "model.safetensors"))
+    with pytest.raises(tinyloop.ArtifactError, match=r"up_proj.weight gives core.1.mlp.w_up.weight of shape \(159, 64\)"):
+        tinyloop.load_model(d)
+
+    save_file({k: v.float() for k, v in tensors.items()}, str(d / "model.safetensors"))
+    with pytest.raises(tinyloop.ArtifactError, match="dtype torch.float32, config.json declares torch.bfloat16"):
+        tinyloop.load_model(d)
+
+    save_file({k: v for k, v in tensors.items() if "early_exit_gate" not in k}, str(d / "model.safetensors"))
+    with pytest.raises(tinyloop.ArtifactError, match=r"weights missing for \['exit_gate.bias', 'exit_gate.weight'\]"):
+        tinyloop.load_model(d)
+
+    save_file({**tensors, "model.extra.weight": tensors[name].clone()}, str(d / "model.safetensors"))
+    with pytest.raises(tinyloop.ArtifactError, match="unexpected tensor 'model.extra.weight'"):
+        tinyloop.load_model(d)
+
+
+def test_inspect_config_only_plans_the_real_models_without_weights():
+    from tinyloop.inspect import config_text
+    text = config_text(str(DATA / "configs" / "huginn-0125"))
+    assert "parameters: 3,564,976,800" in text and "32 loops (132 KV slots per token)" in text
+    # fp16 cache at bf16: 2 (K, V) x 5280 x 2 bytes x 132 slots per token
+    assert f"{2 * 5280 * 2 * 132 / 1024:.1f} KiB" in text
+    assert "parameters: 1,434,652,673" in config_text(str(DATA / "configs" / "ouro-1.4b"))
