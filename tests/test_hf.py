@@ -259,3 +259,15 @@ def test_inspect_config_only_plans_the_real_models_without_weights():
     # fp16 cache at bf16: 2 (K, V) x 5280 x 2 bytes x 132 slots per token
     assert f"{2 * 5280 * 2 * 132 / 1024:.1f} KiB" in text
     assert "parameters: 1,434,652,673" in config_text(str(DATA / "configs" / "ouro-1.4b"))
+
+
+def test_the_worker_serves_a_converted_chat_model(converted, arch):
+    """The service's chat op renders the checkpoint's template, encodes it as transformers does and generates."""
+    from workers.engine import ModelEngine
+
+    _, meta = reference(arch)
+    engine = ModelEngine(converted, max_handles=2, plan_bytes=0, model_name=f"{arch}-tiny")
+    out = engine.op_chat({"messages": meta["chat"]["messages"], "max_tokens": 8, "temperature": 0.0, "loops": 3,
+                          "logprobs": True}, None, lambda: False)
+    assert out["prompt_text"] == meta["chat"]["text"]
+    assert out["tokens"] == tinyloop.generate(converted, meta["chat"]["ids"], greedy(8, loops=3)).tokens
