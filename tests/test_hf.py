@@ -271,3 +271,29 @@ def test_the_worker_serves_a_converted_chat_model(converted, arch):
                           "logprobs": True}, None, lambda: False)
     assert out["prompt_text"] == meta["chat"]["text"]
     assert out["tokens"] == tinyloop.generate(converted, meta["chat"]["ids"], greedy(8, loops=3)).tokens
+
+
+def test_grammar_constrains_a_converted_model(converted):
+    import re
+
+    res = tinyloop.generate(converted, "x", greedy(24, loops=2, grammar={"regex": r"[a-z]{3,6}@[a-z]{2,5}\.com"}))
+    assert re.fullmatch(r"[a-z]{3,6}@[a-z]{2,5}\.com", res.text), res.text
+
+
+def test_command_line_convert_inspect_and_chat(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "scripts.cli", *args], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out
+    art = tmp_path / "h.tinyloop"
+    assert "wrote" in cli("convert", str(DATA / "huginn-tiny"), str(art)).stdout
+    text = cli("inspect", "--config-only", str(art)).stdout
+    assert "embed_scale" in text and "weights bfloat16" in text and "int4" in text
+    out = cli("generate", "--model", str(art), "--chat", "Hi", "--max-tokens", "4", "--init-scale", "0")
+    assert out.stdout.startswith("<|begin_text|><|begin_header|>user<|end_header|>\n\nHi<|end_turn|>")
+    bad = subprocess.run([sys.executable, "-m", "scripts.cli", "convert", str(tmp_path), str(art)], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "no config.json" in bad.stderr and "Traceback" not in bad.stderr
