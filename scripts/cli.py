@@ -140,7 +140,11 @@ def inspect(path, config_only, max_seq_len) -> None:
 @click.argument("out")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Stored dtype (default: the checkpoint's, bf16 for the real ones).")
-def convert(hf_dir, out, dtype) -> None:
+@click.option("--exit-kv", type=click.Choice(["compute", "copy"]), default=None,
+              help="Early exit: compute the loops after a token's exit (the reference's outputs) or skip them "
+                   "and copy their K/V (less compute). Default: the architecture's (docs/hf.md).")
+@click.option("--max-loops", type=int, default=None, help="Largest loop count the artifact accepts.")
+def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
     """Convert a Hugging Face model directory (Ouro, Huginn) into a .tinyloop artifact, shard by shard."""
     import torch
 
@@ -148,7 +152,8 @@ def convert(hf_dir, out, dtype) -> None:
     from tinyloop.hf import convert as run_convert
 
     try:
-        path = run_convert(hf_dir, out, getattr(torch, dtype) if dtype else None)
+        overrides = {k: v for k, v in (("exit_kv", exit_kv), ("max_loops", max_loops)) if v is not None}
+        path = run_convert(hf_dir, out, getattr(torch, dtype) if dtype else None, **overrides)
         click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     except tinyloop.TinyLoopError as e:
         fail(e)

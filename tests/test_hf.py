@@ -297,3 +297,17 @@ def test_command_line_convert_inspect_and_chat(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "scripts.cli", "convert", str(tmp_path), str(art)], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "no config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ouro_exit_can_skip_the_loops_after_the_exit(tmp_path):
+    """`convert --exit-kv copy`: an exited token runs no further loops (its K/V there are copies). Its first decoded
+    token sees the same cache as in the reference's mode, so it exits at the same loop."""
+    _, meta = reference("ouro")
+    art = convert(DATA / "ouro-tiny", tmp_path / "o.tinyloop", progress=False, exit_kv="copy")
+    skip = tinyloop.load_model(art, 128, dtype=torch.float32)
+    exact = tinyloop.load_model(DATA / "ouro-tiny", 128, dtype=torch.float32)
+    cfg = greedy(12, loops=4, early_exit_threshold=0.3)
+    a, b = tinyloop.generate(skip, meta["prompts"]["b"], cfg), tinyloop.generate(exact, meta["prompts"]["b"], cfg)
+    assert skip.cfg.exit_kv == "copy" and a.tokens[0] == b.tokens[0] and a.loops_used[1] == b.loops_used[1] < 4
+    with pytest.raises(tinyloop.ConfigError, match="cannot override"):
+        convert(DATA / "ouro-tiny", tmp_path / "x.tinyloop", progress=False, d_model=8)

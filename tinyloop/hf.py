@@ -360,12 +360,17 @@ def with_init_scale(cfg: ModelConfig, init_scale: float) -> ModelConfig:
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def convert(path, out, dtype: torch.dtype | None = None, progress: bool = True) -> Path:
+def convert(path, out, dtype: torch.dtype | None = None, progress: bool = True, **overrides) -> Path:
     """Write a .tinyloop artifact from a Hugging Face directory, streamed: the safetensors header is computed from
     the config first, then each shard's tensors are converted and written at their offsets, so memory holds one
-    shard at a time, not the model. dtype None keeps the checkpoint's (bf16 for the real ones)."""
+    shard at a time, not the model. dtype None keeps the checkpoint's (bf16 for the real ones). overrides: ModelConfig
+    fields that do not change the weights (exit_kv "copy": Ouro's early exit skips the loops after the exit)."""
     path, out = Path(path), Path(out)
     cfg = read_hf_config(path)
+    bad = sorted(set(overrides) - {"exit_kv", "default_loops", "max_loops", "init_sigma"})
+    if bad:
+        raise ConfigError(f"convert: cannot override {bad} (only fields that leave the weights as they are)")
+    cfg = replace(cfg, **overrides).validate()
     codec = read_hf_tokenizer(path, cfg)
     dtype = dtype or checkpoint_dtype(read_raw(path)) or torch.float32
     if dtype not in _ST_DTYPES:
