@@ -305,6 +305,8 @@ def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
                 targets = names(key, cfg)
                 if targets is None:
                     raise ArtifactError(f"{path / file}: unexpected tensor {key!r} for a {raw['model_type']} model")
+                if not targets:  # a tied head saved beside the embedding: not read
+                    continue
                 t = f.get_tensor(key)
                 if not t.is_floating_point() or (declared is not None and t.dtype != declared):
                     want = declared if t.is_floating_point() else "a float type"
