@@ -21,6 +21,7 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
+from .kernels import step as cached
 from .handles import Handle, encode_tokens, tensor_bytes
 from .runtime import Model
 from .types import GenerateConfig, GenerateResult, OnToken
@@ -71,7 +72,7 @@ class PrefixCache(Handle):
         try:
             x = torch.tensor([self.ids], device=model.device)
             step = net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
-            self.logits = net(x, self.n_loops, step, cache)[0, -1:].clone()
+            self.logits = cached.forward(net, x, self.n_loops, step, cache)[0, -1:].clone()
             self.span = cache.share(self.slots, T)
         finally:
             cache.reset()
