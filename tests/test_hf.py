@@ -311,3 +311,10 @@ def test_ouro_exit_can_skip_the_loops_after_the_exit(tmp_path):
     assert skip.cfg.exit_kv == "copy" and a.tokens[0] == b.tokens[0] and a.loops_used[1] == b.loops_used[1] < 4
     with pytest.raises(tinyloop.ConfigError, match="cannot override"):
         convert(DATA / "ouro-tiny", tmp_path / "x.tinyloop", progress=False, d_model=8)
+
+
+def test_speculative_with_ouro_exit_rule_is_refused_clearly():
+    ouro = tinyloop.load_model(DATA / "ouro-tiny", 64, dtype=torch.float32)
+    sc = tinyloop.SpeculativeConfig(draft_loops=2, verify_loops=4, draft_ahead=3)
+    with pytest.raises(tinyloop.ModeError, match="cdf exit rule"):
+        tinyloop.generate_speculative(ouro, [5, 6, 7], sc, greedy(4, early_exit_threshold=0.5))

@@ -80,8 +80,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qk_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qk_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
@@ -105,7 +105,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
-        self.sandwich = cfg.sandwich_norm
+        self.sandwich, self.on_sum = cfg.sandwich_norm, cfg.sandwich_residual
         if self.sandwich:
             self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.mlp_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -123,6 +123,8 @@ class BlockWeights:
     w_down: torch.Tensor
     attn_out_norm: torch.Tensor | None
     mlp_out_norm: torch.Tensor | None
+    bqkv: torch.Tensor | None = None  # qk_bias: biases of the q|k|v rows (v's part zero)
+    on_sum: bool = False              # sandwich_residual: the out-norms normalise the residual sums
 
 
 @dataclass
@@ -157,10 +159,11 @@ def _fuse(linears: list[nn.Linear], rebind: bool) -> torch.Tensor:
 def _block_weights(block: Block, rebind: bool) -> BlockWeights:
     a, m = block.attn, block.mlp
     wqkv = _fuse([a.wq, a.wk, a.wv], rebind)
+    bqkv = None if a.wq.bias is None else torch.cat((a.wq.bias, a.wk.bias, torch.zeros_like(a.wk.bias)))
     return BlockWeights(block.attn_norm.weight, wqkv, wqkv[a.wq.weight.shape[0]:], a.wo.weight, block.mlp_norm.weight,
                         _fuse([m.w_gate, m.w_up], rebind), m.w_down.weight,
                         block.attn_out_norm.weight if block.sandwich else None,
-                        block.mlp_out_norm.weight if block.sandwich else None)
+                        block.mlp_out_norm.weight if block.sandwich else None, bqkv, block.on_sum)
 
 
 def _all_weights(net: "LoopedLM", rebind: bool) -> Weights:
@@ -219,13 +222,20 @@ def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) ->
     B, T, H, KV, hd = ctx.B, ctx.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = norm(x, w.attn_norm, eps)
     qkv = lin(h, w.wqkv)  # [B*T, d + 2 kv]
+    if w.bqkv is not None:
+        qkv = qkv + w.bqkv
     qk = ctx.rope(qkv[:, :(H + KV) * hd].view(B, T, H + KV, hd))
     v = qkv[:, (H + KV) * hd:].view(B, T, KV, hd)
     out = ctx.attend(w, slot, qk[:, :, :H], h.view(B, T, -1), qk[:, :, H:], v)  # [B, H, T, hd]
     a = lin(out.transpose(1, 2).reshape(B * T, H * hd), w.wo)
-    x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+    if w.on_sum:  # Huginn: the sandwich norms normalise the residual sums
+        x = norm(x + a, w.attn_out_norm, eps)
+    else:
+        x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
     gate, up = lin(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
     m = lin(F.silu(gate) * up, w.w_down)
+    if w.on_sum:
+        return norm(x + m, w.mlp_out_norm, eps)
     return x + (norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
 
 
@@ -275,7 +285,11 @@ class LoopedLM(nn.Module):
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
         if self.cfg.state_init == "normal":  # one fixed noise vector per position: cached == recomputed
             g = torch.Generator().manual_seed(self.cfg.init_seed)
-            noise = torch.randn(max_seq_len, self.cfg.d_model, generator=g) * self.cfg.init_sigma
+            noise = torch.randn(max_seq_len, self.cfg.d_model, generator=g)
+            if self.cfg.init_trunc:  # Huginn: a truncated normal (values outside +-init_trunc sigma redrawn)
+                t = self.cfg.init_trunc
+                noise = nn.init.trunc_normal_(noise, 0.0, 1.0, -t, t, generator=g)
+            noise = noise * self.cfg.init_sigma
             self.register_buffer("init_noise", noise.to(device), persistent=False)
         self.max_seq_len = max_seq_len
 
@@ -305,6 +319,8 @@ class LoopedLM(nn.Module):
     def encode(self, ids: torch.Tensor, ctx) -> torch.Tensor:
         """Embedding and prelude of ids [B, T]: e [B, T, d], the input every loop is injected with."""
         x = self.embed(ids.reshape(-1))
+        if self.cfg.embed_scale != 1:
+            x = x * self.cfg.embed_scale
         for i, w in enumerate(ctx.weights.prelude):
             x = block(self.cfg, w, x, ctx, i)
         return x.view(ctx.B, ctx.T, -1)
@@ -323,6 +339,8 @@ class LoopedLM(nn.Module):
         x = s if inj == "none" else s + e if inj == "add" else W.linear(torch.cat((s, e), dim=-1), W.adapter)
         for j, w in enumerate(W.core):
             x = block(self.cfg, w, x, ctx, self.cfg.core_slot(k, j))
+        if self.cfg.loop_norm:  # Ouro: every loop ends with the final norm, and the normalised state loops on
+            x = W.norm(x, W.final_norm, self.cfg.norm_eps)
         return x.view(ctx.B, ctx.T, d)
 
     def exit_prob(self, s: torch.Tensor) -> torch.Tensor | None:
@@ -330,20 +348,27 @@ class LoopedLM(nn.Module):
 
     def decode_head(self, s: torch.Tensor, ctx) -> torch.Tensor:
         """Coda, final norm and head of states s [B, T, d]: logits [B, T, V]."""
-        W, d = ctx.weights, s.shape[-1]
+        W, d, cfg = ctx.weights, s.shape[-1], self.cfg
         x = s.reshape(-1, d)
+        if cfg.coda_norm:  # Huginn: the final norm also before the coda
+            x = W.norm(x, W.final_norm, cfg.norm_eps)
         for i, w in enumerate(W.coda):
-            x = block(self.cfg, w, x, ctx, self.cfg.coda_slot(i))
-        return W.linear(W.norm(x, W.final_norm, self.cfg.norm_eps), W.head).view(ctx.B, ctx.T, -1)
+            x = block(cfg, w, x, ctx, cfg.coda_slot(i))
+        if cfg.final_norm:
+            x = W.norm(x, W.final_norm, cfg.norm_eps)
+        return W.linear(x, W.head).view(ctx.B, ctx.T, -1)
 
     # --- whole forward ------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, ctx=None,
-                grad_loops: int | None = None, return_states: bool = False):
+                grad_loops: int | None = None, return_states: bool = False, exit_threshold: float = 0.0):
         """Logits [B, T, V] for a chunk ids [B, T]. Without a context this is a plain causal forward over the chunk
         (training, full recompute); calls with a KV cache pass the cached step's context (kernels/step.py).
 
         grad_loops: when training, backpropagate through only the last `grad_loops` loops (the earlier ones
         run without autograd), which bounds memory and compute like truncated backprop through time.
+        exit_threshold: under the cdf exit rule (Ouro) each position's logits come from the loop it exits at, as the
+        reference does for every position (the chunk still runs every loop: its K/V are all needed). Under the
+        latent rule a chunk's logits are its last loop's.
         """
         if ctx is not None and not hasattr(ctx, "attend"):
             raise TypeError(f"LoopedLM.forward: ctx must be a forward context, got {type(ctx).__name__} (a cached "
@@ -357,6 +382,8 @@ class LoopedLM(nn.Module):
         s = self.init_state(e, ctx.step)
         states = [s]
         no_grad_until = loops - grad_loops if grad_loops is not None else 0
+        exits = ExitState(self, s, [loops] * ids.shape[0], exit_threshold) \
+            if exit_threshold > 0 and self.cfg.exit_rule == "cdf" else None
         for k in range(loops):
             if k < no_grad_until:
                 with torch.no_grad():
@@ -365,13 +392,20 @@ class LoopedLM(nn.Module):
                 s = self.loop(s, e, k, ctx)
             if return_states:
                 states.append(s)
-        logits = self.decode_head(s, ctx)
+            if exits is not None:
+                exits.after(k, list(range(ids.shape[0])), None, s)
+        logits = self.decode_head(s if exits is None else exits.out, ctx)
         return (logits, states) if return_states else logits
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     # --- adaptive depth (early exit, per-lane loop counts) ---------------------------------------------
+    def adaptive(self, threshold: float) -> bool:
+        """Whether decoding at this threshold may exit early: a threshold, or (latent rule) an exit gate at 0.5.
+        Under the cdf rule (Ouro) the gate acts only with a threshold: 0 runs every loop, like the reference's 1.0."""
+        return threshold > 0 or (self.exit_gate is not None and self.cfg.exit_rule == "latent")
+
     def exit_mask(self, s_prev: torch.Tensor, s_new: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
         """[B] True where a lane's token may stop looping: small relative latent change (threshold > 0; a float or
         one per lane), or the exit gate fires."""
@@ -400,26 +434,67 @@ class LoopedLM(nn.Module):
         thr = torch.as_tensor(threshold, dtype=torch.float32).expand(B)
         e = self.encode(ids, ctx)
         s = self.init_state(e, ctx.step).clone()
-        used, active = list(want), list(range(B))
+        # exit_kv "compute" (Ouro's reference computes every loop): a lane that exits keeps looping, so its K/V at
+        # later loops are the real ones, and `exits.out` keeps the state it exited with, which gives its logits.
+        compute = self.cfg.exit_kv == "compute"
+        exits = ExitState(self, s, want, thr)
+        active = list(range(B))
         for k in range(max(want)):
             active = [i for i in active if want[i] > k]
             if not active:
                 break
             if len(active) == B:
                 s_old, s_new = s, self.loop(s, e, k, ctx)
-                done = self.exit_mask(s_old, s_new, thr)
                 s = s_new
             else:
                 sub, idx = ctx.subset(active), torch.tensor(active, device=ids.device)
                 s_old = s[idx]
                 s_new = self.loop(s_old, e[idx], k, sub)
                 sub.commit()
-                done = self.exit_mask(s_old, s_new, thr[active])
                 s[idx] = s_new
-            for i, d in zip(active, done.tolist()):
-                if d and k + 1 < want[i]:
-                    used[i] = k + 1
-            active = [i for i in active if used[i] > k + 1]
-        for i in range(B):
-            ctx.fill_skipped(i, used[i], want[i])
-        return self.decode_head(s, ctx), used
+            exits.after(k, active, s_old, s_new)
+            if not compute:
+                active = [i for i in active if exits.used[i] > k + 1]
+        if not compute:
+            for i in range(B):
+                ctx.fill_skipped(i, exits.used[i], want[i])
+        return self.decode_head(exits.out, ctx), exits.used
+
+
+class ExitState:
+    """Early-exit bookkeeping of a forward: which loop each lane (or, in a chunk under the cdf rule, each token)
+    exits at, and the states to take logits from.
+
+    latent rule: a lane exits after the first loop whose relative latent change is under its threshold, or whose
+    exit gate gives >= 0.5 (exit_mask). cdf rule (Ouro): the gate's lambda_k gives an exit distribution
+    p_k = lambda_k prod_{j<k} (1 - lambda_j), the lane's last loop taking the mass left; a token exits at the first
+    loop whose cumulative probability reaches the threshold (the sums run in the reference's order)."""
+
+    def __init__(self, net: LoopedLM, s: torch.Tensor, want: list[int], threshold):
+        B, T = s.shape[:2]
+        self.net, self.want, self.used = net, want, list(want)
+        self.thr = torch.as_tensor(threshold, dtype=torch.float32, device=s.device).expand(B)
+        self.out = s.clone()
+        self.chosen = torch.zeros(B, T, dtype=torch.bool, device=s.device)  # tokens whose exit loop is decided
+        self.cdf = torch.zeros(B, T, device=s.device)
+        self.rest = torch.ones(B, T, device=s.device)
+
+    def after(self, k: int, lanes: list[int], s_old: torch.Tensor | None, s_new: torch.Tensor) -> None:
+        """Loop k (0-based) of `lanes` gave states s_new [len(lanes), T, d] from s_old."""
+        idx = torch.tensor(lanes, device=s_new.device)
+        thr = self.thr[idx]
+        if self.net.cfg.exit_rule == "cdf":
+            lam = self.net.exit_prob(s_new).float()
+            last = torch.tensor([k == self.want[i] - 1 for i in lanes], device=s_new.device).unsqueeze(1)
+            rest = self.rest[idx]
+            self.cdf[idx] += torch.where(last, rest, lam * rest)
+            self.rest[idx] = rest * (1 - lam)
+            stop = (self.cdf[idx] >= thr.unsqueeze(1)) & (thr > 0).unsqueeze(1)
+        else:
+            stop = self.net.exit_mask(s_old, s_new, thr).unsqueeze(1).expand(-1, s_new.shape[1])
+        fresh = ~self.chosen[idx]
+        self.out[idx] = torch.where(fresh.unsqueeze(-1), s_new, self.out[idx])
+        self.chosen[idx] |= stop
+        for i, lane_stops in zip(lanes, stop.all(dim=1).tolist()):
+            if lane_stops and self.used[i] == self.want[i] and k + 1 < self.want[i]:
+                self.used[i] = k + 1

@@ -193,7 +193,7 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
     with handle.using(model), lanes(model, [handle.ids], [cfg]) as cache:
         ids = handle.ids
         seq = Sequence(model, ids, cfg, on_token)
-        adaptive = cfg.early_exit_threshold > 0 or model.net.exit_gate is not None
+        adaptive = model.net.adaptive(cfg.early_exit_threshold)
         first = lambda seq: handle.prefill(cache, L, seq.stats)[-1]
         if len(ids) == 1 and adaptive:
             # generate runs a one-token prompt with early exit; match it by a plain prefill

@@ -44,7 +44,7 @@ import torch
 from .cache import KVCache
 from .engine.calls import checked, lanes
 from .engine.sequence import Sequence
-from .errors import ConfigError
+from .errors import ConfigError, ModeError
 from .generate import generate
 from .kernels import step as cached
 from .model import Step
@@ -157,7 +157,10 @@ class Speculator:
         self.model, self.net, self.cache, self.cfg, self.seq = model, model.net, cache, cfg, seq
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
         self.threshold = cfg.early_exit_threshold
-        self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
+        self.adaptive = self.net.adaptive(self.threshold)
+        if self.adaptive and model.cfg.exit_rule == "cdf":  # drafts stop per token; Ouro's rule picks among all loops
+            raise ModeError("speculative decoding with early exit under the model's cdf exit rule (Ouro) is not "
+                            "supported; decode without early_exit_threshold, or without speculation")
         # Drafts and verification multiply through the packed weight layout where it applies (CPU, fp32): the same
         # fp32 math in another summation order, as a verified chunk is anyway; greedy output stays plain decode's
         # (tests). With early exit the exit decisions must be plain decode's bit for bit: the exact layout.

@@ -30,7 +30,7 @@ Prefill = Callable[[Sequence], torch.Tensor]
 class Runner:
     def __init__(self, model, cache: KVCache, loops: int, early_exit: float = 0.0):
         self.model, self.net, self.cache, self.loops, self.early_exit = model, model.net, cache, loops, early_exit
-        self.adaptive = early_exit > 0 or self.net.exit_gate is not None
+        self.adaptive = self.net.adaptive(early_exit)
         self.hold_back = False  # set by a preemption, cleared when a lane finishes
 
     def lane(self, i: int) -> KVCache:
@@ -41,7 +41,7 @@ class Runner:
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
-        return cached.forward(self.net, x, self.loops, step, self.lane(lane))[0]
+        return cached.forward(self.net, x, self.loops, step, self.lane(lane), exit_threshold=self.early_exit)[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None
                ) -> tuple[torch.Tensor, list[int]]:

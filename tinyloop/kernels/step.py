@@ -94,7 +94,8 @@ def packed_weights(exact: Weights, lanes: int) -> Weights:
     mat = lambda w: packed_weight(w, "packed", lanes)
     dbl = lambda w: None if w is None else torch.stack((w, w))  # [2, d]: packed_norm's weight
     blocks = lambda ws: [BlockWeights(dbl(w.attn_norm), mat(w.wqkv), w.wkv, mat(w.wo), dbl(w.mlp_norm), mat(w.wgu),
-                                      mat(w.w_down), dbl(w.attn_out_norm), dbl(w.mlp_out_norm)) for w in ws]
+                                      mat(w.w_down), dbl(w.attn_out_norm), dbl(w.mlp_out_norm), w.bqkv, w.on_sum)
+                          for w in ws]
     return Weights("packed", blocks(exact.prelude), blocks(exact.core), blocks(exact.coda),
                    None if exact.adapter is None else mat(exact.adapter), dbl(exact.final_norm), mat(exact.head),
                    linear_for("packed", lanes), packed_norm)
@@ -231,7 +232,7 @@ class Cached:
         """Full-precision keys and values [B, n, KV, hd] from stored entries (int4 store-h: recomputed from h)."""
         def project(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             B, n, KV, hd = self.B, h.shape[1], self.net.cfg.n_kv_heads, self.net.cfg.head_dim
-            kv = F.linear(h, w.wkv)
+            kv = F.linear(h, w.wkv, None if w.bqkv is None else w.bqkv[self.net.cfg.d_model:])
             cos, sin = (self.kcos, self.ksin) if kpos is None else rope_factors(*self.step.rope_at(kpos.clamp_min(0)))
             return rotate(kv[..., :KV * hd].view(B, n, KV, hd), cos, sin), kv[..., KV * hd:].view(B, n, KV, hd)
         return decode_entries(self.cache.mode, data, self.cache.dtype, project)
@@ -345,13 +346,20 @@ def context(net: LoopedLM, step: Step, cache: KVCache, name: str | None = None) 
     elsewhere the exact one runs."""
     name = layout() if name is None else name
     dev = step.pos.device
-    triton = use_triton(dev) and step.pos.shape[1] == 1 and step.cells is None and step.mask is None
+    triton = use_triton(dev) and step.pos.shape[1] == 1 and step.cells is None and step.mask is None \
+        and triton_supports(net.cfg)
     if name != "exact" and (triton or not layout_applies(net, dev)):
         name = "exact"
     weights = weights_for(net, name, step.pos.shape[0])
     if triton:
         weights = dataclasses.replace(weights, name="triton", norm=_triton_norm)
     return Cached(net, cache, step, weights, triton)
+
+
+def triton_supports(cfg) -> bool:
+    """The Triton kernels (fused norms, int4 store-h recompute) do not yet take the fields real checkpoints bring
+    (q/k biases, norms on the residual sums or after each loop): such models run the torch path on CUDA too."""
+    return not (cfg.qk_bias or cfg.sandwich_residual or cfg.loop_norm or cfg.coda_norm or not cfg.final_norm)
 
 
 # --- the entry points -------------------------------------------------------------------------------------
@@ -388,10 +396,12 @@ class _threads:
 
 
 def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache,
-            name: str | None = None) -> torch.Tensor:
-    """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`."""
+            name: str | None = None, exit_threshold: float = 0.0) -> torch.Tensor:
+    """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`
+    (exit_threshold: LoopedLM.forward's, the cdf rule's choice of each position's loop)."""
     rows = ids.shape[1] == 1 and step.cells is None and step.mask is None
-    if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled():
+    if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled() \
+            and triton_supports(net.cfg) and not exit_threshold:
         return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
     threads = decode_threads(ids.shape[0], net.cfg) if rows and ids.device.type == "cpu" else 0
     with _threads(threads):
@@ -399,7 +409,7 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         if rows:
             cfg = net.cfg
             ctx.read_ahead([*range(cfg.n_prelude + cfg.n_core * loops), *range(cfg.coda_slot(0), cfg.n_slots())])
-        logits = net(ids, loops, ctx=ctx)
+        logits = net(ids, loops, ctx=ctx, exit_threshold=exit_threshold)
         ctx.flush()
         return logits
 
