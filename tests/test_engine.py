@@ -123,15 +123,15 @@ def test_loaded_run_stays_within_the_budget():
     assert growth <= beside_weights, (growth, beside_weights)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.05])
-def test_one_forward_runs_lanes_at_their_own_depth(make_artifact, threshold):
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
     """forward_adaptive with a loop count (and threshold) per lane: each lane's logits and loops used equal that lane
     run alone, and a lane at fewer loops never writes (so never holds) the slots of the loops it does not run."""
     import torch
     from tinyloop.kernels import step as cached
-    model = tinyloop.load_model(make_artifact(), 64)
+    model = bundled_model  # trained: its latents settle, so a threshold stops lanes early
     net, cfg = model.net, model.cfg
-    prompts, loops, thresholds = [ids(7, 1), ids(4, 2), ids(9, 3)], [2, 6, 4], [threshold, 0.0, threshold]
+    prompts, loops, thresholds = [ids(7, 1), ids(4, 2), ids(9, 3)], [2, 6, 12], [threshold, 0.0, threshold]
 
     def run(lanes: list[int]) -> tuple[torch.Tensor, list[int], object]:
         cache = model.new_cache(len(lanes), 64)
