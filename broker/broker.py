@@ -23,7 +23,8 @@ Pattern: the Majordomo broker and Paranoid Pirate heartbeats from the ZeroMQ gui
   their prefix caches hold (broker/protocol.py prefix_digests: over the prompt's text, so no
   tokenizer here). A free worker takes, among the first AFFINITY_WINDOW queued requests, the one
   whose prefix it holds deepest, else one no other worker holds; a request whose holder is busy
-  waits for it at most AFFINITY_WINDOW turns, then goes to whichever worker is free.
+  waits for it (at most affinity_wait_s, and not when another request already waits for that
+  worker: then the holder counts as overloaded), then goes to whichever worker is free.
 
 The broker is single-threaded: one poll loop owns both sockets. It imports no torch.
 """
@@ -73,6 +74,7 @@ DEFAULT_READY_MAX_ERROR_RATE = 0.5
 READY_MIN_SAMPLES = 5  # fewer finished requests than this in the window say nothing about the error rate
 # Cache-aware routing looks this far into the queue, and a request is passed over at most this many times.
 AFFINITY_WINDOW = 16
+DEFAULT_AFFINITY_WAIT_S = 0.5
 # Ops whose prompt prefix a worker's prefix cache keeps (their requests are routed by it).
 PREFIX_OPS = frozenset({"generate", "generate_pool"})
 
@@ -165,10 +167,12 @@ class Broker:
         ready_max_error_rate: float = DEFAULT_READY_MAX_ERROR_RATE,
         curve_dir: str | None = None,
         affinity: bool = True,
+        affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
         context: zmq.Context | None = None,
     ) -> None:
         self.frontend_endpoint = frontend
         self.affinity = affinity  # cache-aware routing (False: first come, first served on the least recently used)
+        self.affinity_wait_s = affinity_wait_s  # the longest a request waits for the busy worker holding its prefix
         self.backend_endpoint = backend
         self.max_queue = max_queue
         self.heartbeat_interval = heartbeat_interval
@@ -603,37 +607,51 @@ class Broker:
             else:
                 free.append(worker)
         while free and self.queue:
-            worker, req = self.pick(free)
+            chosen = self.pick(free)
+            if chosen is None:
+                break
+            worker, req = chosen
             free = [w for w in free if w is not worker]
             self.queue.remove(req)
             self.start(worker, req)
         self.idle = deque(w.identity for w in free)
 
-    def pick(self, free: list[Worker]) -> tuple[Worker, Request]:
-        """Which queued request goes to which free worker. Without affinity: the oldest to the least recently used.
-        With it: among the first AFFINITY_WINDOW requests and the free workers, the pair where the worker holds the
-        request's prompt prefix deepest; when no free worker holds any (their holders are busy: overloaded, with one
-        request per worker), the request busy workers hold least, oldest first, to the least recently used free worker.
-        A request passed over AFFINITY_WINDOW times goes first, wherever."""
+    def pick(self, free: list[Worker]) -> tuple[Worker, Request] | None:
+        """Which queued request goes to which free worker (None: leave the free workers idle for now).
+
+        Without affinity: the oldest request to the least recently used worker. With it, among the first
+        AFFINITY_WINDOW requests: the pair where a free worker holds the request's prompt prefix deepest (oldest
+        request, least recently used worker among equals). Failing that, the oldest request no busy worker holds, or
+        one whose holder is overloaded (more than one request waits for it), goes to the least recently used free
+        worker; a request whose busy holder is not overloaded waits for it, at most `affinity_wait_s`."""
         head = self.queue[0]
-        if not self.affinity or head.passed_over >= AFFINITY_WINDOW:
+        now = time.monotonic()
+        if not self.affinity or head.passed_over >= AFFINITY_WINDOW or now - head.arrived > self.affinity_wait_s:
             return free[0], head
         window = list(itertools.islice(self.queue, AFFINITY_WINDOW))
-        free_ids = {w.identity for w in free}
-        busy = [w for w in self.workers.values() if w.identity not in free_ids and not w.leaving]
-
-        def score(pair: tuple[Worker, Request]) -> tuple[int, int]:
-            worker, req = pair
-            if not req.digests:
-                return 0, 0
-            return worker.holds(req.digests), -max((w.holds(req.digests) for w in busy), default=0)
-
-        worker, req = max(((w, r) for r in window for w in free), key=score)  # the first of equals: oldest, LRU
+        pairs = [(w.holds(r.digests) if r.digests else 0, w, r) for r in window for w in free]
+        depth, worker, req = max(pairs, key=lambda p: p[0])  # the first of equals: oldest request, LRU worker
+        if not depth:
+            worker, req = free[0], None
+            free_ids = {w.identity for w in free}
+            busy = [w for w in self.workers.values() if w.identity not in free_ids and not w.leaving]
+            backlog: dict[bytes, int] = {}
+            for r in window:
+                holder = max(busy, key=lambda w: w.holds(r.digests), default=None) if r.digests else None
+                if holder is None or not holder.holds(r.digests):
+                    req = r  # nobody holds it
+                    break
+                backlog[holder.identity] = backlog.get(holder.identity, 0) + 1
+                if backlog[holder.identity] > 1 or now - r.arrived > self.affinity_wait_s:
+                    req = r  # its holder is overloaded, or kept it waiting long enough
+                    break
+            if req is None:
+                return None
         for r in window:
             if r is req:
                 break
             r.passed_over += 1
-        self.metrics.routed.labels("affinity" if score((worker, req))[0] else "least_loaded").inc()
+        self.metrics.routed.labels("affinity" if depth else "least_loaded").inc()
         return worker, req
 
     def start(self, worker: Worker, req: Request) -> None:
