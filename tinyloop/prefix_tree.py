@@ -12,7 +12,8 @@ Why this is exact: at loop k a token attends to the loop-k entries of earlier to
 prefix do not depend on what follows it (docs/cache-reuse.md). A tree per loop count, because the coda's entries
 come from the state after exactly that many loops.
 
-Eviction: least recently used first, whenever the pool runs short of free blocks (BlockPool.reclaim). A use touches
+Eviction: least recently used first, when a block is taken and none is free (BlockPool.take); admission counts the
+blocks only the cache holds as free (BlockPool.room), so a call finds its own prefix before anything is evicted. A use touches
 a path leaf first and root last, so every node is newer than its descendants and the oldest node is always a leaf.
 Pinned nodes (registered scaffolds: register_prefix, a worker's --prefix-file) are never evicted; unpinning a
 scaffold drops those of its nodes nothing else extends.
@@ -52,7 +53,7 @@ class PrefixTree:
         self.roots: dict[int, Node] = {}
         self.lru: OrderedDict[Node, None] = OrderedDict()  # unpinned nodes, least recently used first
         self.lookups = self.hits = self.hit_tokens = self.evictions = 0
-        pool.reclaim = self.evict
+        pool.prefixes = self
 
     # --- what a node stores ---------------------------------------------------------------------------------
     def slots(self, loops: int) -> list[int]:
@@ -165,11 +166,20 @@ class PrefixTree:
                 self.lru.move_to_end(n)
 
     # --- eviction ---------------------------------------------------------------------------------------------
+    def evictable(self) -> int:
+        """Blocks eviction would free: those of unpinned nodes that nothing else holds."""
+        refs = self.pool.refs
+        return sum(1 for n in self.lru for b in n.blocks if refs[b] == 1)
+
     def evict(self, need: int) -> None:
-        """Drop least recently used unpinned nodes until the pool has `need` free blocks or nothing is left to drop
-        (a node whose blocks a running sequence also holds frees them only when that sequence ends)."""
-        while self.pool.free_count < need and self.lru:
-            node, _ = self.lru.popitem(last=False)
+        """Drop least recently used unpinned leaves until the pool has `need` free blocks or nothing left would free
+        any (a node whose blocks running sequences also hold stays: dropping it would free nothing now)."""
+        refs = self.pool.refs
+        while self.pool.free_count < need:
+            # the oldest leaf that frees something (a node a running sequence shares would only be lost)
+            node = next((n for n in self.lru if not n.children and any(refs[b] == 1 for b in n.blocks)), None)
+            if node is None:
+                return
             self.remove(node)
             self.evictions += 1
 
@@ -185,5 +195,5 @@ class PrefixTree:
         node.blocks, node.alive = [], False
 
     def clear(self) -> None:
-        """Drop every unpinned node."""
+        """Drop every unpinned node nothing else holds."""
         self.evict(self.pool.num_blocks + 1)

@@ -59,7 +59,7 @@ class Model:
                               f"{need * pool.block_bytes / 2**20:.1f} MiB) but the model's pool has only "
                               f"{pool.num_blocks} ({pool.nbytes / 2**20:.1f} MiB): it can never fit; lower the "
                               f"lanes, beam_size, max_tokens or loops, or load the model with a larger memory_budget")
-        if now and need > pool.room(need):
+        if now and need > pool.room():
             raise BudgetError(f"{what} needs {need} KV blocks but only {pool.free_count} of {pool.num_blocks} are "
                               f"free now ({pool.used} held by handles and running sequences): free handles or retry")
 

@@ -132,7 +132,7 @@ class Runner:
             # its blocks now, and room for every running lane to cross into a new block on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
                 sum(cfg.n_slots(seqs[r].loops) for r in running + [i])
-            if running and need > pool.room(need):
+            if running and need > pool.room():
                 return
             waiting.pop(0)
             try:
