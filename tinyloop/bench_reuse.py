@@ -157,8 +157,9 @@ def prefix_workload(n_suffixes: int, seed: int = 0) -> tuple[list[str], list[tup
     punctuation) and the prompts scaffold + suffix, n_suffixes per scaffold, in a shuffled order: (scaffold, prompt)."""
     import random
 
-    scaffolds = [f'"""Scaffold {i}: the conventions of project {i}."""\n' + (SCAFFOLD * 3).rstrip() + end
-                 for i, end in enumerate(ENDINGS)]
+    names = ["Alpha", "Bravo", "Charlie", "Delta"]  # distinct from the first token: no scaffold shares a block
+    scaffolds = [f'# {name}: the conventions of this project.\n' + (SCAFFOLD * 3).rstrip() + end
+                 for name, end in zip(names, ENDINGS)]
     forms = ["def task_{j}(x):\n    return x * {j}", "print({j})", "x_{j} = [{j}, {j}]", "class C{j}:\n    pass",
              "import os  # {j}", "\n# step {j}", "    return {j}", "value: int = {j}"]
     suffixes = [forms[j % len(forms)].format(j=j) for j in range(n_suffixes)]
