@@ -158,7 +158,7 @@ def prefix_workload(n_suffixes: int, seed: int = 0) -> tuple[list[str], list[tup
     import random
 
     names = ["Alpha", "Bravo", "Charlie", "Delta"]  # distinct from the first token: no scaffold shares a block
-    scaffolds = [f'# {name}: the conventions of this project.\n' + (SCAFFOLD * 3).rstrip() + end
+    scaffolds = [f'{name} project conventions.\n' + (SCAFFOLD * 3).rstrip() + end
                  for name, end in zip(names, ENDINGS)]
     forms = ["def task_{j}(x):\n    return x * {j}", "print({j})", "x_{j} = [{j}, {j}]", "class C{j}:\n    pass",
              "import os  # {j}", "\n# step {j}", "    return {j}", "value: int = {j}"]
