@@ -22,6 +22,7 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
+from .kernels import step as cached
 from .handles import Handle, encode_tokens, tensor_bytes
 from .prefix_tree import Node, common_length
 from .runtime import Model
@@ -54,7 +55,7 @@ def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable) -> torc
     try:
         x = torch.tensor([ids], device=model.device)
         step = model.net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
-        logits = model.net(x, n_loops, step, cache)[0, -1:].clone()
+        logits = cached.forward(model.net, x, n_loops, step, cache)[0, -1:].clone()
         keep(cache)
         return logits
     finally:

@@ -5,9 +5,9 @@ chunk: the same call for a sequence alone or in a batch, so their outputs are eq
 together, one token per lane per forward. A finished lane leaves the forward and gives its blocks back; when the
 pool runs out, the youngest lane is preempted and recomputed later (`run`).
 
-Forwards: `decode` runs one-token-per-lane rows through the lean step of tinyloop/kernels (the fast path), or
-with early exit (a threshold or the model's exit gate) through `forward_adaptive`, which stops each lane's looping
-on its own; `prefill` runs a chunk through the model's forward.
+Forwards: `decode` runs one-token-per-lane rows, `prefill` a chunk, both through the model's one forward over the
+paged cache (tinyloop/kernels/step.py); with early exit (a threshold or the model's exit gate) decode rows go
+through `forward_adaptive`, which stops each lane's looping on its own.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import BudgetError
-from ..kernels.lean import decode_forward
+from ..kernels import step as cached
 from ..memory import blocks_for, release_freed_memory
 from .sequence import Sequence
 
@@ -42,7 +42,7 @@ class Runner:
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
-        return self.net(x, self.loops, step, self.lane(lane))[0]
+        return cached.forward(self.net, x, self.loops, step, self.lane(lane))[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None
                ) -> tuple[torch.Tensor, list[int]]:
@@ -54,9 +54,9 @@ class Runner:
         pos = torch.tensor([[p] for p in positions], device=dev)
         step = self.net.make_step(pos, max(positions) + 1)
         if self.adaptive:
-            out, used = self.net.forward_adaptive(ids, self.loops, step, cache, self.early_exit)
-            return out[:, -1], used.tolist()
-        return decode_forward(self.net, ids, self.loops, step, cache)[:, -1], [self.loops] * len(tokens)
+            out, used = cached.forward_adaptive(self.net, ids, self.loops, step, cache, self.early_exit)
+            return out[:, -1], used
+        return cached.forward(self.net, ids, self.loops, step, cache)[:, -1], [self.loops] * len(tokens)
 
     def first_logits(self, seq: Sequence, lane: int, cached: int, first: Prefill | None) -> torch.Tensor:
         """The prompt's last logits: a plain prefill of what the cache lacks, or `first` (prefix reuse, warm start).
