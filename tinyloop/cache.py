@@ -138,6 +138,9 @@ class BlockPool:
         self.refs = [0] * (num_blocks + 1)
         self.free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
         self.peak_used = 0
+        # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
+        # something. `room` counts them; `take` evicts its least recently used entries when nothing else is free.
+        self.prefixes = None
 
     @property
     def free_count(self) -> int:
@@ -151,8 +154,15 @@ class BlockPool:
     def nbytes(self) -> int:
         return (self.num_blocks + 1) * self.block_bytes
 
+    def room(self) -> int:
+        """Blocks a call can count on (admission checks this): the free ones and those only the prefix cache holds.
+        Counting rather than evicting here lets a call first find its own prefix in the cache."""
+        return len(self.free) + (self.prefixes.evictable() if self.prefixes is not None else 0)
+
     def take(self) -> int:
         """A free block, zeroed."""
+        if not self.free and self.prefixes is not None:
+            self.prefixes.evict(1)
         if not self.free:
             raise BudgetError(f"KV block pool exhausted: all {self.num_blocks} blocks of {self.block_tokens} tokens "
                               f"({self.nbytes / 2**20:.1f} MiB) are held by running sequences and handles")

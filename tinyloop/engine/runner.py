@@ -32,6 +32,7 @@ class Runner:
         self.model, self.net, self.cache, self.loops, self.early_exit = model, model.net, cache, loops, early_exit
         self.adaptive = self.net.adaptive(early_exit)
         self.hold_back = False  # set by a preemption, cleared when a lane finishes
+        self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
 
     def lane(self, i: int) -> KVCache:
         return self.cache if self.cache.lanes == 1 else self.cache.lane_view(i)
@@ -61,6 +62,8 @@ class Runner:
         """The prompt's last logits: a plain prefill of what the cache lacks, or `first` (prefix reuse, warm start).
         A one-token prompt with early exit decodes adaptively, as any one-token forward."""
         t = time.perf_counter()
+        if first is None and not cached and self.prefixes is not None:
+            first = self.prefixes.reuse(self, seq, lane)  # the longest cached prefix's blocks; None on a miss
         if first is not None:
             logits = first(seq)
             seq.loop_counts.append(self.loops)
@@ -72,6 +75,8 @@ class Runner:
             logits = self.prefill(seq.prompt[cached:], cached, lane)[-1].clone()  # not a view pinning [T, V]
             seq.loop_counts.append(self.loops)
             release_freed_memory(self.model.device)
+        if self.prefixes is not None:
+            self.prefixes.keep(seq.prompt, self.loops, self.lane(lane))
         seq.stats.prefill_ms = (time.perf_counter() - t) * 1000
         return logits
 
@@ -88,6 +93,8 @@ class Runner:
             for i in list(running):
                 if i in logits and not seqs[i].step(logits.pop(i)):
                     running.remove(i)
+                    if self.prefixes is not None and not self.adaptive:  # adaptive decode fills skipped loops by copies
+                        self.prefixes.keep(seqs[i].history, self.loops, self.lane(i))
                     self.lane(i).reset()  # a finished lane's blocks go back at once
                     self.hold_back = False
             if not running:
@@ -125,7 +132,7 @@ class Runner:
             # its blocks now, and room for every running lane to cross into a new block on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
                 sum(cfg.n_slots(seqs[r].loops) for r in running + [i])
-            if running and need > pool.free_count:
+            if running and need > pool.room():
                 return
             waiting.pop(0)
             try:
