@@ -99,11 +99,13 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--affinity/--no-affinity", default=True, show_default=True,
               help="Cache-aware routing: a request goes to the worker whose prefix cache holds its prompt's prefix.")
+@click.option("--affinity-wait", default=0.5, show_default=True,
+              help="Seconds a request may wait for the busy worker holding its prompt prefix (when no other waits).")
 @click.option("--log-level", default="info", show_default=True)
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
                    max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
                    ready_max_error_rate,
-                   ready_window, curve_dir, affinity, log_level) -> None:
+                   ready_window, curve_dir, affinity, affinity_wait, log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     from broker.broker import Broker
     from broker.metrics import serve_http
@@ -113,7 +115,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
                     default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
                     max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
                     max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate, ready_window_s=ready_window,
-                    curve_dir=curve_dir, affinity=affinity)
+                    curve_dir=curve_dir, affinity=affinity, affinity_wait_s=affinity_wait)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
         server = serve_http(broker.metrics, metrics_host, metrics_port)

@@ -184,13 +184,14 @@ class PinnedPrefix(Handle):
     def __init__(self, model: Model, ids: list[int], n_loops: int, path: list[Node]):
         super().__init__(model)
         self.ids, self.n_loops, self.path = ids, n_loops, path
+        self.block_bytes = model.pool.block_bytes
 
     def __len__(self) -> int:
         return len(self.ids)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(n.blocks) for n in self.path) * self.model.pool.block_bytes if self.path else 0
+        return sum(len(n.blocks) for n in self.path) * self.block_bytes
 
     def release(self) -> None:
         if self.path and self.model.prefixes is not None:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import tinyloop
-from broker.protocol import GENERATE_CONFIG_FIELDS, MAX_ANNOUNCED_PREFIXES, Codes, prefix_digests
+from broker.protocol import (DIGEST_CHARS, DIGEST_TOKENS, GENERATE_CONFIG_FIELDS, MAX_ANNOUNCED_PREFIXES, Codes,
+                             prefix_digests)
 from workers.handles import EngineError, HandleRegistry
 
 log = logging.getLogger("tinyloop.worker")
@@ -138,15 +139,17 @@ class ModelEngine:
 
     def remember(self, prompt: Any, loops: int) -> None:
         """After a request: announce the digests of the prompt's prefixes its cache now holds (up to the characters,
-        or ids, of the longest cached token prefix)."""
-        tree = self.model.prefixes
+        or ids, of the longest cached token prefix), each tied to the cache node holding the end of that prefix, so
+        evicting a request's own last blocks does not withdraw the scaffold it shares with others."""
         ids = self.model.encode_prompt(prompt)
-        path, n = tree.match(ids, loops)
+        path, n = self.model.prefixes.match(ids, loops)
         if not n:
             return
-        limit = len(self.model.codec.decode(ids[:n])) if isinstance(prompt, str) else n
-        for digest in prefix_digests(prompt, limit):
-            self.announced[digest] = path[-1]
+        text = isinstance(prompt, str)
+        ends = [len(self.model.codec.decode(ids[:min(node.depth, n)])) if text else min(node.depth, n) for node in path]
+        unit = DIGEST_CHARS if text else DIGEST_TOKENS
+        for i, digest in enumerate(prefix_digests(prompt, ends[-1])):
+            self.announced[digest] = next(node for node, end in zip(path, ends) if end >= unit << i)
             self.announced.move_to_end(digest)
         while len(self.announced) > MAX_ANNOUNCED_PREFIXES:
             self.announced.popitem(last=False)
