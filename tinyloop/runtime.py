@@ -10,13 +10,14 @@ import torch
 
 from .artifact import DEFAULT_ARTIFACT, ArtifactInfo, read_artifact
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
-from .env import env_bytes, env_choice
+from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
 from .memory import available_bytes, blocks_for, workspace_bytes
 from .model import LoopedLM
 
 # Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
 DEFAULT_POOL_SEQUENCES = 16
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill forward (TINYLOOP_PREFILL_CHUNK)
 # Without an explicit budget at most this share of the available memory (free VRAM, available RAM) is planned.
 DEFAULT_MEMORY_SHARE = 0.5
 
@@ -36,6 +37,9 @@ class Model:
         # Every cache of this model draws its blocks from one pool; the one-lane decode cache is a block table.
         self.pool = BlockPool(self.cfg, cache_mode, pool_blocks, device=self.device, dtype=self.dtype)
         self.decode_cache = self.new_cache(1, max_seq_len)
+        # Prompts are prefilled in pieces of this many tokens (0: whole), so the scheduler can interleave a long
+        # prompt with decode steps; every call cuts at the same places, so outputs do not depend on the batch.
+        self.prefill_chunk: int = env_number("TINYLOOP_PREFILL_CHUNK", int, DEFAULT_PREFILL_CHUNK, 0)
 
     def new_cache(self, lanes: int, max_len: int, window: int = 0, ring: int = 0) -> KVCache:
         """Block tables for `lanes` sequences of up to max_len tokens (a window: a ring of max(window, ring) cells)."""
