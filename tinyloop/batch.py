@@ -12,14 +12,15 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from .engine.calls import checked, lanes
+from .engine.calls import check_length, checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError
-from .types import GenerateConfig, GenerateResult
+from .types import GenerateConfig, GenerateResult, OnToken
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
 OnLaneToken = Callable[[int, int, int], bool]
+DEFAULT_LANES = 16  # a Scheduler's lanes (the worker's --max-lanes)
 
 def lane_configs(prompts, cfg) -> list[GenerateConfig]:
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
@@ -56,6 +57,37 @@ def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig
             lane_cb = (lambda i: None) if on_token is None else (lambda i: lambda token, index: on_token(i, token, index))
             seqs = [Sequence(model, p, c, lane_cb(i), t_call) for i, (p, c) in enumerate(zip(ids, cfgs))]
             return Runner(model, cache).run(seqs)
+
+
+class Scheduler:
+    """Continuous batching for a serving loop (the worker's): `submit` requests at any time, `step()` runs one
+    scheduling iteration (docs/engine.md) and returns the sequences that finished in it; `seq.result()` is a
+    request's GenerateResult, `seq.cancel()` stops one. Up to `lanes` requests run at once, the rest wait.
+
+    The model is held (BusyError otherwise) only during a step, so other calls may run between steps."""
+
+    def __init__(self, model, lanes: int = DEFAULT_LANES):
+        model.check_alive()
+        self.model = model
+        self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len))
+
+    def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None) -> Sequence:
+        """Queue one request; ConfigError / ModeError / BudgetError (can never fit) at once, as generate would."""
+        model = self.model
+        cfg = checked(model, cfg, "batch")
+        ids = model.encode_prompt(prompt)
+        check_length(model, len(ids), cfg)
+        model.admit(1, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), what="the prompt", now=False)
+        seq = Sequence(model, ids, cfg, on_token)
+        self.runner.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        with self.model.busy():
+            return self.runner.step()
+
+    def idle(self) -> bool:
+        return self.runner.idle
 
 
 # --- benchmark (tinyloop bench batch) --------------------------------------------------------------------
