@@ -378,13 +378,17 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
                    "with the growth per 1,000 requests (leak check).")
 @click.option("--side-by-side", is_flag=True,
               help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
+@click.option("--batching", is_flag=True,
+              help="Start services itself and compare continuous batching: service vs in-process generate_batch vs "
+                   "the service of --before; open-loop TTFT/TPOT with and without chunked prefill; mixed depth.")
+@click.option("--before", default="517ca22", show_default=True, help="--batching: the revision to compare with.")
 @click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
               help="--side-by-side: torch threads per model (default: cores for one model, cores/2 for each of two).")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     soak, side_by_side, model_path, threads, curve_dir) -> None:
+                     soak, side_by_side, batching, before, model_path, threads, curve_dir) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     from broker import loadtest
 
@@ -393,6 +397,11 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         results = loadtest.soak(n_requests=total, every=max(1, min(1000, total // 4)), max_tokens=max_tokens,
                                 concurrency=concurrency,
                                 model_path=model_path, threads=threads, echo=click.echo)
+    elif batching:
+        from broker.loadtest_batching import batching_side_by_side
+
+        results = batching_side_by_side(before=before, n_requests=n_requests or 64, max_tokens=max_tokens,
+                                        concurrency=concurrency, echo=click.echo)
     elif side_by_side:
         results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
                                         concurrency=concurrency, threads=threads, echo=click.echo)
