@@ -312,9 +312,7 @@ class WorkerProcess:
                 pass
             while pending:
                 job = pending[0]
-                if job.op == "ping" or job.should_stop():
-                    self.run_alone(job, emit)
-                elif not batching:
+                if job.op == "ping" or job.should_stop() or not batching:
                     self.run_alone(job, emit)
                 elif not self.join(job, emit):
                     if not engine.idle():

@@ -21,6 +21,7 @@ on its own; `prefill` runs a chunk through the model's forward.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from itertools import groupby
@@ -37,6 +38,9 @@ from .sequence import Sequence
 # reuse and warm starts replace the prefill
 Prefill = Callable[[Sequence], torch.Tensor]
 
+# Every decision at DEBUG level, one line each: admit, prefill piece, decode group, finish, preempt (docs/engine.md).
+log = logging.getLogger("tinyloop.scheduler")
+
 
 class Runner:
     def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: float = 0.0,
@@ -50,7 +54,7 @@ class Runner:
         self.waiting: list[Sequence] = []   # without a lane (new or preempted), oldest first
         self.admitted: list[Sequence] = []  # holding a lane, in admission order: the youngest last
         self.hold_back = False  # set by a preemption, cleared when a sequence finishes
-        self.arrivals = 0
+        self.arrivals = self.steps = 0
 
     def is_adaptive(self, threshold: float) -> bool:
         return threshold > 0 or self.net.exit_gate is not None
@@ -104,6 +108,8 @@ class Runner:
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
+            log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, seq.arrival, seq.cached,
+                      seq.cached + n, len(seq.prompt), seq.lane)
             rows = self.prefill(seq.prompt[seq.cached:seq.cached + n], seq.cached, seq.lane, seq.loops)
             logits = rows[-1].clone()  # not a view pinning [T, V]
             if seq.cached + n == len(seq.prompt):
@@ -139,6 +145,7 @@ class Runner:
     def step(self) -> list[Sequence]:
         """One scheduling iteration; returns the sequences that finished in it (`seq.error` set when one had to be
         given up: it could not get a block with nothing else running)."""
+        self.steps += 1
         finished = [s for s in self.waiting + self.admitted if s.done]
         for seq in finished:
             self.release(seq)
@@ -166,6 +173,8 @@ class Runner:
         key = lambda s: (s.loops, s.threshold)  # noqa: E731
         for (loops, threshold), group in groupby(sorted(rows, key=key), key):
             group = sorted(group, key=lambda s: s.lane)
+            log.debug("step %d: decode %d lane(s) at %d loops%s: #%s", self.steps, len(group), loops,
+                      f", early exit {threshold}" if threshold else "", ",".join(str(s.arrival) for s in group))
             view = self.cache.select([s.lane for s in group])
             try:
                 out, used = self.decode([s.token for s in group], [s.pos for s in group], view, loops, threshold)
@@ -204,10 +213,13 @@ class Runner:
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
                 sum(cfg.n_slots(s.loops) for s in self.admitted + [seq])
             if self.admitted and need > pool.free_count:
+                log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.arrival, need, pool.free_count)
                 return
             self.waiting.pop(0)
             seq.lane = self.free_lanes.pop(0)
             self.admitted.append(seq)
+            log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
+                      seq.arrival, seq.lane, len(seq.prompt), seq.loops, pool.free_count)
             if seq.count:
                 try:
                     self.recompute(seq)
@@ -227,6 +239,8 @@ class Runner:
             Runner.decode(self, [token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
 
     def preempt(self, seq: Sequence) -> None:
+        log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps, seq.arrival,
+                  seq.lane, len(seq.history))
         self.release(seq)
         seq.cached, seq.first, seq.logits = 0, None, None
         seq.stats.preempted += 1
@@ -239,6 +253,9 @@ class Runner:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:
+            if seq.done:
+                log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps, seq.arrival,
+                          seq.stop_reason, seq.count, seq.lane)
             self.admitted.remove(seq)
             self.lane(seq.lane).reset()
             self.free_lanes.append(seq.lane)
