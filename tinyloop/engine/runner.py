@@ -6,8 +6,8 @@ One step:
   1. drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
   2. admit waiting sequences, oldest first, while a lane is free and the pool's free blocks cover them
      (a preempted sequence is recomputed here, exactly);
-  3. prefill: chunks of admitted prompts, oldest first, up to `chunk` prompt tokens in all (a chunk never crosses a
-     multiple of `chunk`, so a prompt is cut at the same places alone or in a batch: its cache is the same bits);
+  3. prefill: pieces of admitted prompts, the shortest rest first, up to `chunk` prompt tokens in all (a piece never
+     crosses a multiple of `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards);
   4. sample: every sequence with fresh logits takes its next token (stops, grammar, streaming, max_tokens);
      a finished one leaves at once and gives its blocks back;
   5. decode: the running lanes feed one token each, one forward per group of lanes that share a loop count and
@@ -151,9 +151,10 @@ class Runner:
             self.release(seq)
         self.admit()
         budget, spent = self.chunk or float("inf"), 0
-        for seq in [s for s in self.admitted if self.prefilling(s)]:
+        # shortest rest first: a newcomer's short prompt is not stuck behind the pieces of an older long one
+        for seq in sorted((s for s in self.admitted if self.prefilling(s)), key=lambda s: len(s.prompt) - s.cached):
             if spent and spent + self.piece_len(seq) > budget:
-                break  # the rest waits for the next step, so decode rows are not stalled behind long prompts
+                continue  # it waits for a later step, so decode rows are not stalled behind long prompts
             try:
                 spent += self.prefill_piece(seq)
             except BudgetError as exc:
