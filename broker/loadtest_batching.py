@@ -42,7 +42,7 @@ def old_tree(rev: str) -> Path:
 
 
 def in_process_batches(prompts: list, max_tokens: int, lanes: int, threads: int) -> float:
-    """Output tokens per second of generate_batch over the prompts, `lanes` at a time (best of 2)."""
+    """Output tokens per second of generate_batch over the prompts, `lanes` at a time (after a warm-up)."""
     import torch
 
     import tinyloop
@@ -51,14 +51,12 @@ def in_process_batches(prompts: list, max_tokens: int, lanes: int, threads: int)
     model = tinyloop.load_model(None, 512)
     cfg = tinyloop.GenerateConfig(max_tokens=max_tokens)
     tinyloop.generate_batch(model, prompts[:2], tinyloop.GenerateConfig(max_tokens=2))  # warm up
-    best = 0.0
-    for _ in range(2):
-        t, tokens = time.perf_counter(), 0
-        for i in range(0, len(prompts), lanes):
-            tokens += sum(r.stats.generated_tokens for r in tinyloop.generate_batch(model, prompts[i:i + lanes], cfg))
-        best = max(best, tokens / (time.perf_counter() - t))
+    t, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), lanes):
+        tokens += sum(r.stats.generated_tokens for r in tinyloop.generate_batch(model, prompts[i:i + lanes], cfg))
+    elapsed = time.perf_counter() - t
     tinyloop.free_model(model)
-    return best
+    return tokens / elapsed
 
 
 def service_throughput(args: list[str], root: Path, n_requests: int, max_tokens: int, concurrency: int) -> dict:
@@ -170,8 +168,8 @@ def batching_side_by_side(*, before: str = "517ca22", n_requests: int = 64, max_
                     for cls in ("short", "long")) + (f"   errors {r['errors']}" if r["errors"] else ""))
     results["latency"] = latency
 
-    echo(f"[3/3] mixed depth, in process: 8 prompts at 4 loops + 8 at 16 loops, {max_tokens} tokens, {cores} threads")
-    depth = mixed_depth(max_tokens, cores)
+    echo(f"[3/3] mixed depth, in process: 8 prompts at 4 loops + 8 at 16 loops, {max_tokens} tokens, 1 thread")
+    depth = mixed_depth(max_tokens, 1)
     results["mixed_depth"] = depth
     echo(f"      one batch: {depth['mixed']['tok_per_s']:.1f} tok/s   two groups one after the other: "
          f"{depth['grouped']['tok_per_s']:.1f} tok/s   ratio {depth['grouped']['seconds'] / depth['mixed']['seconds']:.2f}x")
