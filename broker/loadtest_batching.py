@@ -87,7 +87,7 @@ def latency_by_class(frontend: str, prompts: list, rate: float, max_tokens: int)
                                          progress=False))
     out: dict[str, Any] = {"errors": sum(not r["ok"] for r in records), "duration_s": elapsed}
     for name, length in (("short", 16), ("long", 1024)):
-        picked = [r for r, p in zip(records, prompts) if len(p) == length and r["ok"]]
+        picked = [r for r in records if len(prompts[r["index"]]) == length and r["ok"]]
         for key in ("ttft", "tpot"):
             out[f"{name}_{key}_ms"] = summarize([r[key] * 1000 for r in picked if r[key] is not None])
     return out
@@ -122,13 +122,27 @@ def mixed_depth(max_tokens: int, threads: int) -> dict:
 
 
 def batching_side_by_side(*, before: str = "517ca22", n_requests: int = 64, max_tokens: int = 32, concurrency: int = 16,
-                          open_requests: int = 48, echo: Callable[[str], None] = print) -> dict:
+                          open_requests: int = 40, parts: str = "123", echo: Callable[[str], None] = print) -> dict:
+    """parts: which of the three measurements to run (all by default)."""
     cores = os.cpu_count() or 1
     per_worker = max(1, cores // 2)
     args = ["--max-seq-len", "512", "--threads", str(per_worker)]
     results: dict[str, Any] = {"cores": cores, "load_average": os.getloadavg()}
+    if "1" in parts:
+        throughput_part(results, before, args, n_requests, max_tokens, concurrency, cores, echo)
+    if "2" in parts:
+        latency_part(results, per_worker, open_requests, max_tokens, concurrency, echo)
+    if "3" in parts:
+        echo(f"[3/3] mixed depth, in process: 8 prompts at 4 loops + 8 at 16 loops, {max_tokens} tokens, 1 thread")
+        depth = results["mixed_depth"] = mixed_depth(max_tokens, 1)
+        echo(f"      one batch: {depth['mixed']['tok_per_s']:.1f} tok/s   two groups one after the other: "
+             f"{depth['grouped']['tok_per_s']:.1f} tok/s   ratio {depth['grouped']['seconds'] / depth['mixed']['seconds']:.2f}x")
+    return results
 
-    echo(f"[1/3] throughput: closed loop, concurrency {concurrency}, 2 workers x {per_worker} thread(s), "
+
+def throughput_part(results: dict, before: str, args: list[str], n_requests: int, max_tokens: int, concurrency: int,
+                    cores: int, echo: Callable[[str], None]) -> None:
+    echo(f"[1/3] throughput: closed loop, concurrency {concurrency}, 2 workers x {args[-1]} thread(s), "
          f"{n_requests} requests x {max_tokens} tokens; in-process generate_batch of 16 lanes, {cores} threads")
     old = old_tree(before)
     tput = {"before": service_throughput(args, old, n_requests, max_tokens, concurrency),
@@ -146,6 +160,9 @@ def batching_side_by_side(*, before: str = "517ca22", n_requests: int = 64, max_
     echo(f"      service now / generate_batch = {t['service_tok_s'] / inproc:.2f}x   "
          f"service now / before = {t['service_tok_s'] / t['before_tok_s']:.2f}x")
 
+
+def latency_part(results: dict, per_worker: int, open_requests: int, max_tokens: int, concurrency: int,
+                 echo: Callable[[str], None]) -> None:
     echo(f"[2/3] open loop: prompts of 16 and 1024 tokens (3 : 1), {max_tokens} tokens each, 2 workers, "
          f"{open_requests} requests per run, with and without chunked prefill")
     lengths = [1024 if i % 4 == 3 else 16 for i in range(open_requests)]
@@ -154,7 +171,7 @@ def batching_side_by_side(*, before: str = "517ca22", n_requests: int = 64, max_
     latency: dict[str, Any] = {}
     for label, chunk in (("chunked 256", "256"), ("whole prompt", "0")):
         with LocalService(2, long_args + ["--prefill-chunk", chunk], startup_timeout=300) as svc:
-            if "capacity" not in results:
+            if "capacity_req_s" not in results:
                 cap = run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=open_requests,
                                prompts=mixed, max_tokens=max_tokens)
                 results["capacity_req_s"] = cap["request_throughput"]
@@ -167,10 +184,3 @@ def batching_side_by_side(*, before: str = "517ca22", n_requests: int = 64, max_
                     f"TPOT {r[f'{cls}_tpot_ms']['p50']:.1f}/{r[f'{cls}_tpot_ms']['p99']:.1f} ms"
                     for cls in ("short", "long")) + (f"   errors {r['errors']}" if r["errors"] else ""))
     results["latency"] = latency
-
-    echo(f"[3/3] mixed depth, in process: 8 prompts at 4 loops + 8 at 16 loops, {max_tokens} tokens, 1 thread")
-    depth = mixed_depth(max_tokens, 1)
-    results["mixed_depth"] = depth
-    echo(f"      one batch: {depth['mixed']['tok_per_s']:.1f} tok/s   two groups one after the other: "
-         f"{depth['grouped']['tok_per_s']:.1f} tok/s   ratio {depth['grouped']['seconds'] / depth['mixed']['seconds']:.2f}x")
-    return results
