@@ -20,12 +20,19 @@ Pattern: the Majordomo broker and Paranoid Pirate heartbeats from the ZeroMQ gui
   not run again (its missing tokens and final reply are replayed); an unknown one is run,
   as a continuation when the client holds tokens of it (the broker restarted).
 * The queue is bounded: past `max_queue` waiting requests the client gets "busy" at once.
+* Cache-aware routing: workers announce in their heartbeats the digests of the prompt prefixes
+  their prefix caches hold (broker/protocol.py prefix_digests: over the prompt's text, so no
+  tokenizer here). A free worker takes, among the first AFFINITY_WINDOW queued requests, the one
+  whose prefix it holds deepest, else one no other worker holds; a request whose holder is busy
+  waits for it (at most affinity_wait_s, and not when another request already waits for that
+  worker: then the holder counts as overloaded), then goes to whichever worker is free.
 
 The broker is single-threaded: one poll loop owns both sockets. It imports no torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -66,6 +73,11 @@ SERVICE_FAULT_CODES = frozenset({Codes.RUNTIME_ERROR, Codes.WORKER_LOST, Codes.T
 DEFAULT_READY_WINDOW_S = 60.0
 DEFAULT_READY_MAX_ERROR_RATE = 0.5
 READY_MIN_SAMPLES = 5  # fewer finished requests than this in the window say nothing about the error rate
+# Cache-aware routing looks this far into the queue, and a request is passed over at most this many times.
+AFFINITY_WINDOW = 16
+DEFAULT_AFFINITY_WAIT_S = 0.5
+# Ops whose prompt prefix a worker's prefix cache keeps (their requests are routed by it).
+PREFIX_OPS = frozenset({"generate", "generate_pool"})
 
 
 @dataclass
@@ -84,6 +96,8 @@ class Request:
     # The id the worker knows this attempt by ("<key>.<attempt>"): replies of an earlier attempt never count.
     dispatch_id: str | None = None
     first_token_at: float | None = None
+    digests: list = field(default_factory=list)  # its prompt's prefix digests, shortest first (routing)
+    passed_over: int = 0  # times a free worker took a later request instead (cache-aware routing)
     delivered: list = field(default_factory=list)  # token ids sent to the client, in order
     texts: list = field(default_factory=list)  # their text pieces (replayed to a re-sending client)
     attempts: int = 0
@@ -119,6 +133,22 @@ class Worker:
     handles: int = 0
     served: int = 0
     leaving: bool = False  # sent "goodbye": finish the current request, take no new ones
+    # What its last heartbeat said (routing): free KV blocks, requests running, digests of the prompt prefixes its
+    # prefix cache holds. Between heartbeats it also holds what it was sent since (assigned: prompts it is running;
+    # recent: prompts it finished after the last heartbeat).
+    free_blocks: int | None = None
+    lanes: int = 0
+    prefixes: frozenset = frozenset()
+    assigned: dict = field(default_factory=dict)  # digest -> requests running with it
+    recent: set = field(default_factory=set)
+
+    def holds(self, digests: list) -> int:
+        """How many of a prompt's prefix digests (shortest first) this worker holds: the depth of its cached prefix."""
+        for i in range(len(digests), 0, -1):
+            d = digests[i - 1]
+            if d in self.prefixes or d in self.assigned or d in self.recent:
+                return i
+        return 0
 
 
 class Broker:
@@ -139,9 +169,13 @@ class Broker:
         ready_window_s: float = DEFAULT_READY_WINDOW_S,
         ready_max_error_rate: float = DEFAULT_READY_MAX_ERROR_RATE,
         curve_dir: str | None = None,
+        affinity: bool = True,
+        affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
         context: zmq.Context | None = None,
     ) -> None:
         self.frontend_endpoint = frontend
+        self.affinity = affinity  # cache-aware routing (False: first come, first served on the least recently used)
+        self.affinity_wait_s = affinity_wait_s  # the longest a request waits for the busy worker holding its prefix
         self.backend_endpoint = backend
         self.max_queue = max_queue
         self.heartbeat_interval = heartbeat_interval
@@ -311,6 +345,9 @@ class Broker:
             arrived=now,
             deadline=now + timeout,
         )
+        prompt = req.params.get("prompt")
+        if self.affinity and req.op in PREFIX_OPS and isinstance(prompt, (str, list)):
+            req.digests = protocol.prefix_digests(prompt)
         if received:
             # The client holds part of the answer from a previous broker: continue after it, or say why not.
             req.delivered, req.texts = list(received), [""] * len(received)
@@ -412,6 +449,9 @@ class Broker:
         worker.expires_at = time.monotonic() + self.heartbeat_expiry
         if msg.type == "heartbeat":
             worker.handles = msg["handles"]
+            worker.free_blocks, worker.lanes = msg.get("free_blocks"), msg.get("lanes", 0)
+            if "prefixes" in msg.fields:
+                worker.prefixes, worker.recent = frozenset(msg["prefixes"]), set()
         elif msg.type == "token":
             self.on_worker_token(worker, msg)
         elif msg.type in ("done", "error"):
@@ -485,6 +525,7 @@ class Broker:
             return
         worker.running.discard(req.key)
         worker.served += 1
+        self.unassign(worker, req)
         del self.requests[req.key]
         if worker.leaving and not worker.running:
             self.drop_worker(worker.identity, "left")
@@ -499,6 +540,15 @@ class Broker:
             self.requeue(req)
         else:
             self.answer_error(req, msg["code"], msg["message"])
+
+    @staticmethod
+    def unassign(worker: Worker, req: Request) -> None:
+        """A request left the worker: its prompt's prefix is cached there now (until the next heartbeat says)."""
+        for d in req.digests:
+            n = worker.assigned.pop(d, 0) - 1
+            if n > 0:
+                worker.assigned[d] = n
+            worker.recent.add(d)
 
     def drop_worker(self, identity: bytes, why: str) -> None:
         """Forget a worker; settle its running and pinned requests so each still gets one reply."""
@@ -538,15 +588,60 @@ class Broker:
     # ------------------------------------------------------------------ scheduling
 
     def dispatch(self) -> None:
-        """Give waiting requests to workers with a free slot, the least loaded first: pinned work first, then the
-        shared queue (FIFO)."""
+        """Give waiting requests to workers with a free slot: a worker's pinned work (its handles) first, then the
+        shared queue, where `pick` chooses which request goes to which worker."""
         while True:
-            free = [w for w in self.workers.values()
-                    if not w.leaving and len(w.running) < w.slots and (w.pinned_queue or self.queue)]
-            if not free:
+            # least loaded first, least recently given a request among equals
+            free = sorted((w for w in self.workers.values() if not w.leaving and len(w.running) < w.slots),
+                          key=lambda w: (len(w.running) / w.slots, w.last_start))
+            pinned = next((w for w in free if w.pinned_queue), None)
+            if pinned is not None:
+                self.start(pinned, pinned.pinned_queue.popleft())
+                continue
+            chosen = self.pick(free) if free and self.queue else None
+            if chosen is None:
                 return
-            worker = min(free, key=lambda w: (len(w.running) / w.slots, w.last_start))
-            self.start(worker, worker.pinned_queue.popleft() if worker.pinned_queue else self.queue.popleft())
+            worker, req = chosen
+            self.queue.remove(req)
+            self.start(worker, req)
+
+    def pick(self, free: list[Worker]) -> tuple[Worker, Request] | None:
+        """Which queued request goes to which free worker (None: leave the free workers idle for now).
+
+        Without affinity: the oldest request to the least recently used worker. With it, among the first
+        AFFINITY_WINDOW requests: the pair where a free worker holds the request's prompt prefix deepest (oldest
+        request, least recently used worker among equals). Failing that, the oldest request no busy worker holds, or
+        one whose holder is overloaded (more than one request waits for it), goes to the least recently used free
+        worker; a request whose busy holder is not overloaded waits for it, at most `affinity_wait_s`."""
+        head = self.queue[0]
+        now = time.monotonic()
+        if not self.affinity or head.passed_over >= AFFINITY_WINDOW or now - head.arrived > self.affinity_wait_s:
+            return free[0], head
+        window = list(itertools.islice(self.queue, AFFINITY_WINDOW))
+        pairs = [(w.holds(r.digests) if r.digests else 0, w, r) for r in window for w in free]
+        depth, worker, req = max(pairs, key=lambda p: p[0])  # the first of equals: oldest request, LRU worker
+        if not depth:
+            worker, req = free[0], None
+            free_ids = {w.identity for w in free}
+            busy = [w for w in self.workers.values() if w.identity not in free_ids and not w.leaving]
+            backlog: dict[bytes, int] = {}
+            for r in window:
+                holder = max(busy, key=lambda w: w.holds(r.digests), default=None) if r.digests else None
+                if holder is None or not holder.holds(r.digests):
+                    req = r  # nobody holds it
+                    break
+                backlog[holder.identity] = backlog.get(holder.identity, 0) + 1
+                if backlog[holder.identity] > 1 or now - r.arrived > self.affinity_wait_s:
+                    req = r  # its holder is overloaded, or kept it waiting long enough
+                    break
+            if req is None:
+                return None
+        for r in window:
+            if r is req:
+                break
+            r.passed_over += 1
+        self.metrics.routed.labels("affinity" if depth else "least_loaded").inc()
+        return worker, req
 
     def start(self, worker: Worker, req: Request) -> None:
         now = time.monotonic()
@@ -556,6 +651,8 @@ class Broker:
         req.dispatch_id = f"{req.key}.{req.attempts}"
         worker.running.add(req.key)
         worker.last_start = now
+        for d in req.digests:  # it will hold this prompt's prefix: route its followers here before the next heartbeat
+            worker.assigned[d] = worker.assigned.get(d, 0) + 1
         self.metrics.queue_wait.observe(now - req.arrived)
         continuation = {"delivered": req.delivered} if req.delivered else {}
         self.send_worker(
@@ -612,6 +709,7 @@ class Broker:
             generated = stats.get("generated_tokens") or 0
             self.metrics.output_tokens.inc(generated)
             self.metrics.prompt_tokens.inc(stats.get("prompt_tokens") or 0)
+            self.metrics.prefix_hit_tokens.inc(stats.get("prefix_hit_tokens") or 0)
             if stats.get("stop_reason"):
                 self.metrics.stop_reasons.labels(str(stats["stop_reason"])).inc()
             if req.first_token_at is None and stats.get("first_token_ms") is not None and req.dispatched_at:
@@ -691,6 +789,9 @@ class Broker:
                     "streamed": sum(len(r.delivered) for r in current),  # tokens its running requests streamed
                     "handles": w.handles,
                     "max_handles": w.max_handles,
+                    "free_blocks": w.free_blocks,
+                    "lanes": w.lanes,
+                    "cached_prefixes": len(w.prefixes),
                     "plan_bytes": w.plan_bytes,
                     "served": w.served,
                     "waiting_for_handles": len(w.pinned_queue),

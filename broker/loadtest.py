@@ -43,6 +43,7 @@ def summarize(values: list[float]) -> dict:
 async def one_request(client: AsyncClient, op: str, prompt: str, max_tokens: int, timeout: float, index: int = 0) -> dict:
     t0 = time.perf_counter()
     record: dict[str, Any] = {"ok": False, "code": None, "ttft": None, "tpot": None, "latency": None, "tokens": 0,
+                              "hit": 0, "prompt_tokens": 0, "worker": None,
                               "index": index}  # records arrive in completion order; index: the request's
     try:
         if op == "ping":
@@ -54,6 +55,10 @@ async def one_request(client: AsyncClient, op: str, prompt: str, max_tokens: int
                 if first is None:
                     first = time.perf_counter()
             record["tokens"] = len(final[0].tokens) if final else 0
+            if final:  # what the worker's prefix cache saved
+                record["hit"] = final[0].stats.get("prefix_hit_tokens") or 0
+                record["prompt_tokens"] = final[0].stats.get("prompt_tokens") or 0
+                record["worker"] = final[0].worker
             if first is not None:
                 record["ttft"] = first - t0
         record["ok"] = True
@@ -133,6 +138,8 @@ def run_load(endpoint: str, *, mode: str = "closed", concurrency: int = 4, rate:
         "max_tokens": max_tokens, "duration_s": elapsed, "request_throughput": len(ok) / elapsed if elapsed else 0.0,
         "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "ttft_ms": ms("ttft"), "tpot_ms": ms("tpot"), "latency_ms": ms("latency"),
+        "requests_hit": sum(1 for r in ok if r["hit"]) / len(ok) if ok else 0.0,
+        "prompt_tokens_hit": sum(r["hit"] for r in ok) / max(1, sum(r["prompt_tokens"] for r in ok)),
     }
 
 
@@ -227,6 +234,37 @@ def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tok
     results["routing"] = routing
     echo(f"      {routing['request_throughput']:.0f} req/s routed, latency p50 {routing['latency_ms']['p50']:.2f} ms, "
          f"p99 {routing['latency_ms']['p99']:.2f} ms")
+    return results
+
+
+def prefix_routing_side_by_side(*, model_path: str | None = None, n_suffixes: int = 16, max_tokens: int = 8,
+                                concurrency: int = 4, threads: int = 1, echo: Callable[[str], None] = print) -> dict:
+    """2 workers, 4 scaffolds x n_suffixes prompts (tinyloop.bench_reuse.prefix_workload, shuffled), closed loop: the
+    broker with cache-aware routing versus without, one service after the other on the same requests. Each worker's
+    block pool (--max-seq-len 512, no handles) holds about two scaffolds at 8 loops, so where the scaffolds go
+    decides how often a prompt finds its prefix cached."""
+    from broker.launcher import LocalService
+    from tinyloop.bench_reuse import prefix_workload
+
+    _, workload = prefix_workload(n_suffixes)
+    prompts = [p for _, p in workload]
+    args = ["--max-seq-len", "512", "--max-handles", "0", "--threads", str(threads)]
+    args += ["--model", model_path] if model_path else []
+    results: dict[str, Any] = {"load_average": os.getloadavg(), "requests": len(prompts), "concurrency": concurrency}
+    echo(f"prefix routing: 2 workers, 4 scaffolds x {n_suffixes} suffixes, closed loop, concurrency {concurrency}, "
+         f"{max_tokens} tokens each")
+    for name, broker_args in (("affinity", []), ("no_affinity", ["--no-affinity"])):
+        with LocalService(2, args, broker_args=broker_args) as svc:
+            run_load(svc.frontend, mode="closed", concurrency=2, n_requests=2, max_tokens=2)  # warm up
+            r = results[name] = run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=len(prompts),
+                                         prompts=prompts, max_tokens=max_tokens)
+        echo(f"  {name:<12} requests hit {r['requests_hit']:>4.0%}, prompt tokens hit {r['prompt_tokens_hit']:>4.0%}, "
+             f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, "
+             f"{r['request_throughput']:.2f} req/s, errors {sum(r['errors'].values())}")
+    a, b = results["affinity"], results["no_affinity"]
+    results["ttft_p50_ratio"] = b["ttft_ms"]["p50"] / a["ttft_ms"]["p50"]
+    results["throughput_ratio"] = a["request_throughput"] / b["request_throughput"]
+    echo(f"  affinity / without: {results['throughput_ratio']:.2f}x req/s, TTFT p50 {results['ttft_p50_ratio']:.2f}x lower")
     return results
 
 

@@ -47,6 +47,10 @@ class BrokerMetrics:
         self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens", registry=r)
         self.retries = Counter("tinyloop_retries", "Requests re-queued after their worker was lost", registry=r)
         self.workers_lost = Counter("tinyloop_workers_lost", "Workers that stopped heartbeating", registry=r)
+        self.routed = Counter("tinyloop_routed", "Queued requests given to a free worker by cache-aware routing: to the "
+                              "worker holding their prompt prefix (affinity) or not (least_loaded)", ["how"], registry=r)
+        self.prefix_hit_tokens = Counter("tinyloop_prefix_hit_tokens", "Prompt tokens whose prefill a worker's prefix "
+                                         "cache skipped", registry=r)
         self.ttft = Histogram(
             "tinyloop_time_to_first_token_seconds", "Arrival at the broker to first token", buckets=LATENCY_BUCKETS, registry=r
         )

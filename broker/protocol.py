@@ -17,7 +17,9 @@ This module must never import torch: the client library and the broker import it
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -195,6 +197,37 @@ class Field:
 
 
 # ---------------------------------------------------------------------------
+# Prefix digests: what a worker's prefix cache holds, in a form the broker can compute without a tokenizer.
+# ---------------------------------------------------------------------------
+
+# A prompt's prefix digests cover its first 32, 64, 128, ... characters (a string prompt) or its first 16, 32,
+# 64, ... token ids (a token-id prompt): doubling lengths, so a prompt has log2(length) of them and a worker
+# announces a handful per cached prompt. Digest = blake2b (8 bytes, personalised by the prompt's kind) of the prefix,
+# UTF-8 text or ids as 4-byte little-endian, as an integer below 2**63. A broker routes a request to the worker that
+# announced the longest of its digests; the worker then reuses the longest common *token* prefix it finds, so a
+# digest only has to say where the reuse is, never what exactly is reused.
+DIGEST_CHARS = 32
+DIGEST_TOKENS = 16
+DIGEST_MAX = 2**63 - 1
+MAX_ANNOUNCED_PREFIXES = 4096
+
+
+def prefix_digests(prompt: str | list[int], limit: int | None = None) -> list[int]:
+    """The digests of the prompt's prefixes of DIGEST_CHARS * 2**i characters (DIGEST_TOKENS * 2**i ids), shortest
+    first, for those no longer than `limit` characters (ids) (default: the whole prompt)."""
+    text = isinstance(prompt, str)
+    size = len(prompt) if limit is None else min(limit, len(prompt))
+    h = hashlib.blake2b(digest_size=8, person=b"tinyloop-text" if text else b"tinyloop-ids")
+    out, done, n = [], 0, DIGEST_CHARS if text else DIGEST_TOKENS
+    while n <= size:
+        piece = prompt[done:n]
+        h.update(piece.encode("utf-8") if text else struct.pack(f"<{len(piece)}I", *piece))
+        out.append(int.from_bytes(h.digest(), "big") >> 1)
+        done, n = n, n * 2
+    return out
+
+
+# ---------------------------------------------------------------------------
 # Message schemas, one per (direction, type).
 # ---------------------------------------------------------------------------
 
@@ -251,7 +284,14 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             # Requests it runs at once (its continuous batch's lanes); the broker sends it up to this many.
             "slots": Field(int_in(1, 4096), required=False),
         },
-        "heartbeat": {"handles": Field(int_in(0, 1 << 20))},
+        # Load and cache state for routing (docs/service.md "Routing"): free KV blocks, requests running, and
+        # digests of the prompt prefixes its prefix cache holds (prefix_digests). Optional: older workers omit them.
+        "heartbeat": {
+            "handles": Field(int_in(0, 1 << 20)),
+            "free_blocks": Field(int_in(0, 2**62), required=False),
+            "lanes": Field(int_in(0, 1 << 20), required=False),
+            "prefixes": Field(list_of(int_in(0, DIGEST_MAX), MAX_ANNOUNCED_PREFIXES), required=False),
+        },
         "token": TOKEN_FIELDS,
         "done": DONE_FIELDS,
         "error": {

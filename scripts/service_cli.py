@@ -102,11 +102,13 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @click.option("--ready-window", default=60.0, show_default=True, help="Seconds of requests the error rate looks at.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
+@click.option("--affinity/--no-affinity", default=True, show_default=True,
+              help="Cache-aware routing: a request goes to the worker whose prefix cache holds its prompt's prefix.")
 @click.option("--log-level", default="info", show_default=True)
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
                    max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
                    ready_max_error_rate,
-                   ready_window, curve_dir, log_level) -> None:
+                   ready_window, curve_dir, affinity, log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     from broker.broker import Broker
     from broker.metrics import serve_http
@@ -116,7 +118,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
                     default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
                     max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
                     max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate, ready_window_s=ready_window,
-                    curve_dir=curve_dir)
+                    curve_dir=curve_dir, affinity=affinity)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
         server = serve_http(broker.metrics, metrics_host, metrics_port)
@@ -382,13 +384,16 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="Start services itself and compare continuous batching: service vs in-process generate_batch vs "
                    "the service of --before; open-loop TTFT/TPOT with and without chunked prefill; mixed depth.")
 @click.option("--before", default="517ca22", show_default=True, help="--batching: the revision to compare with.")
+@click.option("--prefix-routing", is_flag=True,
+              help="Start services itself and compare cache-aware routing with and without affinity: 2 workers, "
+                   "4 scaffolds x (--requests / 4) suffixes.")
 @click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
               help="--side-by-side: torch threads per model (default: cores for one model, cores/2 for each of two).")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     soak, side_by_side, batching, before, model_path, threads, curve_dir) -> None:
+                     soak, side_by_side, batching, before, prefix_routing, model_path, threads, curve_dir) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     from broker import loadtest
 
@@ -402,6 +407,10 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
 
         results = batching_side_by_side(before=before, n_requests=n_requests or 64, max_tokens=max_tokens,
                                         concurrency=concurrency, echo=click.echo)
+    elif prefix_routing:
+        results = loadtest.prefix_routing_side_by_side(model_path=model_path, n_suffixes=max(1, (n_requests or 64) // 4),
+                                                       max_tokens=max_tokens, concurrency=concurrency,
+                                                       threads=threads or 1, echo=click.echo)
     elif side_by_side:
         results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
                                         concurrency=concurrency, threads=threads, echo=click.echo)

@@ -121,3 +121,39 @@ def test_loaded_run_stays_within_the_budget():
     beside_weights, growth, preempted, peak_blocks, blocks = map(int, res.stdout.split())
     assert preempted > 0 and peak_blocks == blocks  # the load really filled the pool
     assert growth <= beside_weights, (growth, beside_weights)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
+    """forward_adaptive with a loop count (and threshold) per lane: each lane's logits and loops used equal that lane
+    run alone, and a lane at fewer loops never writes (so never holds) the slots of the loops it does not run."""
+    import torch
+    from tinyloop.kernels import step as cached
+    model = bundled_model  # trained: its latents settle, so a threshold stops lanes early
+    net, cfg = model.net, model.cfg
+    prompts, loops, thresholds = [ids(7, 1), ids(4, 2), ids(9, 3)], [2, 6, 12], [threshold, 0.0, threshold]
+
+    def run(lanes: list[int]) -> tuple[torch.Tensor, list[int], object]:
+        cache = model.new_cache(len(lanes), 64)
+        with torch.inference_mode():
+            for j, i in enumerate(lanes):  # prefill each lane at its own depth, then one adaptive row per lane
+                p = prompts[i][:-1]
+                cached.forward(net, torch.tensor([p]), loops[i], net.make_step(torch.arange(len(p)).unsqueeze(0)),
+                               cache.lane_view(j))
+            tok = torch.tensor([[prompts[i][-1]] for i in lanes])
+            pos = torch.tensor([[len(prompts[i]) - 1] for i in lanes])
+            out, used = cached.forward_adaptive(net, tok, [loops[i] for i in lanes], net.make_step(pos), cache,
+                                                [thresholds[i] for i in lanes])
+        return out, used, cache
+
+    together, used, cache = run([0, 1, 2])
+    if threshold:
+        assert used[2] < loops[2]  # the threshold stopped a lane early: its skipped loops hold copies (below)
+    for i in range(3):
+        alone, used_alone, _ = run([i])
+        torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+        assert used[i] == used_alone[0] <= loops[i]
+        assert all(cache.held[cfg.core_slot(k, j)][i] == [] for k in range(loops[i], cfg.max_loops)
+                   for j in range(cfg.n_core))
+        assert all(cache.held[cfg.core_slot(k, j)][i] for k in range(loops[i]) for j in range(cfg.n_core))
+    cache.reset()

@@ -23,7 +23,7 @@ from tinyloop.kernels.attention import decode_attention_ref, decode_attention_tr
 from tinyloop.kernels.norm import add_rmsnorm_ref, add_rmsnorm_triton  # noqa: E402
 from tinyloop.kernels.quant import write_tokens, write_tokens_ref  # noqa: E402
 from tinyloop.kernels.rope import rope_ref, rope_triton  # noqa: E402
-from tinyloop.model import LoopedLM  # noqa: E402
+from tinyloop.model import LoopedLM, apply_rope  # noqa: E402
 
 # tiny shapes: one intra-op thread (two stall on a busy machine: 0.2 s tests took 35 s with the other core taken)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,6 +35,14 @@ MODES = ("fp16", "int8", "int4")
 # of two), 32; rings that have wrapped, one holding more cells than the window (speculative decode's slack).
 SHAPES = [(4, 4, 128, 0, 0), (4, 2, 96, 0, 0), (8, 2, 64, 5, 0), (4, 1, 128, 4, 6)]
 LENGTHS = [5, 13, 1]  # lanes of different, odd lengths; 13 wraps every ring above
+
+
+def project_kv(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K (rotated) and V of attention inputs h [B, T, d], straight from the module's weights."""
+    B, T, _ = h.shape
+    hd = cos.shape[-1] * 2
+    k = attn.wk(h).view(B, T, -1, hd)
+    return apply_rope(k, cos, sin), attn.wv(h).view(B, T, -1, hd)
 
 
 def filled_cache(mode: str, n_heads: int, n_kv: int, d: int, window: int, ring: int):
@@ -53,7 +61,7 @@ def filled_cache(mode: str, n_heads: int, n_kv: int, d: int, window: int, ring: 
                 pos = torch.tensor([[p]], device=DEV)
                 h = torch.randn(1, 1, d, device=DEV)
                 step = net.make_step(pos, p + 1)
-                k, v = attn.project_kv(h, step.cos, step.sin)
+                k, v = project_kv(attn, h, step.cos, step.sin)
                 write_tokens_ref(view, 1, pos, h, k, v)
     return net, attn, cache
 
@@ -98,7 +106,7 @@ def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
     def put(lane: int, lo: int, hi: int) -> None:  # positions lo..hi-1 in one write
         h, pos = torch.randn(1, hi - lo, 64, device=DEV), torch.arange(lo, hi, device=DEV).unsqueeze(0)
         step = net.make_step(pos)
-        write_tokens(cache.lane_view(lane), 1, pos, h, *attn.project_kv(h, step.cos, step.sin))
+        write_tokens(cache.lane_view(lane), 1, pos, h, *project_kv(attn, h, step.cos, step.sin))
         written[lane].append(h)
 
     monkeypatch.setenv("TINYLOOP_TRITON", "1")  # int8 / int4: the quantise-on-write kernels
@@ -123,8 +131,8 @@ def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
             h = torch.cat(hs, dim=1)  # [1, n, d]
             kpos = torch.arange(h.shape[1], device=DEV).unsqueeze(0)
             step = net.make_step(kpos)
-            keys, values = decode_entries(mode, encode_entries(mode, h, *attn.project_kv(h, step.cos, step.sin)),
-                                          torch.float32, lambda hh: attn.project_kv(hh, step.cos, step.sin))
+            keys, values = decode_entries(mode, encode_entries(mode, h, *project_kv(attn, h, step.cos, step.sin)),
+                                          torch.float32, lambda hh: project_kv(attn, hh, step.cos, step.sin))
             seen = kpos > pos[lane] - window if window else kpos >= 0
             want.append(torch.nn.functional.scaled_dot_product_attention(
                 q[lane:lane + 1, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None, None],
@@ -139,21 +147,21 @@ def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_decode_attention_reference_matches_cache_update():
-    """The reference reads the layout the way KVCache.update + SDPA do (here: int8, wrapped window)."""
+def test_decode_attention_reference_matches_the_cached_step():
+    """The reference reads the layout the way the cached step's torch path (gather + SDPA) does (here: int8,
+    wrapped window)."""
+    from tinyloop.kernels import step as cached
+    from tinyloop.model import fused_weights
     net, attn, cache = filled_cache("int8", 8, 2, 64, 5, 0)
     B = len(LENGTHS)
     pos = torch.tensor(LENGTHS, device=DEV).unsqueeze(1)
     h = torch.randn(B, 1, 64, device=DEV)
     with torch.no_grad():
         step = net.make_step(pos, int(pos.max()) + 1)
-        q = attn.wq(h).view(B, 1, 8, 8)
-        from tinyloop.model import apply_rope
-        q = apply_rope(q, step.cos, step.sin)
-        k, v = attn.project_kv(h, step.cos, step.sin)
-        keys, values, mask = cache.update(attn, 1, step, h, k, v)
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True)[:, :, 0]
+        q = apply_rope(attn.wq(h).view(B, 1, 8, 8), step.cos, step.sin)
+        k, v = project_kv(attn, h, step.cos, step.sin)
+        ctx = cached.Cached(net, cache, step, fused_weights(net), triton=False)
+        want = ctx.attend(fused_weights(net).core[0], 1, q, h, k, v)[:, :, 0]
         got = decode_attention_ref(q[:, 0], cache.store, cache.table, 1, pos[:, 0], cache.ring, mode="int8", window=5,
                                    cell_pos=cache.cell_pos)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
@@ -237,83 +245,101 @@ def test_greedy_generation_through_triton_equals_torch(make_artifact, monkeypatc
     assert len(calls) == 7 * 4  # 7 decode steps x (prelude + 2 loops x 1 core + coda) slots
 
 
-# --- the lean decode step (tinyloop/kernels/lean.py) -------------------------------------------------------
+# --- the cached step (tinyloop/kernels/step.py): the model's one forward over the paged cache ------------------
 ARCHS = [dict(), dict(injection="add", sandwich_norm=True, tie_embeddings=False, state_init="normal", n_prelude=0,
                       n_coda=2, n_kv_heads=1),
          dict(injection="none", state_init="embed", n_kv_heads=4, ffn_hidden=200)]
+SMALL = dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=2, max_loops=3)
 
 
-def decode_both_ways(cfg: ModelConfig, mode: str, window: int, lengths: list[int], steps: int = 4, loops: int = 3,
-                     ways: tuple[bool, ...] = (False, True)):
-    """Logits of `steps` greedy lockstep decode steps over lanes of different lengths, plain path vs lean."""
-    from tinyloop.kernels.lean import decode_forward, set_enabled
+def small_net(cfg: ModelConfig) -> LoopedLM:
     torch.manual_seed(0)
-    net = LoopedLM(cfg, 64).to(DEV).eval().requires_grad_(False)
-    runs = []
-    for lean in ways:
-        set_enabled(lean)
-        try:
-            cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window)
-            cache.reset()
-            gen = torch.Generator().manual_seed(1)
-            with torch.inference_mode():
-                for lane, n in enumerate(lengths):  # per-lane prefill, as generate_batch does
-                    ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(DEV)
-                    net(ids, loops, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n), cache.lane_view(lane))
-                pos = torch.tensor(lengths, device=DEV).unsqueeze(1)
-                tok = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen).to(DEV)
-                out = []
-                for _ in range(steps):
-                    logits = decode_forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), cache)
-                    out.append(logits)
-                    tok, pos = logits.argmax(-1), pos + 1
-        finally:
-            set_enabled(None)
-        runs.append(torch.stack(out))
-    return runs
+    return LoopedLM(cfg, 64).to(DEV).eval().requires_grad_(False)
+
+
+def cached_decode(cfg: ModelConfig, mode: str, window: int, lengths: list[int], steps: int = 4, loops: int = 3,
+                  layout: str = "exact") -> tuple[torch.Tensor, list[list[int]]]:
+    """Per-lane prefill of random prompts, then `steps` greedy lockstep decode steps over lanes of different lengths,
+    all through kernels.step.forward: the logits [steps, B, 1, V] and each lane's tokens (prompt + decoded)."""
+    from tinyloop.kernels import step
+    net = small_net(cfg)
+    cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window)
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    with torch.inference_mode():
+        for lane, n in enumerate(lengths):  # per-lane prefill, as generate_batch does
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(DEV)
+            seqs.append(ids[0].tolist())
+            step.forward(net, ids, loops, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n),
+                         cache.lane_view(lane), layout)
+        pos = torch.tensor(lengths, device=DEV).unsqueeze(1)
+        tok = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen).to(DEV)
+        out = []
+        for _ in range(steps):
+            for seq, t in zip(seqs, tok[:, 0].tolist()):
+                seq.append(t)
+            logits = step.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), cache, layout)
+            out.append(logits)
+            tok, pos = logits.argmax(-1), pos + 1
+    return torch.stack(out), seqs
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", range(len(ARCHS)))
-def test_lean_step_equals_plain_path(mode, arch, monkeypatch):
+def test_cached_decode_equals_one_chunk_over_the_whole_sequence(mode, arch, monkeypatch):
+    """Prefill chunks then decode rows through the paged cache give the logits of one chunk over each lane's whole
+    sequence through a fresh cache of the same mode (which stores and reads the same rounded entries), and in the
+    fp16 mode also those of the cache-free forward (the model's Dense context; with a window, its windowed mask).
+    Ragged lanes, lanes in lockstep (SDPA runs without a mask), one lane, a wrapped ring; 20 steps cross block
+    boundaries, where the decode rows' read-ahead buffer, kept from step to step, is gathered again."""
+    from tinyloop.kernels import step as cached
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    cfg = ModelConfig(**{**dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=2,
-                                max_loops=3), **ARCHS[arch]})
-    # [4, 4, 4]: lanes in lockstep, where the step writes the cache by slice and SDPA runs without a mask
+    cfg = ModelConfig(**{**SMALL, **ARCHS[arch]})
+    net = small_net(cfg)
+    # quantised caches: a last-bit difference in K or V can move a value across a rounding boundary
+    tol = dict(atol=2e-5, rtol=1e-5) if mode == "fp16" else dict(atol=2e-3, rtol=1e-3)
     for window, lengths in ((0, [1]), (0, [9, 2, 5]), (0, [4, 4, 4]), (4, [9, 2, 5])):
-        plain, lean = decode_both_ways(cfg, mode, window, lengths)
-        assert torch.equal(plain.argmax(-1), lean.argmax(-1))
-        # the same operations in the same order: on CPU the bits agree (tolerance for other BLAS builds)
-        torch.testing.assert_close(lean, plain, atol=1e-6, rtol=1e-6)
+        steps = 20
+        logits, seqs = cached_decode(cfg, mode, window, lengths, steps)
+        with torch.inference_mode():
+            for lane, (n, seq) in enumerate(zip(lengths, seqs)):
+                T, x = len(seq), torch.tensor([seq], device=DEV)
+                step = net.make_step(torch.arange(T, device=DEV).unsqueeze(0), T)
+                chunk = cached.forward(net, x, 3, step, KVCache(cfg, 1, 64, mode, device=DEV, window=window))[0]
+                torch.testing.assert_close(logits[:, lane, 0], chunk[n:n + steps], **tol)
+                if mode == "fp16":
+                    full = net(x, 3, net.make_step(step.pos, T, window))[0]
+                    torch.testing.assert_close(logits[:, lane, 0], full[n:n + steps], **tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_packed_weights_keep_the_plain_greedy_tokens(mode, monkeypatch):
+def test_packed_weights_keep_the_exact_greedy_tokens(mode, monkeypatch):
     """TINYLOOP_LEAN_WEIGHTS=packed: fp32 matmuls on pre-transposed (1 lane) or oneDNN-blocked (more lanes)
     copies of the weights, RoPE as a product with a rotation matrix. The sums run in another order, so close to
-    the plain path rather than bit-equal."""
+    the exact layout rather than bit-equal."""
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    monkeypatch.setenv("TINYLOOP_LEAN_WEIGHTS", "packed")
     exact_products = []
     real = torch.nn.functional.linear
-    # the lean step multiplies rows [B, d]; the plain path (prefill) and the int4 recompute multiply [B, T, d]
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, w, b=None: exact_products.append(x.shape) if x.dim() == 2 else real(x, w, b))
     for arch in ARCHS:
-        cfg = ModelConfig(**{**dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=2,
-                                    max_loops=3), **arch})
+        cfg = ModelConfig(**{**SMALL, **arch})
         for window, lengths in ((0, [1]), (0, [4, 4, 4]), (0, [9, 2, 5]), (4, [9, 2, 5])):
-            plain, packed = decode_both_ways(cfg, mode, window, lengths)
-            assert torch.equal(plain.argmax(-1), packed.argmax(-1))
+            exact, _ = cached_decode(cfg, mode, window, lengths)
+            # packed products take rows [B*T, d]; only the int4 recompute of K/V from h multiplies [B, T, d]
+            monkeypatch.setattr(torch.nn.functional, "linear",
+                                lambda x, w, b=None: exact_products.append(x.shape) if x.dim() == 2 else real(x, w, b))
+            packed, _ = cached_decode(cfg, mode, window, lengths, layout="packed")
+            monkeypatch.setattr(torch.nn.functional, "linear", real)
+            assert torch.equal(exact.argmax(-1), packed.argmax(-1))
             # quantised caches: a last-bit difference in K or V can move a value across an int8/int4 rounding
             # boundary, one quantisation step
-            torch.testing.assert_close(packed, plain, atol=1e-5 if mode == "fp16" else 1e-3, rtol=1e-4)
-            assert not torch.equal(packed, plain)  # the packed step ran: other summation order, other last bits
-    assert exact_products == []  # every product of every lean step went through the packed copies
+            torch.testing.assert_close(packed, exact, atol=1e-5 if mode == "fp16" else 1e-3, rtol=1e-4)
+            assert not torch.equal(packed, exact)  # the packed step ran: other summation order, other last bits
+    assert exact_products == []  # every product of every packed step went through the packed copies
 
 
 def test_rotation_matrix_is_the_rotation():
-    from tinyloop.kernels.lean import rope_factors, rotate, rotation_matrices
+    from tinyloop.kernels.step import rotation_matrices
+    from tinyloop.model import rope_factors, rotate
     net = LoopedLM(ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96), 64)
     pos = torch.tensor([[0], [7], [63]])
     cos2, sin2 = rope_factors(*net.make_step(pos).rope_at(pos))  # [3, 1, 1, hd]
@@ -323,55 +349,39 @@ def test_rotation_matrix_is_the_rotation():
 
 
 def test_weight_layout_settings(monkeypatch):
-    from tinyloop.kernels import lean
+    from tinyloop.kernels import step
     monkeypatch.delenv("TINYLOOP_LEAN_WEIGHTS", raising=False)
-    assert lean.layout() == "exact"
+    assert step.layout() == "exact"
     monkeypatch.setenv("TINYLOOP_LEAN_WEIGHTS", "packed")
-    assert lean.layout() == "packed"
-    lean.set_layout("exact")
+    assert step.layout() == "packed"
+    step.set_layout("exact")
     try:
-        assert lean.layout() == "exact"
+        assert step.layout() == "exact"
     finally:
-        lean.set_layout(None)
+        step.set_layout(None)
     monkeypatch.setenv("TINYLOOP_LEAN_WEIGHTS", "bf16")
     with pytest.raises(ConfigError, match="TINYLOOP_LEAN_WEIGHTS"):
-        lean.layout()
+        step.layout()
     with pytest.raises(ConfigError, match="layout"):
-        lean.set_layout("int8")
+        step.set_layout("int8")
 
 
 @pytest.mark.parametrize("mode", ("int8", "int4"))
-def test_lean_step_through_triton_kernels_matches(mode, monkeypatch):
-    """The lean step's kernel path (fused norm, RoPE, quantise-on-write, attention), ring wrapped."""
+def test_decode_through_triton_kernels_matches_torch(mode, monkeypatch):
+    """Decode rows through the kernel path (norm, RoPE, quantise-on-write, attention over block tables), ring wrapped,
+    against the same decode through torch."""
     cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2,
                       sandwich_norm=mode == "int8")
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    plain, = decode_both_ways(cfg, mode, 4, [6, 2], steps=3, loops=2, ways=(False,))
+    plain, _ = cached_decode(cfg, mode, 4, [6, 2], steps=3, loops=2)
     monkeypatch.setenv("TINYLOOP_TRITON", "1")
-    lean, = decode_both_ways(cfg, mode, 4, [6, 2], steps=3, loops=2, ways=(True,))
-    assert torch.equal(plain.argmax(-1), lean.argmax(-1))
-    torch.testing.assert_close(lean, plain, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_generate_is_token_identical_with_and_without_lean_step(make_artifact, mode, monkeypatch):
-    from tinyloop.kernels.lean import set_enabled
-    monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    model = tinyloop.load_model(make_artifact(), 128, device=DEV, dtype=torch.float32, cache_mode=mode)
-    results = []
-    for lean in (False, True):
-        set_enabled(lean)
-        try:
-            results.append([tinyloop.generate(model, p, tinyloop.GenerateConfig(max_tokens=24, loops=l, cache_window=w)).tokens
-                            for p, l, w in (("def add(a, b):", 4, 0), ("import os", 2, 6))])
-        finally:
-            set_enabled(None)
-    assert results[0] == results[1]
-    assert all(len(t) > 0 for t in results[0])
+    kernels, _ = cached_decode(cfg, mode, 4, [6, 2], steps=3, loops=2)
+    assert torch.equal(plain.argmax(-1), kernels.argmax(-1))
+    torch.testing.assert_close(kernels, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_threads_policy(monkeypatch):
-    from tinyloop.kernels.lean import decode_threads
+    from tinyloop.kernels.step import decode_threads
     monkeypatch.delenv("TINYLOOP_DECODE_THREADS", raising=False)
     small, big = ModelConfig(d_model=256), ModelConfig(d_model=768, n_heads=12, n_kv_heads=4)
     assert decode_threads(1, small) == 1 and decode_threads(16, small) == 0 and decode_threads(1, big) == 0
@@ -383,42 +393,40 @@ def test_decode_threads_policy(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ("exact", "packed"))
-def test_lean_step_follows_weight_updates(layout, monkeypatch):
+def test_cached_step_follows_weight_updates(layout, monkeypatch):
     """The fused (and packed) weight copies are rebuilt when the model's parameters change in place."""
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    monkeypatch.setenv("TINYLOOP_LEAN_WEIGHTS", layout)
-    from tinyloop.kernels.lean import lean_step
+    from tinyloop.kernels import step
     cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
-    torch.manual_seed(0)
-    net = LoopedLM(cfg, 16).eval().requires_grad_(False)
+    net = small_net(cfg)
     ids, pos = torch.tensor([[5]]), torch.tensor([[0]])
     with torch.inference_mode():
-        lean_step(net).forward(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+        step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16), layout)
         net.core[0].mlp.w_up.weight.mul_(3.0)
-        want = net(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
-        got = lean_step(net).forward(ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+        want = net(ids, 2, net.make_step(pos, 1))  # the cache-free forward reads the parameters as they are now
+        got = step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16), layout)
     torch.testing.assert_close(got, want, atol=1e-6 if layout == "exact" else 1e-5, rtol=1e-6 if layout == "exact" else 1e-4)
 
 
 def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):
     """What CudaGraphStep captures, run eagerly: Step.end fixed at the cache's full length (shapes never change
     between replays) and the kernels follow each lane's own length from the positions on the device."""
-    from tinyloop.kernels.lean import CudaGraphStep
+    from tinyloop.kernels import step
     cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    plain, = decode_both_ways(cfg, "int8", 0, [6, 2], steps=1, loops=2, ways=(False,))
-    torch.manual_seed(0)
-    net = LoopedLM(cfg, 64).to(DEV).eval().requires_grad_(False)
+    plain, _ = cached_decode(cfg, "int8", 0, [6, 2], steps=1, loops=2)
+    net = small_net(cfg)
     cache = KVCache(cfg, 2, 64, "int8", device=DEV)
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for lane, n in enumerate([6, 2]):
             ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(DEV)
-            net(ids, 2, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n), cache.lane_view(lane))
+            step.forward(net, ids, 2, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n), cache.lane_view(lane))
         tok = torch.randint(0, cfg.vocab_size, (2, 1), generator=gen).to(DEV)
         monkeypatch.setenv("TINYLOOP_TRITON", "1")
-        graph_step = CudaGraphStep(net, cache, 2, 2)
+        graph_step = step.CudaGraphStep(net, cache, 2, 2)
         graph_step.ids.copy_(tok)
         graph_step.pos.copy_(torch.tensor([[6], [2]]))
-        got = graph_step._step()
+        graph_step.prepare()
+        got = net(graph_step.ids, 2, ctx=graph_step._context())
     torch.testing.assert_close(got, plain[0], atol=1e-5, rtol=1e-5)

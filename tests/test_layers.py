@@ -14,7 +14,7 @@ ROOT = Path(tinyloop.__file__).parent
 LAYERS = [
     ("core types", {"errors", "env", "config", "tokenizer", "stops", "sampling", "grammar", "modes", "types", "timing",
                     "continuation"}),
-    ("model and cache", {"model", "cache", "memory", "artifact", "runtime"}),
+    ("model and cache", {"model", "cache", "memory", "artifact", "runtime", "prefix_tree"}),
     ("kernels", {"kernels"}),
     ("engine", {"engine"}),
     ("public API", {"generate", "batch", "decoding", "handles", "prefix", "resume", "speculative", "score", "chat",

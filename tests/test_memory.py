@@ -36,11 +36,12 @@ def test_plan_from_config_alone_equals_plan_from_model(make_artifact):
 
 
 def test_fused_decode_weights_are_not_a_second_copy(make_artifact):
-    """The lean decode step fuses q|k|v and gate|up; the model's own weights become views of the fused ones."""
+    """The forward fuses q|k|v and gate|up; the model's own weights become views of the fused ones."""
     model = tinyloop.load_model(make_artifact(), 64)
     tinyloop.generate(model, [5, 6, 7], tinyloop.GenerateConfig(max_tokens=3))
-    from tinyloop.kernels.lean import model_weights
-    for blocks, fused in zip((model.net.prelude, model.net.core, model.net.coda), model_weights(model.net)):
+    from tinyloop.model import fused_weights
+    weights = fused_weights(model.net)
+    for blocks, fused in zip((model.net.prelude, model.net.core, model.net.coda), (weights.prelude, weights.core, weights.coda)):
         for block, w in zip(blocks, fused):
             assert block.attn.wq.weight.untyped_storage().data_ptr() == w.wqkv.untyped_storage().data_ptr()
             assert block.mlp.w_up.weight.untyped_storage().data_ptr() == w.wgu.untyped_storage().data_ptr()

@@ -125,18 +125,21 @@ def test_pool_longest_prefix_wins_and_no_match_falls_through(tiny_model):
     tinyloop.register_prefix(pool, tiny_model, a[:7], 4)
     tinyloop.register_prefix(pool, tiny_model, a + b, 2)  # same tokens at another loop count: its own entry
     cfg = G(max_tokens=6, loops=4)
-    cases = [(a + b + ids(4, 13), len(a + b)), (a + ids(4, 14), len(a)), (a[:7] + [9, 9], 7), (a + b, len(a + b)),
-             (a[:5], 0), (ids(40, 15), 0)]
+    # the longest common token prefix with any registered scaffold; a prompt that ends inside one still prefills its
+    # last token (its logits come from a forward)
+    cases = [(a + b + ids(4, 13), len(a + b)), (a + ids(4, 14), len(a)), (a[:7] + [9, 9], 7), (a + b, len(a + b) - 1),
+             (a[:5], 4), (a[:20] + [9] * 20, 20), (ids(40, 15), 0)]
     for prompt, hit in cases:
         out = tinyloop.generate_with_pool(tiny_model, pool, prompt, cfg)
         assert out.tokens == tinyloop.generate(tiny_model, prompt, cfg).tokens
         assert out.stats.prefix_hit_tokens == hit, (len(prompt), hit)
     out = tinyloop.generate_with_pool(tiny_model, pool, a + b + [1], G(max_tokens=6, loops=2))
     assert out.stats.prefix_hit_tokens == len(a + b)
-    assert tinyloop.generate_with_pool(tiny_model, pool, a + [1], G(max_tokens=6, loops=2)).stats.prefix_hit_tokens == 0
+    assert tinyloop.generate_with_pool(tiny_model, pool, a + [1], G(max_tokens=6, loops=2)).stats.prefix_hit_tokens == len(a)
+    assert tinyloop.generate_with_pool(tiny_model, pool, b, G(max_tokens=6, loops=2)).stats.prefix_hit_tokens == 0
     st = pool.stats
-    assert (st.entries, st.hits, st.misses, st.evictions) == (4, 5, 3, 0)
-    assert st.hit_tokens == 2 * len(a + b) + len(a) + 7 + len(a + b)
+    assert (st.entries, st.hits, st.misses, st.evictions) == (4, 8, 2, 0)
+    assert st.hit_tokens == sum(h for _, h in cases) + len(a + b) + len(a)
     assert st.bytes == pool.nbytes == sum(pc.nbytes for pc in pool.entries.values()) > 0
 
 

@@ -44,18 +44,6 @@ def test_greedy_with_a_sliding_window_rolls_the_ring_back(make_artifact, mode):
         assert spec.stats.accepted < spec.stats.drafted  # some drafts were rejected and rolled back
 
 
-@pytest.mark.parametrize("mode,window", [("fp16", 0), ("int4", 5)])
-def test_greedy_exact_on_the_module_path(make_artifact, mode, window):
-    """TINYLOOP_LEAN=0: drafts and verification through LoopedLM's modules instead of the fused lean step."""
-    from tinyloop.kernels import lean
-    model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
-    lean.set_enabled(False)
-    try:
-        same_as_plain(model, SpeculativeConfig(2, 6, 4), cache_window=window, repetition_penalty=1.3)
-    finally:
-        lean.set_enabled(None)
-
-
 @pytest.mark.parametrize("overrides", [
     dict(state_init="normal", init_sigma=0.7),
     dict(state_init="embed", injection="add"),
@@ -68,7 +56,7 @@ def test_greedy_exact_across_architectures(make_artifact, overrides):
 
 
 def test_cpu_weight_copies_follow_weight_updates(make_artifact):
-    """Drafts and verification multiply by the lean step's packed copies of the weights: an in-place change of
+    """Drafts and verification multiply by the packed copies of the weights: an in-place change of
     the model's parameters must reach them (else verification would use the old weights)."""
     model = tinyloop.load_model(make_artifact(), 128)
     sc, cfg = SpeculativeConfig(2, 6, 4), GenerateConfig(max_tokens=16, loops=6)
@@ -288,10 +276,11 @@ def test_measure_beta_is_the_design_definition(make_artifact, default_loops):
     x = torch.stack([data[s:s + 32] for s in starts])
     with torch.no_grad():
         step = net.make_step(torch.arange(32).expand(4, 32), 32)
-        e = net.encode(x, step)
+        ctx = net.dense(step)
+        e = net.encode(x, ctx)
         states = [net.init_state(e, step)]
         for k in range(L):
-            states.append(net.loop(states[-1], e, k, step))
+            states.append(net.loop(states[-1], e, k, ctx))
     ratio = (states[L] - states[L - 1]).norm(dim=-1) / (states[L - 1] - states[L - 2]).norm(dim=-1)
     assert beta == pytest.approx(float(ratio.flatten().median()), rel=1e-5)
     assert beta > 0

@@ -51,7 +51,7 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
                   dtype: torch.dtype = torch.float16) -> None:
     """Write the model's weights (as `dtype`) and metadata. The digest is added in a second pass."""
     path = Path(path)
-    # clone: parameters may be views of one fused matrix (kernels/lean.py), safetensors wants separate storage
+    # clone: parameters may be views of one fused matrix (model.fused_weights), safetensors wants separate storage
     tensors = {k: v.detach().to("cpu", dtype).clone() for k, v in model.state_dict().items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": json.dumps(model.cfg.to_dict()),
             "tokenizer": codec.to_json(), "beta": "" if beta is None else repr(float(beta)),

@@ -112,7 +112,7 @@ def bench_batch(model_path: str | None, quick: bool) -> list[str]:
     cfg = GenerateConfig(max_tokens=n)
     long_cfgs = [GenerateConfig(max_tokens=8 * n)] + [cfg] * (len(prompts) - 1)  # lane 0 runs 8x longer
     generate_batch(model, prompts[:2], GenerateConfig(max_tokens=2))  # warm up allocator and kernels
-    # Both sides run as the product does: torch's threads, with the lean decode step's thread policy (one thread
+    # Both sides run as the product does: torch's threads, with the decode step's thread policy (one thread
     # for a batch-1 step, all for a 16-lane step). On a busy machine, pass TINYLOOP_DECODE_THREADS=1 and run
     # with torch.set_num_threads(1) to measure batching rather than the load.
     threads = torch.get_num_threads()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from .batch import bench_batch
-from .bench_reuse import bench_cache_reuse, bench_warm_start
+from .bench_reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from .cache import CACHE_MODES
 from .bench_engine import bench_engine
 from .generate import GenerateConfig, generate
@@ -89,6 +89,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "batch": bench_batch,
     "cache_reuse": bench_cache_reuse,
     "warm_start": bench_warm_start,
+    "prefix_cache": bench_prefix_cache,
     "kernels": bench_kernels,
     "speculative": bench_speculative,
     "engine": bench_engine,

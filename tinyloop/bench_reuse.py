@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from .generate import GenerateConfig, generate
 from .prefix import create_prefix_pool, generate_with_pool, register_prefix
 from .resume import build_resume_handle, resume_generate
@@ -144,3 +146,80 @@ def refine_with_answer(model: Model, n_prompt: int, n_tokens: int, repeats: int)
             f"suffix): fresh generate @16 {fresh:.2f} s, refine via the handle {refine:.2f} s: {1 - refine / fresh:.1%} "
             f"saved; {reused} of the {produced} answer tokens came from accepted drafts; "
             f"equal to generate: {'yes' if same else 'NO'}"]
+
+
+# --- prefix_cache: automatic prefix caching, 4 scaffolds x N suffixes ---------------------------------------------
+ENDINGS = ["\n\n", " ", ": ", "\n    "]  # where the tokenizer merges a scaffold's last token with what follows
+
+
+def prefix_workload(n_suffixes: int, seed: int = 0) -> tuple[list[str], list[tuple[int, str]]]:
+    """4 scaffolds (about 330 tokens of the bundled model each, distinct from the first line, ending in whitespace or
+    punctuation) and the prompts scaffold + suffix, n_suffixes per scaffold, in a shuffled order: (scaffold, prompt)."""
+    import random
+
+    names = ["Alpha", "Bravo", "Charlie", "Delta"]  # distinct from the first token: no scaffold shares a block
+    scaffolds = [f'{name} project conventions.\n' + (SCAFFOLD * 3).rstrip() + end
+                 for name, end in zip(names, ENDINGS)]
+    forms = ["def task_{j}(x):\n    return x * {j}", "print({j})", "x_{j} = [{j}, {j}]", "class C{j}:\n    pass",
+             "import os  # {j}", "\n# step {j}", "    return {j}", "value: int = {j}"]
+    suffixes = [forms[j % len(forms)].format(j=j) for j in range(n_suffixes)]
+    prompts = [(i, s + x) for i, s in enumerate(scaffolds) for x in suffixes]
+    random.Random(seed).shuffle(prompts)
+    return scaffolds, prompts
+
+
+def bench_prefix_cache(model_path: str | None, quick: bool) -> list[str]:
+    """Time to first token and hit rate on 4 scaffolds x 64 suffixes: no cache, automatic prefix caching, and the
+    scaffolds registered (pinned) with caching off; each prompt runs on all three in turn, so load hits them alike."""
+    scaffolds, prompts = prefix_workload(8 if quick else 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a prefill of a few hundred tokens: one thread is steadier on a busy machine
+    try:
+        return _bench_prefix_cache(model_path, scaffolds, prompts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench_prefix_cache(model_path: str | None, scaffolds: list[str], prompts: list[tuple[int, str]]) -> list[str]:
+    models = {"no cache": load_model(model_path, 1024), "automatic": load_model(model_path, 1024, prefix_caching=True),
+              "registered": load_model(model_path, 1024)}
+    loops = models["no cache"].cfg.default_loops
+    pool = create_prefix_pool(len(scaffolds))
+    for s in scaffolds:
+        register_prefix(pool, models["registered"], s, loops)
+    cfg = GenerateConfig(max_tokens=1, loops=loops)
+    calls = {"no cache": lambda p: generate(models["no cache"], p, cfg),
+             "automatic": lambda p: generate(models["automatic"], p, cfg),
+             "registered": lambda p: generate_with_pool(models["registered"], pool, p, cfg)}
+    for fn in calls.values():
+        fn("import os\n")  # warm up
+    ttft = {k: [] for k in calls}
+    hits = {k: [0, 0, 0] for k in calls}  # requests with a hit, hit tokens, prompt tokens
+    same = 0
+    for n, (_, prompt) in enumerate(prompts):
+        order = list(calls)[n % 3:] + list(calls)[:n % 3]  # rotate who runs first
+        out = {}
+        for k in order:
+            t = time.perf_counter()
+            out[k] = calls[k](prompt)
+            ttft[k].append((time.perf_counter() - t) * 1000)
+            st = out[k].stats
+            hits[k][0] += st.prefix_hit_tokens > 0
+            hits[k][1] += st.prefix_hit_tokens
+            hits[k][2] += st.prompt_tokens
+        same += out["automatic"].tokens == out["no cache"].tokens == out["registered"].tokens
+    n_scaffold = [len(models["no cache"].codec.encode(s)) for s in scaffolds]
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    base = sum(ttft["no cache"]) / len(prompts)
+    lines = [f"prefix caching: {len(scaffolds)} scaffolds ({min(n_scaffold)}-{max(n_scaffold)} tokens, ending in "
+             f"{', '.join(repr(e) for e in ENDINGS)}) x {len(prompts) // len(scaffolds)} suffixes, shuffled, loops {loops}, "
+             f"cache {models['no cache'].cache_mode}, 1 thread; time to first token (ms, whole call, max_tokens=1)",
+             f"  {'':<11} {'requests hit':>12} {'prompt tokens hit':>17} {'mean':>7} {'p50':>7} {'p99':>7} {'vs no cache':>11}"]
+    for k in calls:
+        mean = sum(ttft[k]) / len(prompts)
+        lines.append(f"  {k:<11} {hits[k][0] / len(prompts):>12.0%} {hits[k][1] / hits[k][2]:>17.0%} {mean:>7.1f} "
+                     f"{pct(ttft[k], 0.5):>7.1f} {pct(ttft[k], 0.99):>7.1f} {base / mean:>10.1f}x")
+    tree = models["automatic"].prefixes
+    lines.append(f"  outputs equal on all three: {same}/{len(prompts)}; automatic cache: {tree.nodes} blocks of 16 "
+                 f"tokens held, {tree.evictions} evicted")
+    return lines

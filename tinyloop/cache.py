@@ -138,6 +138,9 @@ class BlockPool:
         self.refs = [0] * (num_blocks + 1)
         self.free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
         self.peak_used = 0
+        # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
+        # something. `room` counts them; `take` evicts its least recently used entries when nothing else is free.
+        self.prefixes = None
 
     @property
     def free_count(self) -> int:
@@ -151,8 +154,15 @@ class BlockPool:
     def nbytes(self) -> int:
         return (self.num_blocks + 1) * self.block_bytes
 
+    def room(self) -> int:
+        """Blocks a call can count on (admission checks this): the free ones and those only the prefix cache holds.
+        Counting rather than evicting here lets a call first find its own prefix in the cache."""
+        return len(self.free) + (self.prefixes.evictable() if self.prefixes is not None else 0)
+
     def take(self) -> int:
         """A free block, zeroed."""
+        if not self.free and self.prefixes is not None:
+            self.prefixes.evict(1)
         if not self.free:
             raise BudgetError(f"KV block pool exhausted: all {self.num_blocks} blocks of {self.block_tokens} tokens "
                               f"({self.nbytes / 2**20:.1f} MiB) are held by running sequences and handles")
@@ -238,6 +248,13 @@ class KVCache:
         self.held: list[list[list[int]]] = [[[] for _ in range(lanes)] for _ in range(S)]  # host mirror of table
         # Ring buffers remember the absolute position in each cell (-1: empty).
         self.cell_pos = torch.full((S, lanes, cells), -1, dtype=torch.long, device=device) if window > 0 else None
+        # Shared with every view of this cache (lane_view and select copy the dict by reference): a copy of some
+        # lanes' cells kept across decode steps (kernels/step.py: the read-ahead buffer), dropped by `changed`.
+        self.shared: dict = {"read_ahead": None}
+
+    def changed(self) -> None:
+        """Cells changed other than by a decode step's read-ahead: copies of them kept elsewhere are stale."""
+        self.shared["read_ahead"] = None
 
     @property
     def store(self) -> dict[str, torch.Tensor]:
@@ -251,6 +268,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Give every block back to the pool (the cache is empty afterwards)."""
+        self.changed()
         pool = self.pool
         for row in self.held:
             for ids in row:
@@ -322,6 +340,7 @@ class KVCache:
     def write(self, slot: int, pos: torch.Tensor, cells: torch.Tensor, new: dict[str, torch.Tensor],
               lanes: torch.Tensor | None = None) -> None:
         """Store entries [B, T, ...] at cells [B, T] (positions pos [B, T]) of `slot`, lanes 0..B-1 or `lanes`."""
+        self.changed()
         B = cells.shape[0]
         lane = torch.arange(B, device=self.device).unsqueeze(1) if lanes is None else lanes.view(B, 1)
         lane_list = list(range(B)) if lanes is None else lanes.view(-1).tolist()
@@ -334,32 +353,6 @@ class KVCache:
             self.pool.store[name][blk, row] = t
         if self.cell_pos is not None:
             self.cell_pos[slot, lane, cells] = pos
-
-    # --- write / read (the module path of tinyloop/model.py) -------------------------------------------
-    def update(self, attn, slot: int, step, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store the chunk's entries in `slot`; return keys, values [B, N, n_kv, hd] and the mask [B, 1, T, N]."""
-        B, T = step.pos.shape
-        new = encode_entries(self.mode, h, k, v)
-        qpos = step.pos.unsqueeze(-1)  # [B, T, 1]
-        project = lambda pos: (lambda hh: attn.project_kv(hh, *step.rope_at(pos.clamp_min(0))))
-        if self.window == 0:
-            cells = step.pos if step.cells is None else step.cells  # tree chunks bring their own cells and mask
-            self.write(slot, step.pos, cells, new)
-            data = self.gather(slot, B, step.end)
-            kpos = torch.arange(step.end, device=self.device).expand(B, step.end) if step.key_pos is None else step.key_pos
-            keys, values = decode_entries(self.mode, data, self.dtype, project(kpos))
-            mask = kpos.unsqueeze(1) <= qpos if step.mask is None else step.mask
-        else:
-            # Attend over the ring as it was plus the new chunk, then keep the newest `ring` of the chunk.
-            W = self.window
-            data = {name: torch.cat((old, new[name]), dim=1) for name, old in self.gather(slot, B, self.ring).items()}
-            kpos = torch.cat((self.cell_pos[slot, :B], step.pos), dim=1)
-            keys, values = decode_entries(self.mode, data, self.dtype, project(kpos))
-            kp = kpos.unsqueeze(1)
-            mask = (kp >= 0) & (kp <= qpos) & (kp > qpos - W)
-            keep = slice(max(0, T - self.ring), T)
-            self.write(slot, step.pos[:, keep], step.pos[:, keep] % self.ring, {n: t[:, keep] for n, t in new.items()})
-        return keys, values, mask.unsqueeze(1)
 
     def copy_slot(self, src: int, dst: int, pos: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
         """Copy the entries at positions pos [B, T] from slot src to slot dst (early exit fills skipped loops)."""
@@ -375,6 +368,7 @@ class KVCache:
         """Forget positions >= length (rejected drafts). Without a window nothing to do: the mask is causal by
         position and the next chunk overwrites those cells before anything reads them. A ring is read as
         "old cells + new chunk", so stale cells there must be marked empty."""
+        self.changed()
         if self.cell_pos is not None and slots is None:
             self.cell_pos.masked_fill_(self.cell_pos >= length, -1)
         elif self.cell_pos is not None:
@@ -431,6 +425,7 @@ class KVCache:
         parent's cache). Lanes share the blocks (reference counted); a write into a shared block copies it."""
         order = [int(i) for i in index]
         pool = self.pool
+        self.changed()
         for row in self.held:
             fresh = [list(row[i]) for i in order]
             for ids in fresh:
@@ -463,6 +458,7 @@ class KVCache:
         """Lane 0 takes the span's blocks (shared: a later write into one copies it first)."""
         if span.pool is not self.pool:
             raise ConfigError("a handle's blocks belong to another pool")
+        self.changed()
         for s, ids in span.blocks.items():
             held = self.held[s][0]
             for b in held:

@@ -62,7 +62,8 @@ def _beam_search(model, ids: list[int], cfg: GenerateConfig, cache, on_token: On
     root = Sequence(model, ids, cfg, None, t0)
     runner = Runner(model, cache, root.loops, cfg.early_exit_threshold)
     logits = runner.first_logits(root, 0, 0, None)[None]  # [1, V]: one live beam, the prompt
-    stats = GenerateStats(prompt_tokens=len(ids), cache_mode=model.cache_mode, prefill_ms=root.stats.prefill_ms)
+    stats = GenerateStats(prompt_tokens=len(ids), cache_mode=model.cache_mode, prefill_ms=root.stats.prefill_ms,
+                          prefix_hit_tokens=root.stats.prefix_hit_tokens)
     loop_counts = list(root.loop_counts)
     t_prefill = time.perf_counter()
     beams: list[tuple[Sequence, float]] = [(root, 0.0)]  # (hypothesis, total log-probability)

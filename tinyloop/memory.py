@@ -59,7 +59,8 @@ class MemoryPlan:
 
 
 WORKSPACE_LANES = 4  # the gathered keys and values of this many full-length lanes are set aside
-READ_AHEAD_BYTES = 8 * 2**20  # the most a decode step copies out of the blocks at once (lean StepContext.read_ahead)
+READ_AHEAD_BYTES = 32 * 2**20  # the most a decode step's read-ahead buffer holds (kernels/step.py: Cached.read_ahead)
+READ_AHEAD_GROWTH = 1  # blocks of room per lane and slot in that buffer: it is gathered again every 16 tokens
 
 
 def workspace_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int) -> int:

@@ -1,13 +1,18 @@
-"""The looped transformer of DESIGN section 2, in plain torch.
+"""The looped transformer of DESIGN section 2: its weights and its forward, written once.
 
 ids -> embed -> prelude -> e;  s0 = init(e);  s_k = core(inject(s_{k-1}, e)) for k = 1..L;  coda(s_L) -> logits
 
-One code path serves prefill, decode, speculative verification and training: a forward over a chunk of
-T tokens per lane at given absolute positions. With a cache, each layer writes its K/V for the chunk into
-its slot (core layers own one slot per loop) and attends over everything the slot holds for that lane.
+Every forward (training, full recompute, prefill, decode rows, speculative drafts and verification, early exit)
+runs the functions of this file over a chunk of T tokens per lane, as token rows [B*T, d]. What differs between
+them is the chunk's *context*: where attention finds its keys (`Dense` here: within the chunk; the cached step of
+tinyloop/kernels/step.py: the paged KV cache, through torch or Triton) and the weight layout the products use.
+With a cache, each layer writes its K/V for the chunk into its slot (core layers own one slot per loop) and
+attends over everything the slot holds for that lane.
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +23,18 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """An RMSNorm's weight (the math is `rms_norm`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one call, composed in C++ of the same ops as below (same bits in fp32)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,53 +76,28 @@ class Step:
 
 
 class Attention(nn.Module):
+    """Attention's weights (the math is `block` below)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def project_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (rotated) and V of attention inputs h [B, T, d]; the int4 store-h cache calls this to recompute."""
-        B, T, _ = h.shape
-        k = self.wk(h).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(h).view(B, T, self.n_kv_heads, self.head_dim)
-        return apply_rope(k, cos, sin), v
-
-    def forward(self, h: torch.Tensor, step: Step, cache=None, slot: int = 0) -> torch.Tensor:
-        B, T, _ = h.shape
-        q = apply_rope(self.wq(h).view(B, T, self.n_heads, self.head_dim), step.cos, step.sin)
-        k, v = self.project_kv(h, step.cos, step.sin)
-        if cache is None and not step.window:  # training / full recompute: causal attention over the chunk
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, enable_gqa=True)
-        elif cache is None:  # full recompute with a sliding window: the reference for the ring buffer
-            qp, kp = step.pos.unsqueeze(-1), step.pos.unsqueeze(1)
-            mask = ((kp <= qp) & (kp > qp - step.window)).unsqueeze(1)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, enable_gqa=True)
-        else:  # through the paged cache (the lean step of tinyloop/kernels runs decode rows faster)
-            keys, values, mask = cache.update(self, slot, step, h, k, v)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=mask, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-
 
 class MLP(nn.Module):
+    """SwiGLU's weights."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.w_up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
 
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU, with optional sandwich norms on each branch's output."""
+    """A pre-norm block's weights: attention + SwiGLU, with optional sandwich norms on each branch's output."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -125,11 +110,144 @@ class Block(nn.Module):
             self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.mlp_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, step: Step, cache=None, slot: int = 0) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), step, cache, slot)
-        x = x + (self.attn_out_norm(a) if self.sandwich else a)
-        m = self.mlp(self.mlp_norm(x))
-        return x + (self.mlp_out_norm(m) if self.sandwich else m)
+
+# --- the weights a forward multiplies by ------------------------------------------------------------------
+@dataclass
+class BlockWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # [d + 2 kv_dim, d]: rows of wq, wk, wv
+    wkv: torch.Tensor   # the wk|wv rows, unpacked (the int4 store-h cache recomputes K and V from h)
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    wgu: torch.Tensor   # [2 ffn, d]: rows of w_gate, w_up
+    w_down: torch.Tensor
+    attn_out_norm: torch.Tensor | None
+    mlp_out_norm: torch.Tensor | None
+
+
+@dataclass
+class Weights:
+    """Every matrix and norm weight of a forward, in one layout, and the operations that use them: linear(x, w)
+    for every product, norm(x, w, eps) for every RMSNorm. `fused_weights` gives the model's own layout; the
+    cached step (tinyloop/kernels/step.py) may bring a packed copy for faster CPU products."""
+    name: str
+    prelude: list[BlockWeights]
+    core: list[BlockWeights]
+    coda: list[BlockWeights]
+    adapter: torch.Tensor | None
+    final_norm: torch.Tensor
+    head: torch.Tensor
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+
+
+def _fuse(linears: list[nn.Linear], rebind: bool) -> torch.Tensor:
+    """The linears' weights concatenated by rows. rebind: each linear's weight becomes a view of its rows of the
+    result, so the fused matrix is the only copy (plan_memory counts the weights once)."""
+    fused = torch.cat([lin.weight for lin in linears])
+    if rebind:
+        row = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
+            row += n
+    return fused
+
+
+def _block_weights(block: Block, rebind: bool) -> BlockWeights:
+    a, m = block.attn, block.mlp
+    wqkv = _fuse([a.wq, a.wk, a.wv], rebind)
+    return BlockWeights(block.attn_norm.weight, wqkv, wqkv[a.wq.weight.shape[0]:], a.wo.weight, block.mlp_norm.weight,
+                        _fuse([m.w_gate, m.w_up], rebind), m.w_down.weight,
+                        block.attn_out_norm.weight if block.sandwich else None,
+                        block.mlp_out_norm.weight if block.sandwich else None)
+
+
+def _all_weights(net: "LoopedLM", rebind: bool) -> Weights:
+    blocks = [[_block_weights(b, rebind) for b in part] for part in (net.prelude, net.core, net.coda)]
+    head = net.embed.weight if net.lm_head is None else net.lm_head.weight
+    return Weights("exact", *blocks, None if net.adapter is None else net.adapter.weight, net.norm.weight, head)
+
+
+_fused: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
+_params: "weakref.WeakKeyDictionary[LoopedLM, list]" = weakref.WeakKeyDictionary()
+
+
+def weights_version(net: "LoopedLM") -> tuple[int, ...]:
+    """The parameters' version counters: they move on any in-place change (load_state_dict, training). The
+    parameter list is kept (walking the modules costs ~60 us, a few percent of a decode step)."""
+    params = _params.get(net)
+    if params is None:
+        params = _params[net] = list(net.parameters())
+    return tuple(p._version for p in params)
+
+
+def fused_weights(net: "LoopedLM") -> Weights:
+    """The model's weights as a forward multiplies by them: [q|k|v] and [gate|up] fused into one matrix each.
+
+    Inference: built once (and again after an in-place change of the parameters), the model's own linear
+    weights becoming views of the fused matrices, so nothing is held twice. Training (gradients on): fused
+    afresh in every forward, so the gradients reach the parameters."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in net.parameters()):
+        return _all_weights(net, rebind=False)
+    cached = _fused.get(net)
+    if cached is None or cached[0] != weights_version(net):
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: they keep version counters
+            weights = _all_weights(net, rebind=True)
+        _params.pop(net, None)  # rebinding made new parameters
+        cached = _fused[net] = (weights_version(net), weights)
+    return cached[1]
+
+
+# --- the math ---------------------------------------------------------------------------------------------
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[cos, cos] and [-sin, sin]: rotate-half RoPE as x * cos2 + swap_halves(x) * sin2."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """apply_rope with three fewer ops and the same bits: x1 cos + x2 (-sin) == x1 cos - x2 sin in IEEE."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
+
+
+def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) -> torch.Tensor:
+    """One pre-norm block over the chunk's token rows x [B*T, d]. The context `ctx` says where the chunk sits
+    (ctx.B lanes of ctx.T tokens), rotates q and k (ctx.rope) and attends (ctx.attend: within the chunk, or
+    over the paged cache of layer slot `slot`); ctx.weights brings the products and norms."""
+    lin, norm, eps = ctx.weights.linear, ctx.weights.norm, cfg.norm_eps
+    B, T, H, KV, hd = ctx.B, ctx.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = norm(x, w.attn_norm, eps)
+    qkv = lin(h, w.wqkv)  # [B*T, d + 2 kv]
+    qk = ctx.rope(qkv[:, :(H + KV) * hd].view(B, T, H + KV, hd))
+    v = qkv[:, (H + KV) * hd:].view(B, T, KV, hd)
+    out = ctx.attend(w, slot, qk[:, :, :H], h.view(B, T, -1), qk[:, :, H:], v)  # [B, H, T, hd]
+    a = lin(out.transpose(1, 2).reshape(B * T, H * hd), w.wo)
+    x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
+    gate, up = lin(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+    m = lin(F.silu(gate) * up, w.w_down)
+    return x + (norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+
+
+class Dense:
+    """The context of a forward without a cache (training, full recompute): causal attention within the chunk,
+    or within a sliding window when step.window is set (the reference for the ring buffer)."""
+
+    def __init__(self, weights: Weights, step: Step):
+        self.weights, self.step = weights, step
+        self.B, self.T = step.pos.shape
+        self.cos, self.sin = rope_factors(step.cos, step.sin)
+
+    def rope(self, qk: torch.Tensor) -> torch.Tensor:
+        return rotate(qk, self.cos, self.sin)
+
+    def attend(self, w: BlockWeights, slot: int, q, h, k, v) -> torch.Tensor:
+        mask, causal = None, True
+        if self.step.window:
+            qp, kp = self.step.pos.unsqueeze(-1), self.step.pos.unsqueeze(1)
+            mask, causal = ((kp <= qp) & (kp > qp - self.step.window)).unsqueeze(1), False
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
 class LoopedLM(nn.Module):
@@ -175,18 +293,21 @@ class LoopedLM(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    # --- pieces -------------------------------------------------------------------------------------
+    # --- pieces: each takes the chunk's context (Dense, or the cached step of tinyloop/kernels/step.py) -----
     def make_step(self, pos: torch.Tensor, end: int | None = None, window: int = 0) -> Step:
         if end is None:
             end = int(pos.max()) + 1
         return Step(pos, end, self.rope_cos, self.rope_sin, window)
 
-    def encode(self, ids: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
-        """Embedding and prelude: e, the input every loop is injected with."""
-        x = self.embed(ids)
-        for i, block in enumerate(self.prelude):
-            x = block(x, step, cache, i)
-        return x
+    def dense(self, step: Step) -> Dense:
+        return Dense(fused_weights(self), step)
+
+    def encode(self, ids: torch.Tensor, ctx) -> torch.Tensor:
+        """Embedding and prelude of ids [B, T]: e [B, T, d], the input every loop is injected with."""
+        x = self.embed(ids.reshape(-1))
+        for i, w in enumerate(ctx.weights.prelude):
+            x = block(self.cfg, w, x, ctx, i)
+        return x.view(ctx.B, ctx.T, -1)
 
     def init_state(self, e: torch.Tensor, step: Step) -> torch.Tensor:
         if self.cfg.state_init == "zeros":
@@ -195,91 +316,110 @@ class LoopedLM(nn.Module):
             return e
         return self.init_noise[step.pos].to(e.dtype)
 
-    def loop(self, s: torch.Tensor, e: torch.Tensor, k: int, step: Step, cache=None) -> torch.Tensor:
-        """One pass of the shared core at loop k (0-based): s_{k+1} = core(inject(s_k, e))."""
-        inj = self.cfg.injection
-        x = s if inj == "none" else s + e if inj == "add" else self.adapter(torch.cat((s, e), dim=-1))
-        for j, block in enumerate(self.core):
-            x = block(x, step, cache, self.cfg.core_slot(k, j))
-        return x
+    def loop(self, s: torch.Tensor, e: torch.Tensor, k: int, ctx) -> torch.Tensor:
+        """One pass of the shared core at loop k (0-based): s_{k+1} = core(inject(s_k, e)); s, e [B, T, d]."""
+        inj, W, d = self.cfg.injection, ctx.weights, s.shape[-1]
+        s, e = s.reshape(-1, d), e.reshape(-1, d)
+        x = s if inj == "none" else s + e if inj == "add" else W.linear(torch.cat((s, e), dim=-1), W.adapter)
+        for j, w in enumerate(W.core):
+            x = block(self.cfg, w, x, ctx, self.cfg.core_slot(k, j))
+        return x.view(ctx.B, ctx.T, d)
 
     def exit_prob(self, s: torch.Tensor) -> torch.Tensor | None:
         return None if self.exit_gate is None else torch.sigmoid(self.exit_gate(s)).squeeze(-1)
 
-    def decode_head(self, s: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
-        """Coda, final norm and head: logits."""
-        x = s
-        for i, block in enumerate(self.coda):
-            x = block(x, step, cache, self.cfg.coda_slot(i))
-        x = self.norm(x)
-        return x @ self.embed.weight.t() if self.lm_head is None else self.lm_head(x)
+    def decode_head(self, s: torch.Tensor, ctx) -> torch.Tensor:
+        """Coda, final norm and head of states s [B, T, d]: logits [B, T, V]."""
+        W, d = ctx.weights, s.shape[-1]
+        x = s.reshape(-1, d)
+        for i, w in enumerate(W.coda):
+            x = block(self.cfg, w, x, ctx, self.cfg.coda_slot(i))
+        return W.linear(W.norm(x, W.final_norm, self.cfg.norm_eps), W.head).view(ctx.B, ctx.T, -1)
 
     # --- whole forward ------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, cache=None,
+    def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, ctx=None,
                 grad_loops: int | None = None, return_states: bool = False):
-        """Logits for a chunk. Without a cache this is a plain causal forward (training, full recompute).
+        """Logits [B, T, V] for a chunk ids [B, T]. Without a context this is a plain causal forward over the chunk
+        (training, full recompute); calls with a KV cache pass the cached step's context (kernels/step.py).
 
         grad_loops: when training, backpropagate through only the last `grad_loops` loops (the earlier ones
         run without autograd), which bounds memory and compute like truncated backprop through time.
         """
-        if step is None:
-            T = ids.shape[1]
-            step = self.make_step(torch.arange(T, device=ids.device).expand(ids.shape[0], T), T)
-        e = self.encode(ids, step, cache)
-        s = self.init_state(e, step)
+        if ctx is not None and not hasattr(ctx, "attend"):
+            raise TypeError(f"LoopedLM.forward: ctx must be a forward context, got {type(ctx).__name__} (a cached "
+                            f"forward is tinyloop.kernels.step.forward(net, ids, loops, step, cache))")
+        if ctx is None:
+            if step is None:
+                T = ids.shape[1]
+                step = self.make_step(torch.arange(T, device=ids.device).expand(ids.shape[0], T), T)
+            ctx = self.dense(step)
+        e = self.encode(ids, ctx)
+        s = self.init_state(e, ctx.step)
         states = [s]
         no_grad_until = loops - grad_loops if grad_loops is not None else 0
         for k in range(loops):
             if k < no_grad_until:
                 with torch.no_grad():
-                    s = self.loop(s, e, k, step, cache)
+                    s = self.loop(s, e, k, ctx)
             else:
-                s = self.loop(s, e, k, step, cache)
+                s = self.loop(s, e, k, ctx)
             if return_states:
                 states.append(s)
-        logits = self.decode_head(s, step, cache)
+        logits = self.decode_head(s, ctx)
         return (logits, states) if return_states else logits
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    # --- adaptive depth (early exit) ------------------------------------------------------------------
-    def exit_mask(self, s_prev: torch.Tensor, s_new: torch.Tensor, threshold: float) -> torch.Tensor:
-        """[B] True where a lane's token may stop looping: small relative latent change, or the exit gate fires."""
-        done = torch.zeros(s_new.shape[0], dtype=torch.bool, device=s_new.device)
-        if threshold > 0:
+    # --- adaptive depth (early exit, per-lane loop counts) ---------------------------------------------
+    def exit_mask(self, s_prev: torch.Tensor, s_new: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+        """[B] True where a lane's token may stop looping: small relative latent change (threshold > 0; a float or
+        one per lane), or the exit gate fires."""
+        B = s_new.shape[0]
+        done = torch.zeros(B, dtype=torch.bool, device=s_new.device)
+        thr = torch.as_tensor(threshold, dtype=torch.float32, device=s_new.device).expand(B).view(B, 1)
+        if bool((thr > 0).any()):
             rel = (s_new - s_prev).float().norm(dim=-1) / s_new.float().norm(dim=-1).clamp_min(1e-12)
-            done |= (rel < threshold).all(dim=-1)
+            done |= ((rel < thr) & (thr > 0)).all(dim=-1)
         gate = self.exit_prob(s_new)
         if gate is not None:
             done |= (gate >= 0.5).all(dim=-1)
         return done
 
-    def forward_adaptive(self, ids: torch.Tensor, loops: int, step: Step, cache, threshold: float
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached forward of one token per lane with early exit; returns logits and loops used per lane.
+    def forward_adaptive(self, ids: torch.Tensor, loops: int | list[int], ctx,
+                         threshold: float | list[float] = 0.0) -> tuple[torch.Tensor, list[int]]:
+        """Cached forward of one token per lane, each lane at its own loop count and early-exit threshold; returns
+        logits [B, 1, V] and the loops each lane used.
 
-        A lane that exits keeps its state; its K/V for the loops it skipped are copies of its last loop's,
-        so later tokens still find keys at every depth (DESIGN section 2).
+        Each loop runs only the lanes still looping (ctx.subset). A lane that exits keeps its state; its K/V for
+        the loops it skipped (up to its own loop count) are copies of its last loop's, so later tokens still find
+        keys at every depth (DESIGN section 2). A lane never writes a slot beyond its own loop count.
         """
-        e = self.encode(ids, step, cache)
-        s = self.init_state(e, step)
         B = ids.shape[0]
-        used = torch.full((B,), loops, dtype=torch.long)
-        active = torch.ones(B, dtype=torch.bool, device=ids.device)
-        for k in range(loops):
-            s_new = self.loop(s, e, k, step, cache)
-            done = self.exit_mask(s, s_new, threshold) & active
-            s = torch.where(active.view(B, 1, 1), s_new, s)
-            if done.any():
-                used[done.cpu()] = k + 1
-                active &= ~done
-                if not active.any():
-                    break
-        for lane in range(B):
-            last = int(used[lane]) - 1
-            for k in range(last + 1, loops):
-                for j in range(self.cfg.n_core):
-                    cache.copy_slot(self.cfg.core_slot(last, j), self.cfg.core_slot(k, j),
-                                    step.pos[lane:lane + 1], torch.tensor([lane], device=ids.device))
-        return self.decode_head(s, step, cache), used
+        want = [loops] * B if isinstance(loops, int) else list(loops)
+        thr = torch.as_tensor(threshold, dtype=torch.float32).expand(B)
+        e = self.encode(ids, ctx)
+        s = self.init_state(e, ctx.step).clone()
+        used, active = list(want), list(range(B))
+        for k in range(max(want)):
+            active = [i for i in active if want[i] > k]
+            if not active:
+                break
+            if len(active) == B:
+                s_old, s_new = s, self.loop(s, e, k, ctx)
+                done = self.exit_mask(s_old, s_new, thr)
+                s = s_new
+            else:
+                sub, idx = ctx.subset(active), torch.tensor(active, device=ids.device)
+                s_old = s[idx]
+                s_new = self.loop(s_old, e[idx], k, sub)
+                sub.commit()
+                done = self.exit_mask(s_old, s_new, thr[active])
+                s[idx] = s_new
+            for i, d in zip(active, done.tolist()):
+                if d and k + 1 < want[i]:
+                    used[i] = k + 1
+            active = [i for i in active if used[i] > k + 1]
+        for i in range(B):
+            ctx.fill_skipped(i, used[i], want[i])
+        return self.decode_head(s, ctx), used

@@ -1,10 +1,10 @@
 """Prefix reuse: a PrefixCache keeps a prefix's prefill (its KV entries at every slot it used), so a prompt
-that starts with it only prefills its own suffix. A PrefixPool holds several, finds the longest registered
-prefix of a prompt through hashes of token blocks, and evicts the least recently used at capacity.
+that starts with it only prefills its own suffix. A PrefixPool registers scaffolds as pinned entries of the model's
+prefix cache (tinyloop/prefix_tree.py), where a prompt finds the longest cached token prefix, block by block.
 
 Exactness: the cache holds the very entries `generate` would write for those positions (at loop k a token
-only sees loop-k entries of earlier tokens), so greedy output equals `generate` on prefix + suffix.
-A prefix cache is built at one loop count and serves only calls at that count: its coda entries come from
+only sees loop-k entries of earlier tokens), so greedy output equals `generate` on the whole prompt.
+A prefix is cached at one loop count and serves only calls at that count: its coda entries come from
 the prefix's state after exactly n_loops loops.
 """
 from __future__ import annotations
@@ -12,20 +12,23 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .cache import Span
+from .cache import BLOCK_TOKENS, Span
 from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
+from .kernels import step as cached
 from .handles import Handle, encode_tokens, tensor_bytes
+from .prefix_tree import Node, common_length
 from .runtime import Model
 from .types import GenerateConfig, GenerateResult, OnToken
 
-BLOCK = 16  # tokens per hashed block in a PrefixPool
+BLOCK = BLOCK_TOKENS  # tokens per cached block
 
 
 def _check_loops(model: Model, n_loops) -> int:
@@ -34,15 +37,40 @@ def _check_loops(model: Model, n_loops) -> int:
     return n_loops
 
 
+def _prefix_ids(model: Model, prefix) -> list[int]:
+    ids = encode_tokens(model, prefix, "prefix")
+    if len(ids) >= model.max_seq_len:
+        raise ConfigError(f"prefix length {len(ids)} must be below max_seq_len {model.max_seq_len}")
+    return ids
+
+
+@torch.inference_mode()
+def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable) -> torch.Tensor:
+    """Prefill ids once (all n_loops loops over one chunk, as generate does) in the model's one-lane cache; keep(cache)
+    takes what it wants of the blocks before they go back. Returns the last position's logits."""
+    T = len(ids)
+    model.admit(1, T, n_loops, what=f"a {T}-token prefix")
+    cache = model.decode_cache
+    cache.reset()
+    try:
+        x = torch.tensor([ids], device=model.device)
+        step = model.net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
+        logits = cached.forward(model.net, x, n_loops, step, cache)[0, -1:].clone()
+        keep(cache)
+        return logits
+    finally:
+        cache.reset()
+
+
 class PrefixCache(Handle):
     """The KV entries of `ids` (positions 0..len-1) at the slots a forward of n_loops loops writes, plus the
     last position's logits (so a prompt that is exactly the prefix needs no forward at all)."""
 
     kind = "PrefixCache"
 
-    def __init__(self, model: Model, ids: list[int], n_loops: int):
+    def __init__(self, model: Model, ids: list[int], n_loops: int, text: str | None = None):
         super().__init__(model)
-        self.ids, self.n_loops = ids, n_loops
+        self.ids, self.n_loops, self.text = ids, n_loops, text
         cfg = model.cfg
         # prelude + loops 0..n-1, then the coda
         self.slots = [*range(cfg.n_prelude + cfg.n_core * n_loops), *range(cfg.coda_slot(0), cfg.n_slots())]
@@ -61,54 +89,47 @@ class PrefixCache(Handle):
             self.span.release()
         self.span, self.logits = None, None
 
-    @torch.inference_mode()
     def fill(self) -> None:
-        """Prefill the prefix once (all n_loops loops over the whole chunk, as generate does) and keep its blocks."""
-        model, net, T = self.model, self.model.net, len(self.ids)
-        model.admit(1, T, self.n_loops, what=f"a {T}-token prefix")
-        cache = model.decode_cache
-        cache.reset()
-        try:
-            x = torch.tensor([self.ids], device=model.device)
-            step = net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
-            self.logits = net(x, self.n_loops, step, cache)[0, -1:].clone()
-            self.span = cache.share(self.slots, T)
-        finally:
-            cache.reset()
+        """Prefill the prefix once and keep its blocks."""
+        def keep(cache):
+            self.span = cache.share(self.slots, len(self.ids))
+        self.logits = _prefill(self.model, self.ids, self.n_loops, keep)
 
-    def restore(self, cache) -> None:
-        cache.adopt(self.span)  # shared blocks: the suffix's first write into the last one copies it
+    def restore(self, cache, cells: int) -> None:
+        """Lend the blocks of the first `cells` positions (shared: the suffix's first write into the last one copies
+        it)."""
+        n = -(-cells // BLOCK_TOKENS)
+        cache.adopt(Span(self.span.pool, {s: ids[:n] for s, ids in self.span.blocks.items()}, cells))
 
 
 def create_prefix_cache(model: Model, prefix, n_loops: int) -> PrefixCache:
     """Prefill `prefix` (string or token ids) at n_loops loops and keep its cache entries."""
     n_loops = _check_loops(model, n_loops)
-    ids = encode_tokens(model, prefix, "prefix")
-    if len(ids) >= model.max_seq_len:
-        raise ConfigError(f"prefix length {len(ids)} must be below max_seq_len {model.max_seq_len}")
-    pc = PrefixCache(model, ids, n_loops)
+    pc = PrefixCache(model, _prefix_ids(model, prefix), n_loops, prefix if isinstance(prefix, str) else None)
     with model.busy():
         pc.fill()
     return pc
 
 
-def _generate_from(model: Model, pc: PrefixCache | None, ids: list[int], cfg: GenerateConfig,
-                   on_token: OnToken | None) -> GenerateResult:
-    """Generate from ids whose first len(pc) tokens are pc's prefix (pc None: plain prefill). Model is held."""
+def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: OnToken | None,
+                   pc: PrefixCache | None = None, hit: int = 0, prefixes=None) -> GenerateResult:
+    """Generate from ids; the first `hit` of them are pc's (lent, not prefilled), or `prefixes` (the model's prefix
+    cache, or a lookup-only view of it) finds what is cached. Model is held."""
     with lanes(model, [ids], [cfg]) as cache:
         seq = Sequence(model, ids, cfg, on_token)
         runner = Runner(model, cache, seq.loops, cfg.early_exit_threshold)
-        if pc is None or (len(ids) == 1 and runner.adaptive):
+        if prefixes is not None:
+            runner.prefixes = prefixes
+        if pc is None or not hit or (len(ids) == 1 and runner.adaptive):
             # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
             return runner.run([seq])[0]
 
         def first(seq: Sequence) -> torch.Tensor:
-            pc.restore(cache)  # here, so lending the blocks counts in stats.prefill_ms
-            rest = ids[len(pc):]
-            return pc.logits[-1] if not rest else runner.prefill(rest, len(pc))[-1]  # all loops, as generate's prefill
+            pc.restore(cache, hit)  # here, so lending the blocks counts in stats.prefill_ms
+            return pc.logits[-1] if hit == len(ids) else runner.prefill(ids[hit:], hit)[-1]  # all loops, as generate's
 
-        seq.stats.prefix_hit_tokens = len(pc)
-        return runner.run([seq], cached=len(pc), first=first)[0]
+        seq.stats.prefix_hit_tokens = hit
+        return runner.run([seq], cached=hit, first=first)[0]
 
 
 def _check_call(model: Model, cfg: GenerateConfig | None, n_loops: int | None) -> GenerateConfig:
@@ -121,17 +142,25 @@ def _check_call(model: Model, cfg: GenerateConfig | None, n_loops: int | None) -
 
 def generate_from_prefix_cache(model: Model, cache: PrefixCache, suffix, cfg: GenerateConfig | None = None,
                                on_token: OnToken | None = None) -> GenerateResult:
-    """Generate from cache's prefix + suffix (string or ids; may be empty). Equals generate on the joined ids."""
+    """Generate from cache's prefix + suffix (may be empty). Equals generate on the whole prompt: a string suffix of a
+    prefix made from a string is tokenized with it as one text (the tokenizer may merge across the boundary), and
+    every token up to the first that differs is reused; token ids are appended to the prefix's ids."""
     if not isinstance(cache, PrefixCache):
         raise HandleError(f"expected a PrefixCache, got {type(cache).__name__}")
     cache.check(model)
     cfg = _check_call(model, cfg, cache.n_loops)
-    ids = cache.ids + encode_tokens(model, suffix, "suffix", allow_empty=True)
+    if isinstance(suffix, str) and cache.text is not None:
+        ids = encode_tokens(model, cache.text + suffix, "prompt")
+    else:
+        ids = cache.ids + encode_tokens(model, suffix, "suffix", allow_empty=True)
+    hit = common_length(cache.ids, ids)
+    if hit == len(ids) < len(cache.ids):
+        hit -= 1  # the prompt ends inside the prefix: the last token's logits need a forward
     with cache.using(model):
-        return _generate_from(model, cache, ids, cfg, on_token)
+        return _generate_from(model, ids, cfg, on_token, cache, hit)
 
 
-# --- the pool ------------------------------------------------------------------------------------------
+# --- the pool: scaffolds pinned in the model's prefix cache -----------------------------------------------
 @dataclass
 class PoolStats:
     capacity: int
@@ -146,18 +175,46 @@ class PoolStats:
         return dataclasses.asdict(self)
 
 
-def block_hashes(ids: list[int]) -> list[int]:
-    """h[i] identifies ids[:i * BLOCK]: each block's hash chains the one before, so equal hashes mean equal
-    prefixes (up to collisions, which a token comparison rules out)."""
-    hs = [0]
-    for i in range(len(ids) // BLOCK):
-        hs.append(hash((hs[-1], tuple(ids[i * BLOCK:(i + 1) * BLOCK]))))
-    return hs
+class PinnedPrefix(Handle):
+    """A registered scaffold: its path of blocks in the model's prefix cache, pinned (never evicted) while it lives.
+    It holds the whole prefix, the last partial block included."""
+
+    kind = "PinnedPrefix"
+
+    def __init__(self, model: Model, ids: list[int], n_loops: int, path: list[Node]):
+        super().__init__(model)
+        self.ids, self.n_loops, self.path = ids, n_loops, path
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(n.blocks) for n in self.path) * self.model.pool.block_bytes if self.path else 0
+
+    def release(self) -> None:
+        if self.path and self.model.prefixes is not None:
+            self.model.prefixes.unpin(self.path)
+        self.path = []
+
+
+class LookupOnly:
+    """The model's prefix cache seen by a call that may reuse but not add (prefix caching off: the cache holds the
+    registered scaffolds only)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def reuse(self, runner, seq, lane):
+        return self.tree.reuse(runner, seq, lane)
+
+    def keep(self, *args, **kwargs) -> None:
+        pass
 
 
 class PrefixPool(Handle):
-    """Up to `capacity` PrefixCaches. An entry is indexed by the hash of its whole blocks; a lookup walks the
-    prompt's block hashes from the longest down, so the first verified match is the longest prefix."""
+    """Up to `capacity` registered scaffolds, pinned in the model's prefix cache; at capacity the least recently used
+    is unpinned (and leaves the cache unless a cached sequence extends it)."""
 
     kind = "PrefixPool"
 
@@ -166,13 +223,12 @@ class PrefixPool(Handle):
         self.model, self.model_id = None, None  # bound on the first register_prefix
         self.freed = False
         self._lock = threading.Lock()
-        self.entries: OrderedDict[tuple, PrefixCache] = OrderedDict()  # least recently used first
-        self.index: dict[int, set[tuple]] = {}
+        self.entries: OrderedDict[tuple, PinnedPrefix] = OrderedDict()  # least recently used first
         self.hits = self.misses = self.evictions = self.hit_tokens = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(pc.nbytes for pc in self.entries.values())
+        return sum(e.nbytes for e in self.entries.values())
 
     @property
     def stats(self) -> PoolStats:
@@ -189,87 +245,78 @@ class PrefixPool(Handle):
         super().check(model)
 
     def release(self) -> None:
-        for pc in self.entries.values():
-            pc.release()
-            pc.freed = True
-        self.entries.clear()
-        self.index.clear()
-
-    def _key_hash(self, key: tuple) -> int:
-        ids = key[0]
-        return block_hashes(list(ids))[len(ids) // BLOCK]
+        for key in list(self.entries):
+            self.drop(key)
 
     def drop(self, key: tuple) -> None:
-        pc = self.entries.pop(key)
-        self.index[self._key_hash(key)].discard(key)
-        pc.release()
-        pc.freed = True
+        entry = self.entries.pop(key)
+        entry.release()
+        entry.freed = True
 
-    def add(self, pc: PrefixCache) -> None:
-        key = (tuple(pc.ids), pc.n_loops)
+    def prune(self) -> None:
+        """Entries freed by free_handle leave the pool."""
+        for key in [k for k, e in self.entries.items() if e.freed]:
+            self.drop(key)
+
+    def add(self, entry: PinnedPrefix) -> None:
+        self.prune()
         while len(self.entries) >= self.capacity:
             self.drop(next(iter(self.entries)))
             self.evictions += 1
-        self.entries[key] = pc
-        self.index.setdefault(self._key_hash(key), set()).add(key)
-
-    def lookup(self, ids: list[int], n_loops: int) -> PrefixCache | None:
-        """The longest registered prefix of ids at n_loops loops (marked most recently used), or None."""
-        for key in [k for k, pc in self.entries.items() if pc.freed]:  # entries freed by free_handle
-            self.drop(key)
-        hs = block_hashes(ids)
-        for i in range(len(hs) - 1, -1, -1):
-            best = None
-            for key in self.index.get(hs[i], ()):
-                n = len(key[0])
-                if key[1] == n_loops and n <= len(ids) and (best is None or n > len(best[0])) and tuple(ids[:n]) == key[0]:
-                    best = key
-            if best is not None:
-                self.entries.move_to_end(best)
-                return self.entries[best]
-        return None
+        self.entries[(tuple(entry.ids), entry.n_loops)] = entry
 
 
 def create_prefix_pool(capacity: int) -> PrefixPool:
-    """An empty pool of at most `capacity` prefix caches (least recently used evicted first)."""
+    """An empty pool of at most `capacity` registered scaffolds (least recently used unpinned first)."""
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ConfigError(f"PrefixPool capacity must be an integer >= 1, got {capacity!r}")
     return PrefixPool(capacity)
 
 
-def register_prefix(pool: PrefixPool, model: Model, prefix, n_loops: int) -> PrefixCache:
-    """Prefill `prefix` at n_loops loops into the pool (a known prefix is only marked as recently used)."""
+def register_prefix(pool: PrefixPool, model: Model, prefix, n_loops: int) -> PinnedPrefix:
+    """Prefill `prefix` at n_loops loops and pin it in the model's prefix cache (a known prefix is only marked as
+    recently used)."""
     if not isinstance(pool, PrefixPool):
         raise HandleError(f"expected a PrefixPool, got {type(pool).__name__}")
     n_loops = _check_loops(model, n_loops)
-    ids = encode_tokens(model, prefix, "prefix")
-    if len(ids) >= model.max_seq_len:
-        raise ConfigError(f"prefix length {len(ids)} must be below max_seq_len {model.max_seq_len}")
+    ids = _prefix_ids(model, prefix)
     pool.check(model)
     with pool.using(model):
         if pool.model is None:
             pool.model, pool.model_id = model, model.model_id
+        pool.prune()
         key = (tuple(ids), n_loops)
         if key in pool.entries:
             pool.entries.move_to_end(key)
             return pool.entries[key]
-        pc = PrefixCache(model, ids, n_loops)
-        pc.fill()
-        pool.add(pc)
-        return pc
+        path = []
+        _prefill(model, ids, n_loops, lambda cache: path.extend(
+            model.prefixes.keep(ids, n_loops, cache, tail=True, pin=True)))
+        entry = PinnedPrefix(model, ids, n_loops, path)
+        pool.add(entry)
+        return entry
 
 
 def generate_with_pool(model: Model, pool: PrefixPool, prompt, cfg: GenerateConfig | None = None,
                        on_token: OnToken | None = None) -> GenerateResult:
-    """Generate from prompt, skipping the prefill of the longest registered prefix it starts with (same
-    loop count); no match is a plain prefill. Output equals generate(model, prompt, cfg)."""
+    """Generate from prompt, skipping the prefill of the longest token prefix the model's prefix cache holds at the
+    same loop count (a registered scaffold, or with prefix caching any earlier prompt); no match is a plain
+    prefill. Output equals generate(model, prompt, cfg)."""
     if not isinstance(pool, PrefixPool):
         raise HandleError(f"expected a PrefixPool, got {type(pool).__name__}")
     pool.check(model)
     cfg = _check_call(model, cfg, None)
     ids = model.encode_prompt(prompt)
     with pool.using(model):
-        out = _generate_from(model, pool.lookup(ids, cfg.resolved_loops(model)), ids, cfg, on_token)
+        pool.prune()
+        prefixes = model.prefixes if model.prefix_caching else LookupOnly(model.prefixes)
+        out = _generate_from(model, ids, cfg, on_token, prefixes=prefixes)
         hit = out.stats.prefix_hit_tokens
         pool.hits, pool.misses, pool.hit_tokens = pool.hits + (hit > 0), pool.misses + (hit == 0), pool.hit_tokens + hit
+        if hit:  # the scaffold the prompt shares the most tokens with counts as used
+            loops = cfg.resolved_loops(model)
+            shared = {k: common_length(e.ids, ids) for k, e in pool.entries.items() if e.n_loops == loops}
+            best = max(shared, key=shared.get, default=None)
+            if best is not None and shared[best]:
+                pool.entries.move_to_end(best)
         return out

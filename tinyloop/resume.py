@@ -30,6 +30,7 @@ from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
 from .handles import Handle, encode_tokens, tensor_bytes
+from .kernels import step as cached
 from .modes import check_modes
 from .runtime import Model
 from .speculative import SpeculativeConfig, speculate
@@ -87,10 +88,11 @@ class ResumeHandle(Handle):
         self.model.admit(1, len(self.ids), self.depth, self.cache_window, what=f"a {len(self.ids)}-token resume handle")
         net, cache, step = self.model.net, self.work_cache(), self.step()
         try:
-            e = net.encode(torch.tensor([self.ids], device=self.model.device), step, cache)
+            ctx = cached.context(net, step, cache)
+            e = net.encode(torch.tensor([self.ids], device=self.model.device), ctx)
             s = net.init_state(e, step)
             for k in range(self.depth):
-                s = net.loop(s, e, k, step, cache)
+                s = net.loop(s, e, k, ctx)
             self.e, self.s = e, s
             self.span = cache.share(self.slots(self.depth), len(self.ids))
         finally:
@@ -109,9 +111,10 @@ class ResumeHandle(Handle):
         cache.adopt(held)
         if held is not self.span:
             held.release()
+        ctx = cached.context(net, step, cache)
         s = self.s if start == self.depth else net.init_state(self.e, step)
         for k in range(start, loops):
-            s = net.loop(s, self.e, k, step, cache)
+            s = net.loop(s, self.e, k, ctx)
         stats.skipped_loops = start * len(self.ids)
         if loops > self.depth:
             new = cache.share(range(self.slots(self.depth).stop, self.slots(loops).stop), len(self.ids))
@@ -119,7 +122,7 @@ class ResumeHandle(Handle):
             if new.cell_pos is not None:
                 self.span.cell_pos.update(new.cell_pos)
             self.s, self.depth = s, loops
-        return net.decode_head(s, step, cache)[0]
+        return net.decode_head(s, ctx)[0]
 
 
 class RefiningRunner(Runner):

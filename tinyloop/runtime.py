@@ -14,6 +14,7 @@ from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
 from .memory import available_bytes, blocks_for, workspace_bytes
 from .model import LoopedLM
+from .prefix_tree import PrefixTree
 
 # Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
 DEFAULT_POOL_SEQUENCES = 16
@@ -27,7 +28,8 @@ _model_ids = itertools.count(1)
 class Model:
     """Not reentrant: a second concurrent call raises BusyError instead of racing on the shared cache."""
 
-    def __init__(self, net: LoopedLM, info: ArtifactInfo, cache_mode: str, max_seq_len: int, pool_blocks: int):
+    def __init__(self, net: LoopedLM, info: ArtifactInfo, cache_mode: str, max_seq_len: int, pool_blocks: int,
+                 prefix_caching: bool = False):
         self.net, self.info, self.cfg, self.codec = net, info, info.config, info.codec
         self.cache_mode, self.max_seq_len = cache_mode, max_seq_len
         self.device, self.dtype = net.embed.weight.device, net.embed.weight.dtype
@@ -40,6 +42,10 @@ class Model:
         # Prompts are prefilled in pieces of this many tokens (0: whole), so the scheduler can interleave a long
         # prompt with decode steps; every call cuts at the same places, so outputs do not depend on the batch.
         self.prefill_chunk: int = env_number("TINYLOOP_PREFILL_CHUNK", int, DEFAULT_PREFILL_CHUNK, 0)
+        # The prefix cache holds registered scaffolds (pinned) and, with prefix_caching, every call's prompt blocks:
+        # calls then reuse the longest cached token prefix of their prompt (tinyloop/prefix_tree.py).
+        self.prefixes = PrefixTree(self.cfg, self.pool)
+        self.prefix_caching = prefix_caching
 
     def new_cache(self, lanes: int, max_len: int, window: int = 0, ring: int = 0) -> KVCache:
         """Block tables for `lanes` sequences of up to max_len tokens (a window: a ring of max(window, ring) cells)."""
@@ -57,7 +63,7 @@ class Model:
                               f"{need * pool.block_bytes / 2**20:.1f} MiB) but the model's pool has only "
                               f"{pool.num_blocks} ({pool.nbytes / 2**20:.1f} MiB): it can never fit; lower the "
                               f"lanes, beam_size, max_tokens or loops, or load the model with a larger memory_budget")
-        if now and need > pool.free_count:
+        if now and need > pool.room():
             raise BudgetError(f"{what} needs {need} KV blocks but only {pool.free_count} of {pool.num_blocks} are "
                               f"free now ({pool.used} held by handles and running sequences): free handles or retry")
 
@@ -116,12 +122,17 @@ def pool_blocks_for(cfg, cache_mode: str, dtype: torch.dtype, device: torch.devi
 
 
 def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, device=None, dtype=None,
-               cache_mode: str | None = None, memory_budget: int | None = None) -> Model:
+               cache_mode: str | None = None, memory_budget: int | None = None, prefix_caching: bool | None = None
+               ) -> Model:
     """Load a .tinyloop artifact (None: the bundled default model). Raises ArtifactError on a bad file.
 
     memory_budget: bytes for the weights, the KV block pool and one step's workspace together (None: TINYLOOP_MEMORY_BUDGET, else a
     pool for DEFAULT_POOL_SEQUENCES full-length sequences within half the available memory). BudgetError when the
     pool could not hold even one sequence of max_seq_len tokens at the model's default loop count.
+
+    prefix_caching: every call keeps its prompt's blocks in the model's prefix cache and reuses the longest cached
+    token prefix of later prompts at the same loop count, until the pool needs the blocks (None: TINYLOOP_PREFIX_CACHE,
+    default off in-process; a worker turns it on).
     """
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 2:
         raise ConfigError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
@@ -130,6 +141,8 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     if memory_budget is not None and (not isinstance(memory_budget, int) or isinstance(memory_budget, bool)
                                       or memory_budget <= 0):
         raise ConfigError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if prefix_caching is None:
+        prefix_caching = env_choice("TINYLOOP_PREFIX_CACHE", ("on", "off"), "off") == "on"
     cache_mode = cache_mode or env_choice("TINYLOOP_CACHE_MODE", CACHE_MODES, "fp16")
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"cache_mode {cache_mode!r} not one of {CACHE_MODES}")
@@ -155,7 +168,7 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     net.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     net.set_max_seq_len(max_seq_len)  # rebuild position tables in the final dtype and device
-    return Model(net, info, cache_mode, max_seq_len, blocks)
+    return Model(net, info, cache_mode, max_seq_len, blocks, bool(prefix_caching))
 
 
 def check_device(device) -> torch.device:
@@ -182,6 +195,7 @@ def free_model(model: Model) -> None:
     with model.busy():
         model.freed = True
         model.decode_cache.reset()
+        model.prefixes = None
         model.net = None
         model.decode_cache = None
         model.pool = None

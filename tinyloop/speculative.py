@@ -46,8 +46,7 @@ from .engine.calls import checked, lanes
 from .engine.sequence import Sequence
 from .errors import ConfigError
 from .generate import generate
-from .kernels import lean
-from .kernels.dispatch import use_triton
+from .kernels import step as cached
 from .model import Step
 from .runtime import Model, load_model
 from .sampling import filter_logits
@@ -159,8 +158,10 @@ class Speculator:
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
         self.threshold = cfg.early_exit_threshold
         self.adaptive = self.threshold > 0 or self.net.exit_gate is not None
-        self.lean = not self.adaptive and lean.enabled()  # single draft tokens through the fused decode step
-        self.lean_verify = self.lean and not use_triton(model.device)  # chunks and trees too (torch path only)
+        # Drafts and verification multiply through the packed weight layout where it applies (CPU, fp32): the same
+        # fp32 math in another summation order, as a verified chunk is anyway; greedy output stays plain decode's
+        # (tests). With early exit the exit decisions must be plain decode's bit for bit: the exact layout.
+        self.layout = "exact" if self.adaptive else "packed"
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see run
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
@@ -193,6 +194,9 @@ class Speculator:
             return self.net.make_step(torch.tensor([pos], device=self.model.device), max(pos) + 1)
         return tree.step(self.net, pos, cells)
 
+    def context(self, step: Step) -> cached.Cached:
+        return cached.context(self.net, step, self.cache, self.layout)
+
     def deepen(self, s, e, step: Step, pos: list[int], cells: list[int], tree: TreeShape | None,
                k0: int, k1: int, used: list[int], done: list[bool]) -> tuple[torch.Tensor, int]:
         """Run loops k0..k1-1 over a chunk; returns the states and the loop-steps executed.
@@ -202,8 +206,9 @@ class Speculator:
         """
         T = s.shape[1]
         if not self.adaptive:
+            ctx = self.context(step)
             for k in range(k0, k1):
-                s = self.net.loop(s, e, k, step, self.cache)
+                s = self.net.loop(s, e, k, ctx)
             used[:] = [k1] * T
             return s, T * (k1 - k0)
         s, steps = s.clone(), 0
@@ -214,7 +219,7 @@ class Speculator:
             idx = torch.tensor(act, device=s.device)
             sub = step if len(act) == T else self.make_step([pos[i] for i in act], [cells[i] for i in act], tree)
             s_old = s[:, idx]
-            s_new = self.net.loop(s_old, e[:, idx], k, sub, self.cache)
+            s_new = self.net.loop(s_old, e[:, idx], k, self.context(sub))
             stop = self.net.exit_mask(s_old.transpose(0, 1), s_new.transpose(0, 1), self.threshold).tolist()
             s[:, idx] = s_new
             steps += len(act)
@@ -225,34 +230,16 @@ class Speculator:
                     self.fill_skipped(cells[i], k)
         return s, steps
 
-    def lean_context(self, step: Step) -> lean.StepContext:
-        """Drafts and verification run the lean step (kernels/lean.py) in the packed weight layout where it
-        applies (CPU, fp32): the same fp32 math as the plain path in another summation order, as a verified
-        chunk is anyway; greedy output stays plain decode's (tests)."""
-        return lean.lean_step(self.net).context(step, self.cache, "packed")
-
     def draft(self, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None, head: bool):
         """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops and, if
         head, the coda and head. Returns s, e [1, T, d], logits [1, T, V] (None without head), the loops each
         token used, whether it exited early, and the loop-steps run."""
         step, T = self.make_step(pos, cells, tree), len(tokens)
-        ids = torch.tensor([tokens], device=self.model.device)
-        if self.lean_verify or self.lean and T == 1 and tree is None:  # the Triton decode step takes single tokens
-            ls, ctx = lean.lean_step(self.net), self.lean_context(step)
-            s, e = ls.depth(ids, self.D, ctx, self.cache)
-            logits = ls.head(s, ctx, self.cache) if head else None
-            return s.unsqueeze(0), e.unsqueeze(0), logits, [self.D] * T, [False] * T, self.D * T
+        ctx = self.context(step)
         used, done = [0] * T, [False] * T
-        e = self.net.encode(ids, step, self.cache)
+        e = self.net.encode(torch.tensor([tokens], device=self.model.device), ctx)
         s, steps = self.deepen(self.net.init_state(e, step), e, step, pos, cells, tree, 0, self.D, used, done)
-        return s, e, self.net.decode_head(s, step, self.cache) if head else None, used, done, steps
-
-    def verify_lean(self, s: torch.Tensor, e: torch.Tensor, step: Step) -> torch.Tensor:
-        """Loops draft_loops..verify_loops and the coda over a chunk or tree (states s, e [1, T, d]):
-        logits [1, T, V]."""
-        ls, ctx = lean.lean_step(self.net), self.lean_context(step)
-        d = s.shape[-1]
-        return ls.head(ls.loops(s.reshape(-1, d), e.reshape(-1, d), self.D, self.V, ctx, self.cache), ctx, self.cache)
+        return s, e, self.net.decode_head(s, ctx) if head else None, used, done, steps
 
     def fill_skipped(self, cell: int, last: int) -> None:
         at = torch.tensor([[cell]], device=self.model.device)
@@ -315,13 +302,9 @@ class Speculator:
         step = self.make_step(pos, cells, tree)
         if cache.window:
             cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        if self.lean_verify:
-            logits = self.verify_lean(torch.cat(states, 1), torch.cat(embeds, 1), step)[0]
-            used, steps = [self.V] * N, N * (self.V - self.D)
-        else:
-            s, steps = self.deepen(torch.cat(states, 1), torch.cat(embeds, 1), step, pos, cells, tree, self.D, self.V,
-                                   used, done)
-            logits = net.decode_head(s, step, cache)[0]
+        s, steps = self.deepen(torch.cat(states, 1), torch.cat(embeds, 1), step, pos, cells, tree, self.D, self.V,
+                               used, done)
+        logits = net.decode_head(s, self.context(step))[0]
         self.verify_loop_steps += steps
 
         # accept: walk down the tree from the root
@@ -371,7 +354,7 @@ class Speculator:
             logits = prefill()
         else:
             step = net.make_step(torch.arange(P, device=model.device).unsqueeze(0), P)
-            logits = net(torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache)[0, -1]
+            logits = cached.forward(net, torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache)[0, -1]
         seq.t_prefilled = time.perf_counter()
         stats.prefill_ms = (seq.t_prefilled - t0) * 1000
         first = seq.sample(logits)
@@ -436,8 +419,8 @@ def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: Generate
     16 ... tokens) instead of drafting token by token."""
     stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
                              tree_width=sc.tree_width)
-    # small steps run best on one thread (kernels/lean.py: decode_threads); the verify chunk is the largest
-    threads, before = lean.decode_threads(1 + sc.draft_ahead * sc.tree_width, model.cfg), torch.get_num_threads()
+    # small steps run best on one thread (kernels/step.py: decode_threads); the verify chunk is the largest
+    threads, before = cached.decode_threads(1 + sc.draft_ahead * sc.tree_width, model.cfg), torch.get_num_threads()
     if model.device.type == "cpu" and threads and threads != before:
         torch.set_num_threads(threads)
     try:
@@ -532,11 +515,11 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
     runs: dict = {}
 
     def plain_packed(prompt):  # plain decode with the packed weights the speculative rounds use
-        lean.set_layout("packed")
+        cached.set_layout("packed")
         try:
             return generate(model, prompt, cfg)
         finally:
-            lean.set_layout(None)
+            cached.set_layout(None)
 
     runners = [lambda p: generate(model, p, cfg), plain_packed]
     runners += [lambda p, sc=sc: generate_speculative(model, p, sc, cfg) for sc in configs]
@@ -575,7 +558,7 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
         lines.append(f"  {name:<22} {tps:>7.1f} {tps / plain_tps:>5.2f}x {accepted / max(drafted, 1):>7.2f} "
                      f"{(accepted + rounds) / max(rounds, 1):>10.2f} {steps:>14.2f} {passes:>10.2f} "
                      f"{plain_passes / passes:>9.2f}x {'yes' if exact else 'NO':>5}")
-    lines.append("  plain = generate as shipped (the lean step, exact weight layout); plain, packed ="
+    lines.append("  plain = generate as shipped (exact weight layout); plain, packed ="
                  " TINYLOOP_LEAN_WEIGHTS=packed, the\n  weight layout the speculative rounds use on CPU; ratios are"
                  " against plain")
     lines.append("  loop-steps/tok: core passes x tokens per generated token (verification continues the drafts, so a"

@@ -14,18 +14,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import tinyloop
-from broker.protocol import GENERATE_CONFIG_FIELDS, Codes
+from broker.protocol import GENERATE_CONFIG_FIELDS, MAX_ANNOUNCED_PREFIXES, Codes, prefix_digests
 from workers.handles import EngineError, HandleRegistry
 
 log = logging.getLogger("tinyloop.worker")
 
 TokenSink = Callable[[int, int, str], None]
 SPECULATIVE_FIELDS = ("draft_loops", "verify_loops", "draft_ahead", "tree_width")
+PREFIX_OPS = ("generate", "generate_pool")  # ops whose prompts the prefix cache keeps (docs/service.md "Routing")
 
 
 def to_wire(value: Any) -> Any:
@@ -98,6 +100,9 @@ class ModelEngine:
         self.max_handles = max_handles
         self.handle_prefix = "handle"  # replaced by the worker identity (see WorkerProcess)
         self.pool = None
+        # digest of a prompt prefix the prefix cache holds -> the cache node it needs (announced while alive)
+        self.announced: OrderedDict[int, Any] = OrderedDict()
+        self.announcing: tuple = ()  # a snapshot the I/O thread reads
         prefixes = prefixes or []
         # The live-handle cap counts pool entries too; they are pinned (never evicted).
         if len(prefixes) > max_handles:
@@ -112,8 +117,9 @@ class ModelEngine:
             self.ops_table["generate_pool"] = self.op_generate_pool
             self.pool = tinyloop.create_prefix_pool(max(1, len(prefixes)))
             default_loops = model.cfg.default_loops
-            for entry in prefixes:
+            for entry in prefixes:  # pinned entries of the model's prefix cache
                 tinyloop.register_prefix(self.pool, model, entry["prefix"], entry["loops"] or default_loops)
+                self.remember(entry["prefix"], entry["loops"] or default_loops)
         elif prefixes:
             raise SystemExit("a prefix file was given but this tinyloop build has no PrefixPool (generate_with_pool)")
         if hasattr(tinyloop, "build_resume_handle") and hasattr(tinyloop, "resume_generate"):
@@ -132,6 +138,28 @@ class ModelEngine:
     def live_handles(self) -> int:
         return len(self.handles) + self.pool_entries
 
+    def cache_state(self) -> dict:
+        """Heartbeat fields for routing: free KV blocks and the digests of the prompt prefixes still cached, newest
+        last (called from the I/O thread: it reads a snapshot the compute thread replaces whole)."""
+        alive = [d for d, node in self.announcing if node.alive]
+        return {"free_blocks": self.model.pool.free_count, "prefixes": alive[-MAX_ANNOUNCED_PREFIXES:]}
+
+    def remember(self, prompt: Any, loops: int) -> None:
+        """After a request: announce the digests of the prompt's prefixes its cache now holds (up to the characters,
+        or ids, of the longest cached token prefix)."""
+        tree = self.model.prefixes
+        ids = self.model.encode_prompt(prompt)
+        path, n = tree.match(ids, loops)
+        if not n:
+            return
+        limit = len(self.model.codec.decode(ids[:n])) if isinstance(prompt, str) else n
+        for digest in prefix_digests(prompt, limit):
+            self.announced[digest] = path[-1]
+            self.announced.move_to_end(digest)
+        while len(self.announced) > MAX_ANNOUNCED_PREFIXES:
+            self.announced.popitem(last=False)
+        self.announcing = tuple(self.announced.items())
+
     # ---------------------------------------------------------------- dispatch
 
     def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
@@ -144,7 +172,10 @@ class ModelEngine:
                 from workers.continuation import run_continuation
 
                 return run_continuation(self, handler, params, delivered, on_token, should_stop)
-            return handler(params, on_token, should_stop)
+            result = handler(params, on_token, should_stop)
+            if "prompt" in params and op in PREFIX_OPS:
+                self.remember(params["prompt"], self.config(params).resolved_loops(self.model))
+            return result
 
     # ---------------------------------------------------------------- the batch
 
@@ -162,6 +193,7 @@ class ModelEngine:
 
                 params = {**params, "prompt": apply_chat_template(self.model, params["messages"])}
             seq = self.scheduler.submit(params["prompt"], cfg, self.callback(on_token, should_stop))
+        self.remember(params["prompt"], seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
         self.batch[id(seq)] = (key, seq, params, should_stop)
         return True
 

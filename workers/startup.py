@@ -119,8 +119,12 @@ def run_worker(opts: WorkerOptions) -> int:
         )
         return EXIT_OVER_BUDGET
     try:
+        # Prefix caching is on in a worker (TINYLOOP_PREFIX_CACHE=off turns it off): requests reuse what earlier ones
+        # left in the pool, and the heartbeat tells the broker what that is.
+        caching = env_choice("TINYLOOP_PREFIX_CACHE", ("on", "off"), "on") == "on"
         model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=cache_mode,
-                                    memory_budget=plan.total_bytes - plan.bytes_of("handle states"))
+                                    memory_budget=plan.total_bytes - plan.bytes_of("handle states"),
+                                    prefix_caching=caching)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED

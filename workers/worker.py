@@ -182,7 +182,8 @@ class WorkerProcess:
                         leaving_since = time.monotonic() - self.drain_timeout_s  # nothing to drain
             now = time.monotonic()
             if now >= next_heartbeat:
-                self.send("heartbeat", handles=self.engine.live_handles())
+                cache_state = getattr(self.engine, "cache_state", dict)()  # routing fields; an engine may have none
+                self.send("heartbeat", handles=self.engine.live_handles(), lanes=len(self.running), **cache_state)
                 next_heartbeat = now + self.heartbeat_interval
             if now - last_heard > self.heartbeat_expiry and leaving_since is None:
                 # Paranoid Pirate: the broker went quiet. Reconnect with a growing back-off.

@@ -10,27 +10,26 @@ One step:
      crosses a multiple of `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards);
   4. sample: every sequence with fresh logits takes its next token (stops, grammar, streaming, max_tokens);
      a finished one leaves at once and gives its blocks back;
-  5. decode: the running lanes feed one token each, one forward per group of lanes that share a loop count and
-     an early-exit threshold.
+  5. decode: the running lanes feed one token each in one forward, each lane at its own loop count and early-exit
+     threshold (the model's one forward takes them per lane).
 When a forward finds the pool exhausted, the youngest sequence without fresh logits gives its blocks back and
 waits (preemption); waiting sequences rejoin only after a running one finishes (no thrashing).
 
-Forwards: `decode` runs one-token-per-lane rows through the lean step of tinyloop/kernels (the fast path), or
-with early exit (a threshold or the model's exit gate) through `forward_adaptive`, which stops each lane's looping
-on its own; `prefill` runs a chunk through the model's forward.
+Forwards: `decode` runs one-token-per-lane rows, `prefill` a chunk, both through the model's one forward over the
+paged cache (tinyloop/kernels/step.py); lanes at different loop counts, or with early exit (a threshold or the
+model's exit gate), go through `forward_adaptive`, which runs each lane to its own depth.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from itertools import groupby
 
 import torch
 
 from ..cache import KVCache
 from ..errors import BudgetError
-from ..kernels.lean import decode_forward
+from ..kernels import step as cached
 from ..memory import blocks_for, release_freed_memory
 from .sequence import Sequence
 
@@ -55,6 +54,7 @@ class Runner:
         self.admitted: list[Sequence] = []  # holding a lane, in admission order: the youngest last
         self.hold_back = False  # set by a preemption, cleared when a sequence finishes
         self.arrivals = self.steps = 0
+        self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
 
     def is_adaptive(self, threshold: float) -> bool:
         return threshold > 0 or self.net.exit_gate is not None
@@ -68,22 +68,26 @@ class Runner:
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
-        return self.net(x, loops or self.loops, step, self.lane(lane))[0]
+        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane))[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
-               loops: int | None = None, threshold: float | None = None) -> tuple[torch.Tensor, list[int]]:
-        """One token per lane (lanes 0..B-1 of `cache`, default the runner's): logits [B, V] and the loops each
-        lane ran. Subclasses may answer from elsewhere (resume's refine verifies a guessed continuation)."""
+               loops: list[int] | int | None = None, threshold: list[float] | float | None = None
+               ) -> tuple[torch.Tensor, list[int]]:
+        """One token per lane (lanes 0..B-1 of `cache`, default the runner's), each lane at its own loop count and
+        threshold (lists, or one value for all): logits [B, V] and the loops each lane ran. Subclasses may answer
+        from elsewhere (resume's refine verifies a guessed continuation)."""
         cache = self.cache if cache is None else cache
-        loops, threshold = loops or self.loops, self.early_exit if threshold is None else threshold
+        B = len(tokens)
+        loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
+        threshold = [self.early_exit if threshold is None else threshold] * B if not isinstance(threshold, list) else threshold
         dev = self.model.device
         ids = torch.tensor([[t] for t in tokens], device=dev)
         pos = torch.tensor([[p] for p in positions], device=dev)
         step = self.net.make_step(pos, max(positions) + 1)
-        if self.is_adaptive(threshold):
-            out, used = self.net.forward_adaptive(ids, loops, step, cache, threshold)
-            return out[:, -1], used.tolist()
-        return decode_forward(self.net, ids, loops, step, cache)[:, -1], [loops] * len(tokens)
+        if len(set(loops)) > 1 or any(self.is_adaptive(t) for t in threshold):
+            out, used = cached.forward_adaptive(self.net, ids, loops, step, cache, threshold)
+            return out[:, -1], list(used)
+        return cached.forward(self.net, ids, loops[0], step, cache)[:, -1], loops
 
     @staticmethod
     def prefilling(seq: Sequence) -> bool:
@@ -99,6 +103,8 @@ class Runner:
         """Advance seq's prompt by one piece (or `seq.first`); sets seq.logits once the prompt is in. Returns the
         prompt tokens it ran. A one-token prompt with early exit decodes adaptively, as any one-token forward."""
         t = time.perf_counter()
+        if seq.first is None and not seq.cached and self.prefixes is not None and seq.loops == self.loops:
+            seq.first = self.prefixes.reuse(self, seq, seq.lane)  # the longest cached prefix's blocks; None on a miss
         n = self.piece_len(seq)
         if seq.first is not None:
             logits, seq.first = seq.first(seq), None
@@ -119,6 +125,8 @@ class Runner:
         if seq.cached == len(seq.prompt):
             seq.logits, seq.t_prefilled = logits, time.perf_counter()
             release_freed_memory(self.model.device)
+            if self.prefixes is not None:
+                self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
         return n
 
     def first_logits(self, seq: Sequence, lane: int, cached: int = 0, first: Prefill | None = None) -> torch.Tensor:
@@ -169,24 +177,25 @@ class Runner:
         return finished + self.decode_running()
 
     def decode_running(self) -> list[Sequence]:
-        """Feed one token per running lane, a forward per (loops, threshold) group; fresh logits go to seq.logits."""
-        rows = [s for s in self.admitted if s.logits is None and not self.prefilling(s)]
-        key = lambda s: (s.loops, s.threshold)  # noqa: E731
-        for (loops, threshold), group in groupby(sorted(rows, key=key), key):
-            group = sorted(group, key=lambda s: s.lane)
-            log.debug("step %d: decode %d lane(s) at %d loops%s: #%s", self.steps, len(group), loops,
-                      f", early exit {threshold}" if threshold else "", ",".join(str(s.arrival) for s in group))
-            view = self.cache.select([s.lane for s in group])
-            try:
-                out, used = self.decode([s.token for s in group], [s.pos for s in group], view, loops, threshold)
-            except BudgetError as exc:
-                return self.out_of_blocks(exc)
-            finally:
-                view.commit()
-            for r, seq in enumerate(group):
-                seq.pos += 1
-                seq.loop_counts.append(used[r])
-                seq.logits = out[r]
+        """Feed one token per running lane, all in one forward, each lane at its own loops and threshold; fresh logits
+        go to seq.logits."""
+        group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)), key=lambda s: s.lane)
+        if not group:
+            return []
+        log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
+                  ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
+        view = self.cache.select([s.lane for s in group])
+        try:
+            out, used = self.decode([s.token for s in group], [s.pos for s in group], view,
+                                    [s.loops for s in group], [s.threshold for s in group])
+        except BudgetError as exc:
+            return self.out_of_blocks(exc)
+        finally:
+            view.commit()
+        for r, seq in enumerate(group):
+            seq.pos += 1
+            seq.loop_counts.append(used[r])
+            seq.logits = out[r]
         return []
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
@@ -213,14 +222,14 @@ class Runner:
             # its blocks now, and room for every admitted lane to cross into a new block on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
                 sum(cfg.n_slots(s.loops) for s in self.admitted + [seq])
-            if self.admitted and need > pool.free_count:
-                log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.arrival, need, pool.free_count)
+            if self.admitted and need > pool.room():
+                log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.arrival, need, pool.room())
                 return
             self.waiting.pop(0)
             seq.lane = self.free_lanes.pop(0)
             self.admitted.append(seq)
             log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
-                      seq.arrival, seq.lane, len(seq.prompt), seq.loops, pool.free_count)
+                      seq.arrival, seq.lane, len(seq.prompt), seq.loops, pool.room())
             if seq.count:
                 try:
                     self.recompute(seq)
@@ -254,6 +263,8 @@ class Runner:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:
+            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.cached:
+                self.prefixes.keep(seq.history, seq.loops, self.lane(seq.lane))  # adaptive decode fills loops by copies
             if seq.done:
                 log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps, seq.arrival,
                           seq.stop_reason, seq.count, seq.lane)

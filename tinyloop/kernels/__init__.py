@@ -5,7 +5,8 @@
   norm.py       residual add + RMSNorm
   rope.py       rotary embedding at per-token positions
   dispatch.py   Triton on CUDA, torch on CPU; TINYLOOP_TRITON=1 forces Triton (interpreted on CPU)
-  lean.py       the lean decode step (fewer ops, fused and optionally packed weights, CUDA graph on CUDA)
+  step.py       the cached step: the model forward's context over the paged KV cache (torch or Triton,
+                weight layouts, read-ahead, CUDA graph on CUDA)
 
-The kernel modules import triton; nothing here is imported by `import tinyloop` except dispatch.
+The kernel modules import triton; `import tinyloop` imports only dispatch and step (which load them lazily).
 """

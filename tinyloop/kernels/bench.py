@@ -1,10 +1,10 @@
-"""`tinyloop bench kernels`: the lean decode step against the plain (foundation) path, side by side in one run.
+"""`tinyloop bench kernels`: the decode step's thread policy and weight layouts, side by side in one run.
 
-  1. the model (bundled by default): greedy lockstep decode tokens/s at batch 1 and 16, plain path vs lean
-     step with torch's thread setting vs lean step with its thread policy (what generate runs), and the lean
-     step with packed weights (TINYLOOP_LEAN_WEIGHTS=packed); each checked for the plain path's greedy tokens
+  1. the model (bundled by default): greedy lockstep decode tokens/s at batch 1 and 16: the exact weight layout
+     with torch's thread setting, with one thread, and with the step's thread policy (what generate runs), and the
+     packed layout (TINYLOOP_LEAN_WEIGHTS=packed); each checked for the exact layout's greedy tokens
   2. a random ~100M-parameter config at batch 16: decode FLOP/s as a fraction of the machine's fp32 matmul
-     peak, measured in the same run (plain, lean, lean packed; all fp32)
+     peak, measured in the same run (exact, packed; all fp32)
 Variants run interleaved, round after round, and each keeps its best round: the machines are noisy.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..model import LoopedLM
 from ..runtime import load_model
 from ..timing import timed
-from . import lean
+from . import step as cached
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 BIG = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=2048, n_prelude=2, n_core=12,
@@ -28,12 +28,11 @@ BIG = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hi
 
 
 @contextmanager
-def variant(lean_on: bool, threads: str | None, torch_n: int = 0, layout: str = "exact"):
-    """Plain path (lean off) or lean step in a weight layout, with TINYLOOP_DECODE_THREADS (and torch's threads)
-    set for the duration."""
+def variant(layout: str, threads: str | None, torch_n: int = 0):
+    """The decode step in a weight layout, with TINYLOOP_DECODE_THREADS (and torch's threads) set for the
+    duration."""
     old = os.environ.get("TINYLOOP_DECODE_THREADS")
-    lean.set_enabled(lean_on)
-    lean.set_layout(layout)
+    cached.set_layout(layout)
     before = torch.get_num_threads()
     if torch_n:
         torch.set_num_threads(torch_n)
@@ -42,8 +41,7 @@ def variant(lean_on: bool, threads: str | None, torch_n: int = 0, layout: str = 
     try:
         yield
     finally:
-        lean.set_enabled(None)
-        lean.set_layout(None)
+        cached.set_layout(None)
         torch.set_num_threads(before)
         if threads is not None:
             if old is None:
@@ -58,7 +56,8 @@ def prefill(net: LoopedLM, cache: KVCache, prompt: torch.Tensor, loops: int) -> 
     write positions >= T, so one prefill serves every timed run."""
     B, T = prompt.shape
     cache.reset()
-    return net(prompt, loops, net.make_step(torch.arange(T, device=prompt.device).expand(B, T), T), cache)[:, -1:]
+    return cached.forward(net, prompt, loops, net.make_step(torch.arange(T, device=prompt.device).expand(B, T), T),
+                        cache)[:, -1:]
 
 
 @torch.inference_mode()
@@ -72,7 +71,7 @@ def decode_run(net: LoopedLM, cache: KVCache, logits: torch.Tensor, T: int, n_to
         tok = logits.argmax(-1)
         tokens.append(tok)
         pos = torch.full((B, 1), T + i, device=dev)
-        logits = lean.decode_forward(net, tok, loops, net.make_step(pos, T + i + 1), cache)
+        logits = cached.forward(net, tok, loops, net.make_step(pos, T + i + 1), cache)
     tokens = torch.cat(tokens, dim=1).tolist()  # the host sync a sampler makes anyway
     return time.perf_counter() - t0, tokens
 
@@ -150,26 +149,27 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
     ids = torch.tensor([model.encode_prompt(PROMPT)])
     prompts = {B: ids.expand(B, -1).contiguous() for B in (1, 16)}
     caches = {B: KVCache(cfg, B, 512, "fp16", dtype=model.dtype) for B in prompts}
-    # name: (lean on, TINYLOOP_DECODE_THREADS, torch threads (0: as set), weight layout)
-    variants = {"plain": (False, "0"), "plain, 1 thread": (False, "0", 1), "lean, same threads": (True, "0"),
-                "lean": (True, None), "lean packed": (True, None, 0, "packed")}
+    # name: (weight layout, TINYLOOP_DECODE_THREADS, torch threads (0: as set))
+    variants = {"torch threads": ("exact", "0"), "1 thread": ("exact", "0", 1), "exact": ("exact", None),
+                "packed": ("packed", None)}
     r = side_by_side(net, caches, prompts, n_tokens, loops, variants, rounds)
     best, toks = r["best"], r["tokens"]
     n_threads = torch.get_num_threads()
-    policy = {B: lean.decode_threads(B, cfg) or n_threads for B in prompts}
-    threads = {"plain": n_threads, "plain, 1 thread": 1, "lean, same threads": n_threads}
+    policy = {B: cached.decode_threads(B, cfg) or n_threads for B in prompts}
+    threads = {"torch threads": n_threads, "1 thread": 1}
     lines = [f"decode on the model ({net.num_params() / 1e6:.1f}M params, {loops} loops, fp16 cache, CPU, torch threads "
              f"{n_threads}): {n_tokens} greedy tokens per lane after a {ids.shape[1]}-token prompt, best of {rounds} "
-             f"interleaved rounds. plain = the foundation path (LoopedLM.forward); lean = the lean step (exact weights, "
-             f"the plain path's bits); lean packed = TINYLOOP_LEAN_WEIGHTS=packed (fp32, other summation order)",
-             f"  {'batch':>5} {'variant':>18} {'threads':>7} {'tok/s':>8} {'vs plain':>8} {'vs plain 1-thread':>17}"
-             f"  greedy tokens = plain"]
+             f"interleaved rounds. exact = the model's fused weights with the step's thread policy (what generate runs); "
+             f"torch threads / 1 thread = the same with those threads; packed = TINYLOOP_LEAN_WEIGHTS=packed (fp32, "
+             f"other summation order)",
+             f"  {'batch':>5} {'variant':>18} {'threads':>7} {'tok/s':>8} {'vs torch threads':>16} {'vs 1 thread':>11}"
+             f"  greedy tokens = exact"]
     for B in prompts:
-        plain, one = B * n_tokens / best["plain", B], B * n_tokens / best["plain, 1 thread", B]
+        plain, one = B * n_tokens / best["torch threads", B], B * n_tokens / best["1 thread", B]
         for name in variants:
             rate = B * n_tokens / best[name, B]
-            lines.append(f"  {B:>5} {name:>18} {threads.get(name, policy[B]):>7} {rate:>8.1f} {rate / plain:>7.2f}x "
-                         f"{rate / one:>16.2f}x  {'yes' if toks[name, B] == toks['plain', B] else 'NO'}")
+            lines.append(f"  {B:>5} {name:>18} {threads.get(name, policy[B]):>7} {rate:>8.1f} {rate / plain:>15.2f}x "
+                         f"{rate / one:>10.2f}x  {'yes' if toks[name, B] == toks['exact', B] else 'NO'}")
     floors = {}
     for _ in range(rounds):
         for B in prompts:
@@ -196,7 +196,7 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
                  f"{BIG.n_coda} blocks, {fpt / 1e9:.2f} GFLOP/token), batch {B}, {n_big} tokens: decode FLOP/s against the "
                  f"fp32 matmul peak (MKL, 2048^3) at the same threads, same run, best of {rounds}; every variant "
                  f"computes in fp32")
-    big_variants = {"plain": (False, "0"), "lean": (True, "0"), "lean packed": (True, "0", 0, "packed")}
+    big_variants = {"exact": ("exact", "0"), "packed": ("packed", "0")}
     for t in sorted({n_threads, 1}, reverse=True):
         big_best, big_toks, peak = {}, {}, 0.0
         with torch_threads(t):
@@ -208,7 +208,7 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
                     big_best[name] = min(big_best.get(name, float("inf")), s)
         for name in big_variants:
             rate = B * n_big / big_best[name]
-            same = "same greedy tokens as plain" if big_toks[name] == big_toks["plain"] else "greedy tokens DIFFER"
+            same = "same greedy tokens as exact" if big_toks[name] == big_toks["exact"] else "greedy tokens DIFFER"
             lines.append(f"  {t} thread(s), peak {peak:6.1f} GFLOP/s, {name:>11}: {rate:7.1f} tok/s = "
                          f"{rate * fpt / 1e9:6.1f} GFLOP/s = {rate * fpt / 1e9 / peak:5.1%} of peak  ({same})")
     return lines

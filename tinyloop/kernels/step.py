@@ -1,0 +1,484 @@
+"""The cached step: how tinyloop.model's forward reads and writes the paged KV cache.
+
+The model's math is written once (tinyloop/model.py: `block`, `LoopedLM.encode/loop/decode_head`); it runs over a
+chunk of B lanes x T tokens and leaves two things to the chunk's context: rotating q and k, and attention. `Cached`
+is that context for every call with a cache (prefill chunks, decode rows, speculative chains and trees, early exit).
+What every layer of a chunk shares is computed once per chunk, not per layer: lane and cell indices, the blocks
+the chunk writes, the mask, the rotary factors.
+
+Backends:
+  torch   SDPA over the slot's cells, gathered from the blocks (CPU; CUDA with TINYLOOP_TRITON=0). Decode rows
+          that read little gather every slot once per step into one buffer (`read_ahead`).
+  Triton  decode rows on CUDA (or TINYLOOP_TRITON=1): fused attention over the block tables and quantise-on-write
+          kernels (tinyloop/kernels/attention.py, quant.py), RoPE and RMSNorm kernels; `CudaGraphStep` replays a
+          whole decode step as one CUDA graph.
+
+Weight layouts (TINYLOOP_LEAN_WEIGHTS, CPU fp32 models): `exact` (default) multiplies by the model's fused weights
+as stored. `packed` keeps a second, GEMM-friendly copy of every matrix (pre-transposed at one lane, oneDNN's
+blocked layout for more lanes), computes RMSNorm as one LayerNorm kernel and RoPE at one token per lane as one
+product with a per-step rotation matrix: still fp32 arithmetic, but the sums run in another order, so logits
+differ from the exact layout in the last bits (docs/kernels.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache, decode_entries, encode_entries
+from ..env import env_choice
+from ..errors import ConfigError
+from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
+from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights, rope_factors, rotate
+from .dispatch import use_triton
+
+_layout: str | None = None
+LAYOUTS = ("exact", "packed")
+
+
+def set_layout(name: str | None) -> None:
+    """Force the weight layout for this process (None: follow TINYLOOP_LEAN_WEIGHTS)."""
+    global _layout
+    if name is not None and name not in LAYOUTS:
+        raise ConfigError(f"weight layout {name!r} is not one of {LAYOUTS}")
+    _layout = name
+
+
+def layout() -> str:
+    if _layout is not None:
+        return _layout
+    return env_choice("TINYLOOP_LEAN_WEIGHTS", LAYOUTS, "exact")
+
+
+# --- the packed layout ---------------------------------------------------------------------------------------
+def packed_weight(w: torch.Tensor, name: str, lanes: int) -> torch.Tensor:
+    """w [N, K] in layout `name` for `lanes` rows, to be multiplied by linear_for(name, lanes)."""
+    if name == "exact":
+        return w
+    if lanes == 1:
+        return w.t().contiguous()  # a row times a [K, N] matrix: MKL's faster GEMV form (30 % here), oneDNN's is slower
+    # oneDNN's blocked layout for `lanes` rows: its GEMM streams the weights at 80 % of the fp32 matmul peak
+    # where MKL reaches 45 % on the same [16 x 768] x [768 x 2048] product (one thread; docs/kernels.md)
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), lanes)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def linear_for(name: str, lanes: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The product x [rows, K] -> [rows, N] by a weight in packed_weight(w, name, lanes)'s form."""
+    return F.linear if name == "exact" else torch.mm if lanes == 1 else _onednn_linear
+
+
+def packed_norm(x: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as LayerNorm of [x, -x] (doubled = [[w], [w]]): that has mean 0 and variance mean(x^2), so its first
+    half is x / sqrt(mean(x^2) + eps) * w. LayerNorm is one fused CPU kernel where rms_norm is ten small ops
+    (9.6 -> 6.2 us at d_model 256); the reductions round differently, so only for the packed layout."""
+    signs = _signs(x.dtype, x.device)  # [x, -x] as one broadcast product, normalised over both halves
+    return F.layer_norm(x.unsqueeze(-2) * signs, doubled.shape, doubled, None, eps)[..., 0, :]
+
+
+@functools.lru_cache(maxsize=8)
+def _signs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor([[1.0], [-1.0]], dtype=dtype, device=device)
+
+
+def packed_weights(exact: Weights, lanes: int) -> Weights:
+    """A second copy of every matrix in packed_weight's form, norms doubled for packed_norm."""
+    mat = lambda w: packed_weight(w, "packed", lanes)
+    dbl = lambda w: None if w is None else torch.stack((w, w))  # [2, d]: packed_norm's weight
+    blocks = lambda ws: [BlockWeights(dbl(w.attn_norm), mat(w.wqkv), w.wkv, mat(w.wo), dbl(w.mlp_norm), mat(w.wgu),
+                                      mat(w.w_down), dbl(w.attn_out_norm), dbl(w.mlp_out_norm)) for w in ws]
+    return Weights("packed", blocks(exact.prelude), blocks(exact.core), blocks(exact.coda),
+                   None if exact.adapter is None else mat(exact.adapter), dbl(exact.final_norm), mat(exact.head),
+                   linear_for("packed", lanes), packed_norm)
+
+
+def layout_applies(net: LoopedLM, device: torch.device) -> bool:
+    """The packed layout is for CPU kernels (MKL, oneDNN) and fp32 models; elsewhere the step runs exact."""
+    return device.type == "cpu" and net.embed.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+_packed: "weakref.WeakKeyDictionary[LoopedLM, tuple[Weights, dict[int, Weights]]]" = weakref.WeakKeyDictionary()
+
+
+def weights_for(net: LoopedLM, name: str, lanes: int) -> Weights:
+    """The model's weights in layout `name` for `lanes` rows; a packed copy is built on first use (and again after
+    the parameters change), for at most two lane counts at a time."""
+    exact = fused_weights(net)
+    if name == "exact":
+        return exact
+    base, by_lanes = _packed.get(net, (None, {}))
+    if base is not exact:
+        by_lanes = {}
+        _packed[net] = (exact, by_lanes)
+    if lanes not in by_lanes:
+        if len(by_lanes) >= 2:  # lane counts change rarely: keep the memory bounded
+            by_lanes.clear()
+        by_lanes[lanes] = packed_weights(exact, lanes)
+    return by_lanes[lanes]
+
+
+def _triton_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    from .norm import add_rmsnorm
+    return add_rmsnorm(x, None, w, eps)[1]
+
+
+def rotation_matrices(cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """R [B, hd, hd] with x @ R == rotate(x, cos2, sin2) for rows x of one lane (cos2, sin2: [B, hd]): the
+    diagonal holds cos2, and column j takes sin2[j] times the element half a head away."""
+    return torch.diag_embed(cos2) + _swap(cos2.shape[1], cos2.dtype, cos2.device) * sin2.unsqueeze(1)
+
+
+@functools.lru_cache(maxsize=8)
+def _swap(hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[hd, hd]: 1 where row i is column j's partner half a head away."""
+    j = torch.arange(hd, device=device)
+    return (j.unsqueeze(1) == (j + hd // 2) % hd).to(dtype)
+
+
+# --- the context ---------------------------------------------------------------------------------------------
+class Cached:
+    """The context of a chunk (B lanes x T tokens at step.pos) over `cache`: what model.block asks of it (rope,
+    attend) and what early exit needs (subset, fill_skipped). A tree chunk (speculative decoding) brings its own
+    cells, key positions and ancestor mask (Step.cells / key_pos / mask)."""
+
+    def __init__(self, net: LoopedLM, cache: KVCache, step: Step, weights: Weights, triton: bool):
+        pos = step.pos  # [B, T]
+        (B, T), dev = pos.shape, pos.device
+        self.net, self.cache, self.step, self.weights, self.triton = net, cache, step, weights, triton
+        self.B, self.T, self.end, self.pos = B, T, step.end, pos
+        self.lane = torch.arange(B, device=dev).unsqueeze(1)
+        self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, T, 1, hd]: broadcast over heads
+        self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) \
+            if weights.name == "packed" and T == 1 else None
+        # the cells each lane writes, on the host once, so blocks are taken before the layers write
+        W, tree = cache.window, step.cells is not None
+        self.cells = pos % cache.ring if W else step.cells if tree else pos
+        span = pos if W else self.cells
+        self.lanes = list(range(B))
+        self.lo, self.hi = span.min(1).values.tolist(), span.max(1).values.tolist()
+        self.keep = slice(max(0, T - cache.ring), T) if W else slice(None)  # a ring keeps the chunk's newest cells
+        self.blk, self.row = self.cells // cache.bt, self.cells % cache.bt
+        self.one = int(self.cells) if B == 1 and T == 1 else None  # batch-1 decode: plain integer indexing
+        self.buf_row = None  # read_ahead
+        self.mask = None
+        if triton or W:  # Triton takes positions and block tables; a ring's cells carry their own positions
+            return
+        kpos = torch.arange(step.end, device=dev)
+        # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
+        # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
+        lockstep = not tree and T == 1 and all(h == step.end - 1 for h in self.hi)
+        self.mask = step.mask.unsqueeze(1) if tree else None if lockstep else \
+            (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
+        if cache.mode == "int4":
+            kp = step.key_pos if tree else kpos.expand(B, step.end)
+            self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+
+    # --- what model.block asks ---------------------------------------------------------------------------
+    def rope(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk [B, T, heads, hd] rotated at the chunk's positions."""
+        if self.triton:
+            from .rope import rope
+            return rope(qk, self.pos, self.step.table_cos, self.step.table_sin)
+        if self.rotation is not None:  # one batched product instead of the rotation's five elementwise ops
+            B, _, n, hd = qk.shape
+            return torch.bmm(qk.reshape(B, n, hd), self.rotation).view(B, 1, n, hd)
+        return rotate(qk, self.cos, self.sin)
+
+    def attend(self, w: BlockWeights, slot: int, q, h, k, v) -> torch.Tensor:
+        """Store the chunk's entries in `slot` and attend over what the slot holds for each lane (q [B, T, H, hd],
+        h [B, T, d], k and v [B, T, KV, hd]); the heads' outputs [B, H, T, hd]."""
+        cache, B = self.cache, self.B
+        if self.triton:
+            from .attention import decode_attend
+            # blocks from the host-side span of the context: no device read, so a CUDA graph captures the step
+            # (CudaGraphStep prepares before each replay; during capture the blocks exist and this changes nothing)
+            cache.prepare(slot, self.lanes, self.lo, self.hi)
+            cache.changed()
+            return decode_attend(cache, _KVProxy(w), slot, self.step, q, h, k, v, prepare=False)
+        new = encode_entries(cache.mode, h, k, v)
+        row = self.buf_row.get(slot) if self.buf_row is not None else None
+        mask = self.mask
+        if row is not None:  # read-ahead: the token goes into the step's buffer, attention reads a view of it
+            if self.one is not None:
+                for cell, t in zip(self.buf_cell, new.values()):
+                    cell[row].copy_(t[0, 0])
+            else:
+                for buf, t in zip(self.buf.values(), new.values()):
+                    buf[row][self.lane, self.cells] = t
+            keys, values = self.decode(w, {name: t[row] for name, t in self.buf.items()}, None)
+        elif cache.window:  # attend over the ring as it was plus the chunk, then store the chunk's newest cells
+            data = {name: torch.cat((old, new[name]), dim=1) for name, old in cache.gather(slot, B, cache.ring).items()}
+            kpos = torch.cat((cache.cell_pos[slot, :B], self.pos), dim=1)
+            kp, qp = kpos.unsqueeze(1), self.pos.unsqueeze(-1)
+            mask = ((kp >= 0) & (kp <= qp) & (kp > qp - cache.window)).unsqueeze(1)
+            keys, values = self.decode(w, data, kpos)
+            self.write(slot, new)
+        else:
+            self.write(slot, new)
+            keys, values = self.decode(w, cache.gather(slot, B, self.end), None)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask, enable_gqa=True)
+
+    def decode(self, w: BlockWeights, data: dict[str, torch.Tensor], kpos: torch.Tensor | None):
+        """Full-precision keys and values [B, n, KV, hd] from stored entries (int4 store-h: recomputed from h)."""
+        def project(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            B, n, KV, hd = self.B, h.shape[1], self.net.cfg.n_kv_heads, self.net.cfg.head_dim
+            kv = F.linear(h, w.wkv)
+            cos, sin = (self.kcos, self.ksin) if kpos is None else rope_factors(*self.step.rope_at(kpos.clamp_min(0)))
+            return rotate(kv[..., :KV * hd].view(B, n, KV, hd), cos, sin), kv[..., KV * hd:].view(B, n, KV, hd)
+        return decode_entries(self.cache.mode, data, self.cache.dtype, project)
+
+    def write(self, slot: int, new: dict[str, torch.Tensor]) -> None:
+        """Store the chunk's entries (each [B, T, ...]) in `slot`, taking or copying blocks first."""
+        cache, store = self.cache, self.cache.store
+        cache.changed()
+        if self.one is not None:  # one token of one lane: integer indexing, and the host check inline
+            ids, i = cache.held[slot][0], self.one // cache.bt
+            if i >= len(ids) or cache.pool.refs[ids[i]] > 1:
+                cache.prepare(slot, self.lanes, self.lo, self.hi)
+            b, r = ids[i], self.one % cache.bt
+            for name, t in new.items():
+                store[name][b, r].copy_(t[0, 0])
+        else:
+            cache.prepare(slot, self.lanes, self.lo, self.hi)
+            keep = self.keep
+            blk = cache.table[slot, self.lane, self.blk[:, keep]]
+            for name, t in new.items():
+                store[name][blk, self.row[:, keep]] = t[:, keep]
+        if cache.cell_pos is not None:
+            cache.cell_pos[slot, self.lane, self.cells[:, self.keep]] = self.pos[:, self.keep]
+
+    # --- early exit -------------------------------------------------------------------------------------
+    def subset(self, lanes: list[int]) -> "Cached":
+        """The context of some of the chunk's lanes (they keep looping while the others stopped); `commit` it after."""
+        pos = self.pos[lanes]
+        step = Step(pos, max(self.hi[i] for i in lanes) + 1, self.step.table_cos, self.step.table_sin)
+        return Cached(self.net, self.cache.select(lanes), step, self.weights, self.triton)
+
+    def commit(self) -> None:
+        self.cache.commit()
+
+    def fill_skipped(self, lane: int, used: int, loops: int) -> None:
+        """A lane that stopped after `used` of its `loops` loops: copy its last loop's entries into the slots of the
+        loops it skipped, so later tokens find keys at every depth."""
+        cfg = self.net.cfg
+        at, lanes = self.pos[lane:lane + 1], torch.tensor([lane], device=self.pos.device)
+        for k in range(used, loops):
+            for j in range(cfg.n_core):
+                self.cache.copy_slot(cfg.core_slot(used - 1, j), cfg.core_slot(k, j), at, lanes)
+
+    # --- read-ahead (decode rows) -----------------------------------------------------------------------
+    def read_ahead(self, slots: list[int]) -> None:
+        """Decode rows (one token per lane, no window, no tree): attend over one buffer holding every slot's cells of
+        these lanes instead of gathering each layer's keys out of the blocks. Each layer writes its token into the
+        buffer and attends over a view of it; `flush` stores the step's tokens in their blocks afterwards and keeps
+        the buffer for the next step, which reuses it when it runs the same lanes one position further and nothing
+        else changed the cache meanwhile (`KVCache.changed`); else it is gathered again (one index_select per stored
+        tensor). The buffer is a copy of what the step reads (plus room to grow), so it is only used while that fits
+        in READ_AHEAD_BYTES; beyond, each layer gathers its own slot."""
+        cache, B = self.cache, self.B
+        if self.triton or cache.window or self.T != 1 or self.step.cells is not None:
+            return
+        bt, nb = cache.bt, -(-self.end // cache.bt)
+        room = min(nb + READ_AHEAD_GROWTH, -(-cache.cells // bt))  # blocks the buffer holds per lane and slot
+        if len(slots) * B * room * cache.pool.block_bytes > READ_AHEAD_BYTES:
+            return
+        for slot in slots:  # blocks for this step's cells exist (and are the lane's own) before the layers write
+            cache.prepare(slot, self.lanes, self.lo, self.hi)
+        key = (tuple(slots), tuple(id(cache.held[slots[0]][b]) for b in range(B)))  # the lanes' own block lists
+        kept = cache.shared["read_ahead"]
+        if kept is not None and kept["key"] == key and kept["next"] == self.hi and self.end <= kept["cells"]:
+            full = kept["buf"]
+        else:
+            index = torch.tensor(slots, device=self.pos.device)
+            ids = cache.table.index_select(0, index)[:, :B, :nb].reshape(-1)
+            full = {}
+            for name, t in cache.store.items():
+                # zeros beyond what is gathered, as in a fresh block: masked cells must not hold NaN bit patterns
+                full[name] = t.new_zeros((len(slots), B, room * bt, *t.shape[2:]))
+                full[name][:, :, :nb * bt] = t.index_select(0, ids).view(len(slots), B, nb * bt, *t.shape[2:])
+        self.full, self.key, self.slots = full, key, slots
+        self.buf = {name: t[:, :, :self.end] for name, t in full.items()}
+        self.buf_row = {slot: i for i, slot in enumerate(slots)}
+        if self.one is not None:
+            self.buf_cell = [t[:, 0, self.one] for t in self.buf.values()]  # [S, ...]: the step's cell per slot
+
+    def flush(self) -> None:
+        """Store the step's tokens from the read-ahead buffer in their blocks (one index_put per stored tensor), and
+        keep the buffer for the next step."""
+        if self.buf_row is None:
+            return
+        cache = self.cache
+        index = torch.tensor(self.slots, device=self.pos.device)
+        blk = cache.table.index_select(0, index)[:, self.lane, self.blk]  # [S, B, 1]
+        for name, t in self.buf.items():
+            cache.store[name][blk, self.row] = t[:, self.lane, self.cells]
+        cells = next(iter(self.full.values())).shape[2]
+        cache.shared["read_ahead"] = {"key": self.key, "buf": self.full, "cells": cells, "next": [p + 1 for p in self.hi]}
+        self.buf_row = None
+
+
+class _KVProxy:
+    """What the Triton attention needs of an Attention module: wk and wv (views of the fused weights)."""
+
+    def __init__(self, w: BlockWeights):
+        kv = w.wkv.shape[0] // 2
+        self.wk, self.wv = _W(w.wkv[:kv]), _W(w.wkv[kv:])
+
+
+class _W:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
+def context(net: LoopedLM, step: Step, cache: KVCache, name: str | None = None) -> Cached:
+    """The context of a chunk at `step` over `cache`, weights in layout `name` (None: TINYLOOP_LEAN_WEIGHTS).
+    Triton runs decode rows on CUDA (or when forced); the packed layout applies on CPU to fp32 models, and
+    elsewhere the exact one runs."""
+    name = layout() if name is None else name
+    dev = step.pos.device
+    triton = use_triton(dev) and step.pos.shape[1] == 1 and step.cells is None and step.mask is None
+    if name != "exact" and (triton or not layout_applies(net, dev)):
+        name = "exact"
+    weights = weights_for(net, name, step.pos.shape[0])
+    if triton:
+        weights = dataclasses.replace(weights, name="triton", norm=_triton_norm)
+    return Cached(net, cache, step, weights, triton)
+
+
+# --- the entry points -------------------------------------------------------------------------------------
+def decode_threads(lanes: int, cfg) -> int:
+    """Intra-op threads for a CPU decode step (0: leave torch's setting).
+
+    A batch-1 step of a small model is hundreds of operations of a few microseconds each; splitting them
+    over threads costs more in wake-ups than it saves, and on a busy machine spinning threads wait for
+    cores (measured in docs/kernels.md). Below ~262K multiply-adds per d x d projection (batch 1 of a model
+    up to d_model 512) one thread runs the step; at batch 16 of the shipped model two threads already win.
+    TINYLOOP_DECODE_THREADS=n forces n (0 = torch's setting).
+    """
+    value = os.environ.get("TINYLOOP_DECODE_THREADS", "").strip()
+    if value:
+        if not value.isdigit():
+            raise ConfigError(f"environment TINYLOOP_DECODE_THREADS={value!r} is not an integer >= 0")
+        return int(value)
+    return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 18 else 0
+
+
+class _threads:
+    """torch's intra-op threads set to n for a block (0: unchanged)."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        if self.n and self.n != self.before:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        if self.n and self.n != self.before:
+            torch.set_num_threads(self.before)
+
+
+def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache,
+            name: str | None = None) -> torch.Tensor:
+    """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`."""
+    rows = ids.shape[1] == 1 and step.cells is None and step.mask is None
+    if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled():
+        return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
+    threads = decode_threads(ids.shape[0], net.cfg) if rows and ids.device.type == "cpu" else 0
+    with _threads(threads):
+        ctx = context(net, step, cache, name)
+        if rows:
+            cfg = net.cfg
+            ctx.read_ahead([*range(cfg.n_prelude + cfg.n_core * loops), *range(cfg.coda_slot(0), cfg.n_slots())])
+        logits = net(ids, loops, ctx=ctx)
+        ctx.flush()
+        return logits
+
+
+def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], step: Step, cache: KVCache,
+                     threshold: float | list[float] = 0.0) -> tuple[torch.Tensor, list[int]]:
+    """One token per lane, each lane at its own loop count, stopping early where its threshold or the model's exit
+    gate says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
+    threads = decode_threads(ids.shape[0], net.cfg) if ids.device.type == "cpu" else 0
+    with _threads(threads):
+        return net.forward_adaptive(ids, loops, context(net, step, cache, "exact"), threshold)
+
+
+# --- CUDA graphs ------------------------------------------------------------------------------------------
+def graphs_enabled() -> bool:
+    return os.environ.get("TINYLOOP_CUDA_GRAPHS", "1").strip() != "0"
+
+
+class CudaGraphStep:
+    """The decode step captured once as a CUDA graph and replayed per token (one launch instead of hundreds).
+
+    Shapes must not change between replays, so the graph reads the cache at its full length (Step.end =
+    max_len, or the ring's cells): the Triton attention skips cells past each lane's own length, which it
+    reads from the positions on the device, so the work still follows the real lengths. Tokens and positions
+    are copied into static buffers before each replay; the logits buffer is overwritten by the next replay.
+    Blocks are taken and copied on the host, which a graph cannot do: before each replay every slot the step
+    writes gets its blocks for the lanes' positions (cache.prepare), and the graph reads the block table, which
+    prepare updates in place.
+    """
+
+    def __init__(self, net: LoopedLM, cache: KVCache, lanes: int, loops: int):
+        self.net, self.cache, self.loops = net, cache, loops
+        dev = net.embed.weight.device
+        self.ids = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
+        self.graph, self.logits = None, None
+        cfg = net.cfg
+        self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
+                      *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
+
+    def prepare(self) -> None:
+        """Blocks for this step's cells in every slot it writes (host work, outside the graph)."""
+        at = self.pos[:, 0].tolist()
+        for slot in self.slots:
+            self.cache.prepare(slot, list(range(len(at))), at, at)
+
+    def _context(self) -> Cached:
+        """The step's shared part, built outside a capture: it reads positions on the host. Its device tensors
+        are views of (or computed from) the static buffers, and the Triton path uses only those."""
+        n = self.cache.ring if self.cache.window else self.cache.max_len
+        return context(self.net, Step(self.pos, n, self.net.rope_cos, self.net.rope_sin), self.cache)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        self.prepare()
+        if self.graph is None:
+            # Warm-up (compiles the Triton kernels) runs the real token: its cache writes are the ones the
+            # replay below makes again, so running it twice is harmless.
+            ctx = self._context()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.net(self.ids, self.loops, ctx=ctx)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.net(self.ids, self.loops, ctx=ctx)
+        self.graph.replay()
+        return self.logits.clone()  # the next replay overwrites the graph's buffer
+
+
+_graphs: "weakref.WeakKeyDictionary[KVCache, dict]" = weakref.WeakKeyDictionary()
+
+
+def cuda_graph(net: LoopedLM, cache: KVCache, lanes: int, loops: int) -> CudaGraphStep:
+    """One captured step per (cache, model, lanes, loops): the graph holds the cache's addresses."""
+    per_cache = _graphs.setdefault(cache, {})
+    key = (id(net), lanes, loops)
+    if key not in per_cache:
+        per_cache[key] = CudaGraphStep(net, cache, lanes, loops)
+    return per_cache[key]
