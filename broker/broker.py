@@ -5,8 +5,9 @@ Pattern: the Majordomo broker and Paranoid Pirate heartbeats from the ZeroMQ gui
     clients (DEALER) ──> frontend ROUTER ──[broker]── backend ROUTER <── workers (DEALER)
 
 * A worker is routed to only after it sent "ready" (its model is loaded and its memory
-  plan fits), and only while it keeps heartbeating. Each worker runs one request at a time
-  (a Model is not reentrant), so an idle worker is one with no current request.
+  plan fits), and only while it keeps heartbeating. A worker runs up to `slots` requests at
+  once (its announced batch lanes: the worker batches them continuously, docs/engine.md); a
+  request goes to the least loaded worker with a free slot.
 * Every request gets exactly one final reply (done or error). The broker tracks each
   request until it has answered it, and drops anything a worker sends for a request that
   was already answered (for example after its deadline passed).
@@ -125,7 +126,9 @@ class Worker:
     device: str
     model: str
     expires_at: float
-    current: str | None = None  # key of the running request
+    slots: int = 1  # requests it runs at once (its batch lanes)
+    running: set = field(default_factory=set)  # keys of the requests it runs
+    last_start: float = 0.0  # when it was last given a request (ties go to the one that waited longest)
     pinned_queue: deque = field(default_factory=deque)  # handle requests waiting for this worker
     handles: int = 0
     served: int = 0
@@ -207,7 +210,6 @@ class Broker:
         self.backend_endpoint = self.backend.getsockopt(zmq.LAST_ENDPOINT).decode()
 
         self.workers: dict[bytes, Worker] = {}
-        self.idle: deque[bytes] = deque()  # idle workers, least recently used first
         self.queue: deque[Request] = deque()  # requests waiting for any worker
         self.requests: dict[str, Request] = {}  # key -> every request not yet answered or still on a worker
         self.by_client: dict[tuple[bytes, str], str] = {}  # (client, client_id) -> key, until answered
@@ -457,8 +459,7 @@ class Broker:
         elif msg.type == "goodbye":
             log.info("worker %s is leaving", worker.name)
             worker.leaving = True
-            self.forget_idle(identity)
-            if worker.current is None:
+            if not worker.running:
                 self.drop_worker(identity, "left")
 
     def on_ready(self, identity: bytes, msg: protocol.Message) -> None:
@@ -487,8 +488,8 @@ class Broker:
             device=msg["device"],
             model=msg["model"],
             expires_at=time.monotonic() + self.heartbeat_expiry,
+            slots=msg.get("slots") or 1,
         )
-        self.idle.append(identity)
         log.info("worker %s ready (pid %d, %s, plan %d bytes)", msg["name"], msg["pid"], msg["device"], msg["plan_bytes"])
         self.dispatch()
 
@@ -522,14 +523,12 @@ class Broker:
         req = self.current_request(worker, msg["id"])
         if req is None:
             return
-        worker.current = None
+        worker.running.discard(req.key)
         worker.served += 1
         self.unassign(worker, req)
         del self.requests[req.key]
-        if worker.leaving:
+        if worker.leaving and not worker.running:
             self.drop_worker(worker.identity, "left")
-        else:
-            self.idle.append(worker.identity)
         if req.answered:
             return  # its deadline passed earlier; the client already has its error reply
         if msg.type == "done":
@@ -556,9 +555,8 @@ class Broker:
         worker = self.workers.pop(identity, None)
         if worker is None:
             return
-        self.forget_idle(identity)
-        if worker.current is not None:
-            req = self.requests.get(worker.current)
+        for key in worker.running:
+            req = self.requests.get(key)
             if req is not None:
                 req.worker = None
                 if req.answered:
@@ -587,34 +585,25 @@ class Broker:
             req = worker.pinned_queue.popleft()
             self.answer_error(req, Codes.HANDLE_UNKNOWN, f"the worker holding handle {req.params['handle']!r} is gone ({why})")
 
-    def forget_idle(self, identity: bytes) -> None:
-        try:
-            self.idle.remove(identity)
-        except ValueError:
-            pass
-
     # ------------------------------------------------------------------ scheduling
 
     def dispatch(self) -> None:
-        """Give waiting requests to free workers: a worker's pinned work (its handles) first, then the shared queue."""
-        free = []
-        for identity in self.idle:  # least recently used first
-            worker = self.workers.get(identity)
-            if worker is None or worker.leaving or worker.current is not None:
+        """Give waiting requests to workers with a free slot: a worker's pinned work (its handles) first, then the
+        shared queue, where `pick` chooses which request goes to which worker."""
+        while True:
+            # least loaded first, least recently given a request among equals
+            free = sorted((w for w in self.workers.values() if not w.leaving and len(w.running) < w.slots),
+                          key=lambda w: (len(w.running) / w.slots, w.last_start))
+            pinned = next((w for w in free if w.pinned_queue), None)
+            if pinned is not None:
+                self.start(pinned, pinned.pinned_queue.popleft())
                 continue
-            if worker.pinned_queue:
-                self.start(worker, worker.pinned_queue.popleft())
-            else:
-                free.append(worker)
-        while free and self.queue:
-            chosen = self.pick(free)
+            chosen = self.pick(free) if free and self.queue else None
             if chosen is None:
-                break
+                return
             worker, req = chosen
-            free = [w for w in free if w is not worker]
             self.queue.remove(req)
             self.start(worker, req)
-        self.idle = deque(w.identity for w in free)
 
     def pick(self, free: list[Worker]) -> tuple[Worker, Request] | None:
         """Which queued request goes to which free worker (None: leave the free workers idle for now).
@@ -660,7 +649,8 @@ class Broker:
         req.attempts += 1
         req.dispatched_at = now
         req.dispatch_id = f"{req.key}.{req.attempts}"
-        worker.current = req.key
+        worker.running.add(req.key)
+        worker.last_start = now
         for d in req.digests:  # it will hold this prompt's prefix: route its followers here before the next heartbeat
             worker.assigned[d] = worker.assigned.get(d, 0) + 1
         self.metrics.queue_wait.observe(now - req.arrived)
@@ -785,16 +775,18 @@ class Broker:
         now = time.monotonic()
         workers = []
         for w in self.workers.values():
-            current = self.requests.get(w.current) if w.current else None
+            current = [self.requests[k] for k in w.running if k in self.requests]
             workers.append(
                 {
                     "name": w.name,
                     "pid": w.pid,
                     "device": w.device,
                     "model": w.model,
-                    "state": "leaving" if w.leaving else ("busy" if w.current else "idle"),
-                    "current_op": current.op if current else None,
-                    "streamed": len(current.delivered) if current else 0,  # tokens its current request streamed
+                    "state": "leaving" if w.leaving else ("busy" if w.running else "idle"),
+                    "running": len(w.running),
+                    "slots": w.slots,
+                    "current_op": current[0].op if current else None,
+                    "streamed": sum(len(r.delivered) for r in current),  # tokens its running requests streamed
                     "handles": w.handles,
                     "max_handles": w.max_handles,
                     "free_blocks": w.free_blocks,
@@ -810,7 +802,7 @@ class Broker:
             "workers": workers,
             "queue": len(self.queue) + sum(len(w.pinned_queue) for w in self.workers.values()),
             "max_queue": self.max_queue,
-            "in_flight": sum(1 for w in self.workers.values() if w.current),
+            "in_flight": sum(len(w.running) for w in self.workers.values()),
             "uptime_s": round(now - self.started, 3),
             "stopping": self.stopping,
             "frontend": self.frontend_endpoint,
@@ -852,7 +844,7 @@ class Broker:
         readiness = self.readiness(now)
         self.metrics.queue_depth.set(readiness["queue"])
         self.metrics.ready_workers.set(readiness["ready_workers"])
-        self.metrics.busy_workers.set(sum(1 for w in self.workers.values() if w.current))
+        self.metrics.busy_workers.set(sum(1 for w in self.workers.values() if w.running))
         self.metrics.live_handles.set(sum(w.handles for w in self.workers.values()))
         # Replaced whole (the HTTP thread reads it); `at` lets /healthz see a stalled loop.
         self.metrics.health = {"at": now, "uptime_s": round(now - self.started, 3), "instance": self.instance,

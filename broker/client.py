@@ -44,6 +44,9 @@ from broker import protocol
 from broker.protocol import BROKER_TO_CLIENT, CLIENT_TO_BROKER, Codes, ProtocolError
 
 DEFAULT_TIMEOUT_S = 120.0
+# Requests generate_batch keeps in flight: enough to fill every worker's batch lanes (2 workers x 16 by default),
+# few enough that the broker's queue (64 by default) never answers "busy".
+BATCH_WINDOW = 32
 # How long past the request deadline the client waits for the broker's own timeout reply.
 CLIENT_GRACE_S = 2.0
 # Lazy Pirate: probe a broker silent this long while requests are open; reconnect after LIVENESS silences.
@@ -305,6 +308,32 @@ class Client:
     def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
         """Run one generation and return its final reply. `config` takes GenerateConfig fields."""
         return self.submit("generate", generate_params(prompt, config), timeout=timeout).result()
+
+    def generate_batch(self, prompts: list, *, window: int = BATCH_WINDOW, timeout: float | None = None,
+                       return_exceptions: bool = False, **config: Any) -> list:
+        """Generate from many prompts (the offline batching lane): at most `window` requests in flight, which the
+        workers batch continuously; the replies in prompt order. A failed prompt raises its ServiceError, or with
+        return_exceptions=True stands in the list in place of its reply."""
+        replies: list = []
+        in_flight: list[Pending] = []
+
+        def settle_oldest() -> None:  # replies of the others are filed meanwhile
+            try:
+                replies.append(in_flight.pop(0).result())
+            except ServiceError as err:
+                if not return_exceptions:
+                    for pending in in_flight:
+                        pending.cancel()
+                    raise
+                replies.append(err)
+
+        for prompt in prompts:
+            if len(in_flight) == window:
+                settle_oldest()
+            in_flight.append(self.submit("generate", generate_params(prompt, config), timeout=timeout))
+        while in_flight:
+            settle_oldest()
+        return replies
 
     def stream(self, prompt: str | list[int], *, timeout: float | None = None, op: str = "generate",
                **config: Any) -> "Pending":
@@ -663,6 +692,17 @@ class AsyncClient:
 
     async def call(self, op: str, timeout: float | None = None, **params: Any) -> Reply:
         return await self.submit(op, params, timeout=timeout)
+
+    async def generate_batch(self, prompts: list, *, window: int = BATCH_WINDOW, timeout: float | None = None,
+                             return_exceptions: bool = False, **config: Any) -> list:
+        """As Client.generate_batch: at most `window` requests in flight, the replies in prompt order."""
+        gate = asyncio.Semaphore(window)
+
+        async def one(prompt) -> Reply:
+            async with gate:
+                return await self.generate(prompt, timeout=timeout, **config)
+
+        return await asyncio.gather(*(one(p) for p in prompts), return_exceptions=return_exceptions)
 
     async def stream(self, prompt: str | list[int], *, timeout: float | None = None, op: str = "generate",
                      result: list | None = None, **config: Any) -> AsyncIterator[TokenEvent]:

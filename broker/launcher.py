@@ -26,9 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_RESTART_EXIT_CODES = {2, 3, 4}
 
 
-def child_env() -> dict:
+def child_env(root: Path = REPO_ROOT) -> dict:
     env = dict(os.environ)
-    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -46,14 +46,15 @@ def service_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "scripts.service_cli", *args]
 
 
-def spawn(args: list[str], log_path: str | Path | None = None) -> subprocess.Popen:
-    """Start `python -m scripts.service_cli ARGS...`; output goes to log_path (or is inherited)."""
+def spawn(args: list[str], log_path: str | Path | None = None, root: Path = REPO_ROOT) -> subprocess.Popen:
+    """Start `python -m scripts.service_cli ARGS...` of the tree at `root`; output goes to log_path (or is
+    inherited)."""
     out = open(log_path, "ab") if log_path else None
     try:
         return subprocess.Popen(
             service_command(*args),
-            env=child_env(),
-            cwd=str(REPO_ROOT),
+            env=child_env(root),
+            cwd=str(root),
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
@@ -122,9 +123,12 @@ class LocalService:
     """
 
     def __init__(self, n_workers: int = 1, worker_args: list[str] = (), broker_args: list[str] = (),
-                 heartbeat_interval: float = 1.0, startup_timeout: float = 180.0, log_dir: str | Path | None = None):
+                 heartbeat_interval: float = 1.0, startup_timeout: float = 180.0, log_dir: str | Path | None = None,
+                 root: Path = REPO_ROOT):
+        """root: the source tree whose broker and workers run (benchmarks compare an older revision)."""
         import tempfile
 
+        self.root = Path(root)
         self.dir = Path(tempfile.mkdtemp(prefix="tl-", dir="/tmp"))  # ipc paths must stay short
         self.log_dir = Path(log_dir) if log_dir else self.dir
         self.frontend = f"ipc://{self.dir}/front"
@@ -153,7 +157,7 @@ class LocalService:
         ready = self.dir / "broker.json"
         self.broker = spawn(["broker", "--frontend", self.frontend, "--backend", self.backend, "--ready-file", str(ready),
                              "--heartbeat-interval", str(self.heartbeat_interval), *self.broker_args],
-                            self.log_dir / "broker.log")
+                            self.log_dir / "broker.log", self.root)
         self.info = wait_for_file(ready, self.broker, 30)
         for i in range(1, self.n_workers + 1):
             self.start_worker(f"w{i}")
@@ -162,7 +166,7 @@ class LocalService:
     def start_worker(self, name: str, *extra: str) -> subprocess.Popen:
         self.workers[name] = spawn(["worker", "--connect", self.backend, "--name", name,
                                     "--heartbeat-interval", str(self.heartbeat_interval), *self.worker_args, *extra],
-                                   self.log_dir / f"{name}.log")
+                                   self.log_dir / f"{name}.log", self.root)
         return self.workers[name]
 
     def log(self, name: str) -> str:

@@ -40,10 +40,11 @@ def summarize(values: list[float]) -> dict:
     return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p99": pick(0.99), "n": len(ordered)}
 
 
-async def one_request(client: AsyncClient, op: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+async def one_request(client: AsyncClient, op: str, prompt: str, max_tokens: int, timeout: float, index: int = 0) -> dict:
     t0 = time.perf_counter()
     record: dict[str, Any] = {"ok": False, "code": None, "ttft": None, "tpot": None, "latency": None, "tokens": 0,
-                              "hit": 0, "prompt_tokens": 0, "worker": None}
+                              "hit": 0, "prompt_tokens": 0, "worker": None,
+                              "index": index}  # records arrive in completion order; index: the request's
     try:
         if op == "ping":
             await client.call("ping", timeout=timeout, payload=prompt)
@@ -105,7 +106,7 @@ async def _load(endpoint: str, *, mode: str, concurrency: int, rate: float, n_re
                 delay = start + arrival - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.ensure_future(one_request(client, op, prompts[i % len(prompts)], max_tokens, timeout))
+                task = asyncio.ensure_future(one_request(client, op, prompts[i % len(prompts)], max_tokens, timeout, i))
                 task.add_done_callback(lambda t: done(t.result()))
                 tasks.append(task)
             await asyncio.gather(*tasks)

@@ -281,6 +281,8 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "max_handles": Field(int_in(0, 1 << 20)),
             "device": Field(text(64)),
             "model": Field(text(1024)),
+            # Requests it runs at once (its continuous batch's lanes); the broker sends it up to this many.
+            "slots": Field(int_in(1, 4096), required=False),
         },
         # Load and cache state for routing (docs/service.md "Routing"): free KV blocks, requests running, and
         # digests of the prompt prefixes its prefix cache holds (prefix_digests). Optional: older workers omit them.

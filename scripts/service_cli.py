@@ -55,6 +55,11 @@ def worker_options(fn):
                      help="torch CPU threads per worker (serve default: cores / workers, so workers do not fight)."),
         click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts)."),
+        click.option("--max-lanes", default=16, show_default=True,
+                     help="Requests a worker batches at once (continuous batching; more wait on the broker)."),
+        click.option("--prefill-chunk", type=int, default=None,
+                     help="Prompt tokens per prefill forward, interleaved with decode steps (0: a prompt in one "
+                          "forward; default $TINYLOOP_PREFILL_CHUNK or 256)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -62,13 +67,13 @@ def worker_options(fn):
 
 
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                heartbeat_interval, threads, curve_dir) -> list[str]:
+                heartbeat_interval, threads, curve_dir, max_lanes=16, prefill_chunk=None) -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
-            "--heartbeat-interval", str(heartbeat_interval)]
+            "--heartbeat-interval", str(heartbeat_interval), "--max-lanes", str(max_lanes)]
     for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
                         ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads),
-                        ("--curve-dir", curve_dir)):
+                        ("--curve-dir", curve_dir), ("--prefill-chunk", prefill_chunk)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -140,7 +145,8 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @click.option("--log-level", default="info", show_default=True)
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
-                   prefix_file, heartbeat_interval, threads, curve_dir, plan_only, log_level) -> None:
+                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, prefill_chunk, plan_only,
+                   log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
 
@@ -150,7 +156,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
     opts = WorkerOptions(connect=connect, name=name or f"worker-{os.getpid()}", model_path=model_path,
                          max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
                          vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
-                         threads=threads, curve_dir=curve_dir, plan_only=plan_only)
+                         threads=threads, curve_dir=curve_dir, plan_only=plan_only, max_lanes=max_lanes,
+                         prefill_chunk=prefill_chunk)
     sys.exit(run_worker(opts))
 
 
@@ -175,7 +182,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--http-host", default="127.0.0.1", show_default=True)
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, device_budget, max_attempts,
+                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
+                  prefill_chunk, device_budget, max_attempts,
                   skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
@@ -187,7 +195,7 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     if threads is None and (device or "cpu").startswith("cpu"):
         threads = max(1, (os.cpu_count() or 1) // n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                        heartbeat_interval, threads, curve_dir)
+                        heartbeat_interval, threads, curve_dir, max_lanes, prefill_chunk)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
                                          "--max-attempts", str(max_attempts)]
@@ -374,6 +382,10 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
                    "with the growth per 1,000 requests (leak check).")
 @click.option("--side-by-side", is_flag=True,
               help="Start services itself and compare: broker vs direct generate, 2 workers vs 1, routing rate.")
+@click.option("--batching", is_flag=True,
+              help="Start services itself and compare continuous batching: service vs in-process generate_batch vs "
+                   "the service of --before; open-loop TTFT/TPOT with and without chunked prefill; mixed depth.")
+@click.option("--before", default="517ca22", show_default=True, help="--batching: the revision to compare with.")
 @click.option("--prefix-routing", is_flag=True,
               help="Start services itself and compare cache-aware routing with and without affinity: 2 workers, "
                    "4 scaffolds x (--requests / 4) suffixes.")
@@ -383,7 +395,7 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     soak, side_by_side, prefix_routing, model_path, threads, curve_dir) -> None:
+                     soak, side_by_side, batching, before, prefix_routing, model_path, threads, curve_dir) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     from broker import loadtest
 
@@ -392,6 +404,11 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         results = loadtest.soak(n_requests=total, every=max(1, min(1000, total // 4)), max_tokens=max_tokens,
                                 concurrency=concurrency,
                                 model_path=model_path, threads=threads, echo=click.echo)
+    elif batching:
+        from broker.loadtest_batching import batching_side_by_side
+
+        results = batching_side_by_side(before=before, n_requests=n_requests or 64, max_tokens=max_tokens,
+                                        concurrency=concurrency, echo=click.echo)
     elif prefix_routing:
         results = loadtest.prefix_routing_side_by_side(model_path=model_path, n_suffixes=max(1, (n_requests or 64) // 4),
                                                        max_tokens=max_tokens, concurrency=concurrency,

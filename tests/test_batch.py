@@ -109,17 +109,13 @@ def test_call_entry_constraints_name_the_rule(tiny_model):
         generate_batch(m, ["a", "b"], GenerateConfig(cache_window=8))
     with pytest.raises(ModeError, match=r"Beam search.*Batched"):
         generate_batch(m, ["a", "b"], GenerateConfig(beam_size=2))
-    for field, a, b in [("loops", 2, 3), ("early_exit_threshold", 0.0, 0.5)]:
-        cfgs = [GenerateConfig(**{field: a}), GenerateConfig(**{field: b})]
-        with pytest.raises(ConfigError, match=rf"share.*lane 1 has {field}="):
-            generate_batch(m, ["a", "b"], cfgs)
     with pytest.raises(ConfigError, match="one per prompt"):
         generate_batch(m, ["a", "b"], [GenerateConfig()])
     with pytest.raises(ConfigError, match="non-empty list"):
         generate_batch(m, "a string", GenerateConfig())
     with pytest.raises(ConfigError, match="non-empty list"):
         generate_batch(m, [], GenerateConfig())
-    # per-lane max_tokens, stop sequences, seeds and grammar are allowed (no error)
+    # per-lane loops, early exit, max_tokens, stop sequences, seeds and grammar are allowed (no error)
     ok = generate_batch(m, ["a", "b"], [GenerateConfig(max_tokens=2, seed=1, stop_sequences=["x"]),
                                         GenerateConfig(max_tokens=3, grammar={"regex": "[ab]+"})])
     assert [r.stats.generated_tokens <= n for r, n in zip(ok, (2, 3))] == [True, True]

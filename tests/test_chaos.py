@@ -27,7 +27,7 @@ from broker import launcher
 from broker.client import AsyncClient, Client, ServiceError
 
 REPO = Path(__file__).resolve().parent.parent
-N_REQUESTS = 24
+N_REQUESTS = 32
 MAX_TOKENS = 72
 MAX_SEQ_LEN = 256
 WORKER_KILLS = 3
@@ -140,7 +140,10 @@ def test_chaos_kills_workers_and_the_broker(tmp, record_property):
     serve = subprocess.Popen(
         launcher.service_command("serve", "--workers", "2", "--frontend", f"ipc://{tmp}/f", "--backend", f"ipc://{tmp}/b",
                                  "--log-dir", str(tmp / "logs"), "--max-seq-len", str(MAX_SEQ_LEN), "--threads", "1",
-                                 "--heartbeat-interval", str(HEARTBEAT), "--max-attempts", "8", "--skip-plan-check"),
+                                 "--heartbeat-interval", str(HEARTBEAT), "--max-attempts", "8", "--skip-plan-check",
+                                 # two lanes per worker: a kill hits two requests in flight, and the run lasts long
+                                 # enough for every kill (16 lanes finish the load between two kills)
+                                 "--max-lanes", "2"),
         env=launcher.child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )

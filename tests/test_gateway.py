@@ -58,6 +58,7 @@ class Service:
             launcher.service_command("serve", "--workers", "2", "--frontend", self.frontend, "--backend", f"ipc://{tmp}/b",
                                      "--log-dir", str(tmp / "logs"), "--max-seq-len", "512", "--threads", "1",
                                      "--heartbeat-interval", "0.5", "--max-queue", "2", "--http-port", str(self.port),
+                                     "--max-lanes", "1",  # one request per worker: the 429 test fills the queue
                                      "--api-key-file", str(tmp / "keys")),
             env=launcher.child_env(), cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
@@ -282,7 +283,7 @@ def test_error_statuses(svc, oai):
     r = svc.post("/v1/completions", {**ok, "max_tokens": 400, "temperature": 0, "loops": 16, "timeout": 0.5})
     assert r.status_code == 504 and error_of(r)["code"] == "timeout"
     wait_idle(svc)
-    # 429 with Retry-After: 2 workers + a queue of 2, and 8 long requests at once.
+    # 429 with Retry-After: 2 workers of one lane each + a queue of 2, and 8 long requests at once.
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as client:
             body = {**ok, "max_tokens": 30, "temperature": 0}

@@ -1,6 +1,6 @@
 """TinyLoop: an inference runtime for looped (recurrent-depth) transformer language models."""
 from .artifact import ArtifactInfo, read_artifact, save_artifact
-from .batch import generate_batch
+from .batch import Scheduler, generate_batch
 from .cache import CACHE_MODES, KVCache, bytes_per_token_slot
 from .config import ModelConfig
 from .decoding import Hypothesis, beam_search
@@ -17,7 +17,7 @@ from .speculative import (SpeculativeChoice, SpeculativeConfig, SpeculativeStats
                           speculative_from_env)
 
 __all__ = [
-    "Hypothesis", "beam_search", "generate_batch",
+    "Hypothesis", "beam_search", "generate_batch", "Scheduler",
     "ArtifactError", "ArtifactInfo", "BudgetError", "BusyError", "CACHE_MODES", "ConfigError", "GenerateConfig",
     "GenerateResult", "GenerateStats", "HandleError", "KVCache", "MATRIX", "MemoryPlan", "ModeError", "Model",
     "ModelConfig", "TinyLoopError", "bytes_per_token_slot", "check_modes", "free_model", "generate",

@@ -1,13 +1,8 @@
-"""Static lockstep batching (seed page, "Static batched generation").
+"""Many prompts at once (the offline batching lane): generate_batch runs them through the scheduler the worker runs.
 
-1. Per-lane prefill, one prompt at a time, each into its own lane of one N-lane KVCache.
-2. Lockstep decode: all N lanes step one token at a time through one batched forward. A lane that stopped
-   (EOS, stop sequence, grammar complete, max_tokens, cancelled) stays in the kernel shape, fed its last
-   token at a frozen position; its outputs are discarded.
-3. Per-lane host-side sampling: repetition penalty, grammar mask, sampler and stop matching per lane.
-
-Every lane is a Sequence and the Runner steps them (tinyloop/engine), the same objects `generate` uses for one
-prompt, so greedy output equals `generate` on each prompt alone.
+Every prompt is a Sequence (tinyloop/engine), the same object `generate` uses for one prompt; at most BATCH_LANES
+run at once, each in a lane of one cache, and the rest join as lanes free up. Prefill pieces and decode rows are the
+forwards `generate` runs, so greedy output equals `generate` on each prompt alone (docs/batching.md).
 """
 from __future__ import annotations
 
@@ -17,20 +12,15 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from .engine.calls import checked, lanes
+from .engine.calls import check_length, checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError
-from .types import GenerateConfig, GenerateResult
+from .types import GenerateConfig, GenerateResult, OnToken
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
 OnLaneToken = Callable[[int, int, int], bool]
-
-# Settings that shape the batched forward: every lane must agree (one loop count and one early-exit threshold drive
-# the batched step). The seed table also shared temperature, top-k/p and the repetition penalty; each lane's
-# Sequence samples on its own, so those may differ per lane.
-SHARED_FIELDS = ("loops", "early_exit_threshold")
-
+DEFAULT_LANES = 16  # a Scheduler's lanes (the worker's --max-lanes)
 
 def lane_configs(prompts, cfg) -> list[GenerateConfig]:
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
@@ -44,23 +34,18 @@ def lane_configs(prompts, cfg) -> list[GenerateConfig]:
 
 
 def check_batch(model, cfgs: list[GenerateConfig]) -> None:
-    """The seed table's call-entry constraints that do not need the prompts."""
+    """The seed table's call-entry constraints that do not need the prompts. Every other setting (loops and
+    early-exit thresholds included) may differ per lane: the scheduler groups lanes for the forward."""
     cfgs[:] = [checked(model, c, "batch") for c in cfgs]  # cache_window > 0 and beam_size > 1 are rejected here
-    first = cfgs[0]
-    for i, c in enumerate(cfgs[1:], 1):
-        for name in SHARED_FIELDS:
-            a, b = (first.resolved_loops(model), c.resolved_loops(model)) if name == "loops" else (getattr(first, name), getattr(c, name))
-            if a != b:
-                raise ConfigError(f"generate_batch: all lanes must share {', '.join(SHARED_FIELDS)}; "
-                                  f"lane {i} has {name}={b!r} but lane 0 has {name}={a!r}")
 
 
 def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig] | None = None,
                    on_token: OnLaneToken | None = None) -> list[GenerateResult]:
-    """Static lockstep generation over N = len(prompts) lanes; one GenerateResult per prompt, in order.
+    """Generate from every prompt through the scheduler (tinyloop/engine/runner.py); one GenerateResult per prompt,
+    in order. At most BATCH_LANES prompts run at once; the rest join as lanes free up (continuous batching).
 
-    cfg: one GenerateConfig for all lanes, or one per lane (stop_sequences, grammar, seed and max_tokens may
-    differ; the SHARED_FIELDS may not). on_token(lane, token, index) streams; returning False cancels that lane.
+    cfg: one GenerateConfig for all prompts, or one per prompt (every field may differ). on_token(lane, token,
+    index) streams (lane: the prompt's index); returning False cancels that prompt only.
     """
     model.check_alive()
     cfgs = lane_configs(prompts, cfg)
@@ -71,7 +56,38 @@ def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig
             t_call = time.perf_counter()
             lane_cb = (lambda i: None) if on_token is None else (lambda i: lambda token, index: on_token(i, token, index))
             seqs = [Sequence(model, p, c, lane_cb(i), t_call) for i, (p, c) in enumerate(zip(ids, cfgs))]
-            return Runner(model, cache, seqs[0].loops, cfgs[0].early_exit_threshold).run(seqs)
+            return Runner(model, cache).run(seqs)
+
+
+class Scheduler:
+    """Continuous batching for a serving loop (the worker's): `submit` requests at any time, `step()` runs one
+    scheduling iteration (docs/engine.md) and returns the sequences that finished in it; `seq.result()` is a
+    request's GenerateResult, `seq.cancel()` stops one. Up to `lanes` requests run at once, the rest wait.
+
+    The model is held (BusyError otherwise) only during a step, so other calls may run between steps."""
+
+    def __init__(self, model, lanes: int = DEFAULT_LANES):
+        model.check_alive()
+        self.model = model
+        self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len))
+
+    def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None) -> Sequence:
+        """Queue one request; ConfigError / ModeError / BudgetError (can never fit) at once, as generate would."""
+        model = self.model
+        cfg = checked(model, cfg, "batch")
+        ids = model.encode_prompt(prompt)
+        check_length(model, len(ids), cfg)
+        model.admit(1, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), what="the prompt", now=False)
+        seq = Sequence(model, ids, cfg, on_token)
+        self.runner.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        with self.model.busy():
+            return self.runner.step()
+
+    def idle(self) -> bool:
+        return self.runner.idle
 
 
 # --- benchmark (tinyloop bench batch) --------------------------------------------------------------------

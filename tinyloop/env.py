@@ -5,6 +5,8 @@ TINYLOOP_EARLY_EXIT     float >= 0               default GenerateConfig.early_ex
 TINYLOOP_CACHE_WINDOW   int >= 0                 default GenerateConfig.cache_window (0 = full attention)
 TINYLOOP_LOOPS          int >= 1                 default GenerateConfig.loops (unset = the model's default)
 TINYLOOP_MEMORY_BUDGET  bytes (512MiB, 2GB, ...)  default load_model memory_budget: weights + KV block pool
+TINYLOOP_PREFILL_CHUNK int >= 0                 prompt tokens per prefill forward (Model.prefill_chunk; 0 = a prompt
+                                                  in one forward; default 256)
 TINYLOOP_PREFIX_CACHE   on | off                 default load_model prefix_caching (automatic prefix caching)
 TINYLOOP_SPECULATIVE    draft:verify:ahead[:width]  default SpeculativeConfig of generate_speculative / choose_speculative
                                                   (read by tinyloop.speculative.speculative_from_env; e.g. 2:8:4)
@@ -17,7 +19,7 @@ import re
 from .errors import ConfigError
 
 ENV_VARS = ("TINYLOOP_CACHE_MODE", "TINYLOOP_MEMORY_BUDGET", "TINYLOOP_EARLY_EXIT", "TINYLOOP_CACHE_WINDOW", "TINYLOOP_LOOPS", "TINYLOOP_SPECULATIVE",
-            "TINYLOOP_PREFIX_CACHE")
+            "TINYLOOP_PREFILL_CHUNK", "TINYLOOP_PREFIX_CACHE")
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

@@ -136,7 +136,8 @@ class RefiningRunner(Runner):
         self.guess, self.base, self.following, self.reused = guess, base, True, 0
         self.piece, self.rows, self.rows_from = 4, None, 0
 
-    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None):
+    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None, loops: int | None = None,
+               threshold: float | None = None):
         cache = self.cache if cache is None else cache
         i = positions[0] - self.base
         if cache is self.cache and self.following and i < len(self.guess) and tokens == [self.guess[i]]:
@@ -146,7 +147,7 @@ class RefiningRunner(Runner):
             self.reused += 1
             return self.rows[i - self.rows_from][None], [self.loops]
         self.following = False  # positions the chunk wrote past here are rewritten before they are read
-        return super().decode(tokens, positions, cache)
+        return super().decode(tokens, positions, cache, loops, threshold)
 
 
 def _window_default() -> int:

@@ -11,7 +11,7 @@ import torch
 from .artifact import DEFAULT_ARTIFACT, ArtifactInfo, read_artifact
 from .hf import is_hf_dir, load_hf, with_init_scale
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
-from .env import env_bytes, env_choice
+from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
 from .memory import available_bytes, blocks_for, workspace_bytes
 from .model import LoopedLM
@@ -19,6 +19,7 @@ from .prefix_tree import PrefixTree
 
 # Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
 DEFAULT_POOL_SEQUENCES = 16
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill forward (TINYLOOP_PREFILL_CHUNK)
 # Without an explicit budget at most this share of the available memory (free VRAM, available RAM) is planned.
 DEFAULT_MEMORY_SHARE = 0.5
 
@@ -39,6 +40,9 @@ class Model:
         # Every cache of this model draws its blocks from one pool; the one-lane decode cache is a block table.
         self.pool = BlockPool(self.cfg, cache_mode, pool_blocks, device=self.device, dtype=self.dtype)
         self.decode_cache = self.new_cache(1, max_seq_len)
+        # Prompts are prefilled in pieces of this many tokens (0: whole), so the scheduler can interleave a long
+        # prompt with decode steps; every call cuts at the same places, so outputs do not depend on the batch.
+        self.prefill_chunk: int = env_number("TINYLOOP_PREFILL_CHUNK", int, DEFAULT_PREFILL_CHUNK, 0)
         # The prefix cache holds registered scaffolds (pinned) and, with prefix_caching, every call's prompt blocks:
         # calls then reuse the longest cached token prefix of their prompt (tinyloop/prefix_tree.py).
         self.prefixes = PrefixTree(self.cfg, self.pool)

@@ -1,5 +1,9 @@
-"""The model side of a worker: one Model, its handle registry and prefix pool, and one
-function per protocol op that calls the runtime's public API.
+"""The model side of a worker: one Model, its scheduler (continuous batching), its handle
+registry and prefix pool, and one function per protocol op that calls the runtime's public API.
+
+`generate` and `chat` requests join the scheduler's batch (`join`, then `step` until they finish);
+the others (speculative, beam search, a sliding window, the prefix pool, warm starts, stream
+continuations) run alone through `run`, once the batch has drained (workers/worker.py).
 
 Ops whose runtime function does not exist in this build of `tinyloop` are not offered
 (they are left out of the "ready" announcement) and answer "unsupported_op".
@@ -11,6 +15,7 @@ import json
 import logging
 import math
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,8 +90,11 @@ class StreamText:
 
 class ModelEngine:
     def __init__(self, model: "tinyloop.Model", *, max_handles: int, plan_bytes: int, model_name: str,
-                 prefixes: list[dict] | None = None):
+                 prefixes: list[dict] | None = None, lanes: int = tinyloop.batch.DEFAULT_LANES):
         self.model = model
+        self.slots = lanes
+        self.scheduler = tinyloop.Scheduler(model, lanes)
+        self.batch: dict[int, tuple[str, Any, dict, Callable[[], bool]]] = {}  # id(seq) -> key, seq, params, should_stop
         self.plan_bytes = plan_bytes
         self.model_name = model_name
         self.device = str(model.device)
@@ -162,7 +170,7 @@ class ModelEngine:
         handler = self.ops_table.get(op)
         if handler is None:
             raise EngineError(Codes.UNSUPPORTED_OP, f"op {op!r} is not supported by this worker's runtime (supported: {self.ops})")
-        try:
+        with runtime_errors():
             if delivered:  # a stream whose worker died: continue after the tokens the client has
                 from workers.continuation import run_continuation
 
@@ -171,16 +179,56 @@ class ModelEngine:
             if "prompt" in params and op in PREFIX_OPS:
                 self.remember(params["prompt"], self.config(params).resolved_loops(self.model))
             return result
-        except tinyloop.ModeError as exc:
-            raise EngineError(Codes.MODE_ERROR, str(exc)) from None
-        except tinyloop.ConfigError as exc:
-            raise EngineError(Codes.CONFIG_ERROR, str(exc)) from None
-        except tinyloop.HandleError as exc:
-            raise EngineError(Codes.HANDLE_UNKNOWN, str(exc)) from None
-        except tinyloop.BudgetError as exc:
-            raise EngineError(Codes.BUDGET, str(exc)) from None
-        except tinyloop.TinyLoopError as exc:
-            raise EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from None
+
+    # ---------------------------------------------------------------- the batch
+
+    def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
+             delivered: list[int] | None = None) -> bool:
+        """Add a generate (or chat) request to the batch; False when it must run alone (`run`)."""
+        if op not in ("generate", "chat") or delivered or any(k in params for k in SPECULATIVE_FIELDS):
+            return False
+        with runtime_errors():
+            cfg = tinyloop.engine.calls.checked(self.model, self.config(params), "single")
+            if cfg.beam_size > 1 or cfg.cache_window:
+                return False
+            if op == "chat":
+                from tinyloop.chat import apply_chat_template
+
+                params = {**params, "prompt": apply_chat_template(self.model, params["messages"])}
+            seq = self.scheduler.submit(params["prompt"], cfg, self.callback(on_token, should_stop))
+        self.remember(params["prompt"], seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
+        self.batch[id(seq)] = (key, seq, params, should_stop)
+        return True
+
+    def step(self) -> list[tuple[str, dict | EngineError]]:
+        """One scheduling iteration: requests cancelled or past their deadline leave first; (key, answer) of each
+        request that finished."""
+        for _, seq, _, should_stop in self.batch.values():
+            if should_stop():
+                seq.cancel()
+        try:
+            done = self.scheduler.step()
+        except Exception as exc:  # a bug in a step must not kill the worker: every request in the batch fails
+            log.exception("a scheduler step failed")
+            failed = [(key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}")) for key, *_ in self.batch.values()]
+            self.batch.clear()
+            self.scheduler = tinyloop.Scheduler(self.model, self.slots)
+            return failed
+        return [self.answer(*self.batch.pop(id(seq))[:3]) for seq in done]
+
+    def answer(self, key: str, seq: Any, params: dict) -> tuple[str, dict | EngineError]:
+        if seq.error is not None:
+            return key, EngineError(Codes.BUDGET, str(seq.error))
+        try:
+            with runtime_errors():
+                result = self.scored(params, self.result(seq.result()))
+        except EngineError as err:
+            return key, err
+        return key, {**result, "prompt_text": params["prompt"]} if "messages" in params else result
+
+    def idle(self) -> bool:
+        return self.scheduler.idle()
+
 
     def config(self, params: dict) -> "tinyloop.GenerateConfig":
         fields = {k: params[k] for k in GENERATE_CONFIG_FIELDS if k in params}
@@ -276,6 +324,23 @@ class ModelEngine:
         free = getattr(tinyloop, "free_handle", None)
         if free is not None:
             free(handle)
+
+
+@contextmanager
+def runtime_errors():
+    """The runtime's exceptions as the wire's error codes."""
+    try:
+        yield
+    except tinyloop.ModeError as exc:
+        raise EngineError(Codes.MODE_ERROR, str(exc)) from None
+    except tinyloop.ConfigError as exc:
+        raise EngineError(Codes.CONFIG_ERROR, str(exc)) from None
+    except tinyloop.HandleError as exc:
+        raise EngineError(Codes.HANDLE_UNKNOWN, str(exc)) from None
+    except tinyloop.BudgetError as exc:
+        raise EngineError(Codes.BUDGET, str(exc)) from None
+    except tinyloop.TinyLoopError as exc:
+        raise EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from None
 
 
 def _parameters(fn: Callable) -> set[str]:

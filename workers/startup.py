@@ -67,6 +67,8 @@ class WorkerOptions:
     threads: int | None = None  # torch CPU threads (None: torch's default)
     curve_dir: str | None = None  # CURVE key directory (see broker/security.py)
     plan_only: bool = False  # print the memory plan as JSON and exit (used by `tinyloop serve`)
+    max_lanes: int = 16  # requests batched at once (tinyloop.Scheduler lanes)
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: the model's default)
 
 
 def run_worker(opts: WorkerOptions) -> int:
@@ -127,8 +129,10 @@ def run_worker(opts: WorkerOptions) -> int:
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
+    if opts.prefill_chunk is not None:
+        model.prefill_chunk = opts.prefill_chunk
     engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
-                         prefixes=prefixes)
+                         prefixes=prefixes, lanes=opts.max_lanes)
     process = WorkerProcess(engine, opts.connect, name=opts.name, heartbeat_interval=opts.heartbeat_interval,
                             heartbeat_liveness=opts.heartbeat_liveness, curve_dir=opts.curve_dir)
     engine.set_identity(process.identity)

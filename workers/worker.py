@@ -5,12 +5,17 @@ Two threads, because a generation may take seconds and heartbeats must not wait 
 * the I/O thread (the caller of WorkerProcess.run) owns the DEALER socket to the broker:
   it sends "ready" and heartbeats, receives requests and cancels, and forwards whatever
   the compute thread produced. It reconnects when the broker goes quiet (Paranoid Pirate).
-* the compute thread runs one request at a time on the engine (a Model is not reentrant)
-  and hands its token/done/error messages to the I/O thread over an inproc socket
-  (ZeroMQ sockets must not be shared between threads).
+* the compute thread drives the engine and hands its token/done/error messages to the I/O
+  thread over an inproc socket (ZeroMQ sockets must not be shared between threads). An engine
+  with a scheduler (`join` / `step`: workers/engine.py) batches requests continuously: between
+  two steps the thread takes the requests that arrived, and a request joins the running batch
+  at the next step and leaves it when done. A request the batch cannot take (`join` says no:
+  speculative, beam, warm start, ...) runs alone once the batch has drained, and requests that
+  arrive after it wait for it (first come, first served). An engine without a scheduler runs one
+  request at a time (`run`).
 
 Cancellation and deadlines reach the decode through `should_stop`, which the engine checks
-from the runtime's on_token callback.
+before each step and from the runtime's on_token callback.
 
 This module does not import torch; the engine (workers/engine.py) does.
 """
@@ -24,6 +29,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -58,6 +64,23 @@ class Engine(Protocol):
         ...
 
     def live_handles(self) -> int: ...
+
+
+class Batching(Protocol):
+    """An engine that batches continuously (workers/engine.py); `slots`: the requests it runs at once."""
+
+    slots: int
+
+    def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
+             delivered: list[int] | None = None) -> bool:
+        """Add a request to the batch (False: it must run alone, through `run`). Raises EngineError for a bad one."""
+        ...
+
+    def step(self) -> list[tuple[str, dict | EngineError]]:
+        """One scheduling iteration; (key, result or error) of the requests that finished in it."""
+        ...
+
+    def idle(self) -> bool: ...
 
 
 @dataclass
@@ -201,6 +224,7 @@ class WorkerProcess:
             max_handles=int(self.engine.max_handles),
             device=self.engine.device,
             model=self.engine.model_name,
+            slots=int(getattr(self.engine, "slots", 1)),
         )
 
     def send(self, msg_type: str, **fields: Any) -> None:
@@ -271,32 +295,79 @@ class WorkerProcess:
         def emit(msg_type: str, **fields: Any) -> None:
             out.send_multipart(protocol.encode(WORKER_TO_BROKER, msg_type, **fields))
 
+        engine = self.engine
+        batching = hasattr(engine, "step")
+        pending: deque[Job] = deque()  # arrived, not started: first come, first served
         while True:
-            job = self.jobs.get()
-            if job is None:
-                break
+            # Wait for work only when there is none; while a batch runs, take what arrived between two steps.
+            waits = not pending and (not batching or engine.idle())
             try:
-                if job.should_stop():
-                    raise EngineError(Codes.TIMEOUT if not job.cancelled.is_set() else Codes.CANCELLED, "stopped before it started")
-                on_token = None
-                if job.stream:
-                    on_token = lambda token, pos, text, key=job.key: emit("token", id=key, token=token, pos=pos, text=text)
-                if job.op == "ping":
-                    # Round trip through the worker without touching the model.
-                    result = {"payload": job.params.get("payload", "")}
-                else:
-                    continuation = {"delivered": job.delivered} if job.delivered else {}
-                    result = self.engine.run(job.op, job.params, on_token, job.should_stop, **continuation)
-                if not job.cancelled.is_set() and job.should_stop():
-                    # Stopped by its deadline: that is a timeout, whatever the engine made of it.
-                    raise EngineError(Codes.TIMEOUT, "the request's deadline passed on the worker")
-                result["worker"] = self.name
-                emit("done", id=job.key, result=result)
-            except EngineError as err:
-                emit("error", id=job.key, code=err.code, message=err.message[: 1 << 13])
-            except Exception as exc:  # an engine bug must not kill the worker; report it
-                log.exception("request %s (%s) failed", job.key, job.op)
-                emit("error", id=job.key, code=Codes.RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"[: 1 << 13])
-            finally:
-                self.running.pop(job.key, None)
-        out.close(linger=1000)
+                while True:
+                    job = self.jobs.get(block=waits)
+                    if job is None:
+                        out.close(linger=1000)
+                        return
+                    pending.append(job)
+                    waits = False
+            except queue.Empty:
+                pass
+            while pending:
+                job = pending[0]
+                if job.op == "ping" or job.should_stop() or not batching:
+                    self.run_alone(job, emit)
+                elif not self.join(job, emit):
+                    if not engine.idle():
+                        break  # it runs alone once the batch has drained; later requests wait behind it
+                    self.run_alone(job, emit)
+                pending.popleft()
+            if batching and not engine.idle():
+                for key, outcome in engine.step():
+                    self.reply(self.running.get(key), outcome, emit)
+
+    def token_sink(self, job: Job, emit: Callable[..., None]) -> TokenSink | None:
+        if not job.stream:
+            return None
+        return lambda token, pos, text, key=job.key: emit("token", id=key, token=token, pos=pos, text=text)
+
+    def join(self, job: Job, emit: Callable[..., None]) -> bool:
+        """Add a job to the engine's batch; False when it must run alone. A rejected job is answered here."""
+        try:
+            continuation = {"delivered": job.delivered} if job.delivered else {}
+            return self.engine.join(job.key, job.op, job.params, self.token_sink(job, emit), job.should_stop,
+                                    **continuation)
+        except Exception as exc:  # noqa: BLE001 (EngineError, or an engine bug: answered, never fatal)
+            self.reply(job, exc, emit)
+            return True
+
+    def run_alone(self, job: Job, emit: Callable[..., None]) -> None:
+        try:
+            if job.should_stop():
+                raise EngineError(Codes.TIMEOUT if not job.cancelled.is_set() else Codes.CANCELLED, "stopped before it started")
+            if job.op == "ping":
+                # Round trip through the worker without touching the model.
+                result = {"payload": job.params.get("payload", "")}
+            else:
+                continuation = {"delivered": job.delivered} if job.delivered else {}
+                result = self.engine.run(job.op, job.params, self.token_sink(job, emit), job.should_stop, **continuation)
+        except Exception as exc:  # noqa: BLE001
+            result = exc
+        self.reply(job, result, emit)
+
+    def reply(self, job: Job | None, outcome: dict | Exception, emit: Callable[..., None]) -> None:
+        """The one final message of a job: done, or error with a code."""
+        if job is None:
+            return
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            if not job.cancelled.is_set() and job.should_stop():
+                # Stopped by its deadline: that is a timeout, whatever the engine made of it.
+                raise EngineError(Codes.TIMEOUT, "the request's deadline passed on the worker")
+            emit("done", id=job.key, result={**outcome, "worker": self.name})
+        except EngineError as err:
+            emit("error", id=job.key, code=err.code, message=err.message[: 1 << 13])
+        except Exception as exc:  # an engine bug must not kill the worker; report it
+            log.error("request %s (%s) failed", job.key, job.op, exc_info=exc)
+            emit("error", id=job.key, code=Codes.RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"[: 1 << 13])
+        finally:
+            self.running.pop(job.key, None)

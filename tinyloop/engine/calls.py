@@ -10,6 +10,10 @@ from ..errors import ConfigError
 from ..modes import check_modes
 from ..types import GenerateConfig
 
+# Lanes of an in-process batch: more prompts than this wait for a lane (a list of 1,000 prompts holds 32 lanes of
+# block tables, and blocks only for the lanes running).
+BATCH_LANES = 32
+
 
 def checked(model, cfg: GenerateConfig | None, call: str) -> GenerateConfig:
     """The call's config, validated against the model and the mode matrix's column for `call`."""
@@ -38,8 +42,8 @@ def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lane
     longest = max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
     loops = loops or max(c.resolved_loops(model) for c in cfgs)
     model.net.ensure_positions(longest + ring + 1)
-    n = n_lanes or len(prompts)
-    if n_lanes or n == 1:  # beam hypotheses run together, so they must fit together
+    n = n_lanes or min(len(prompts), BATCH_LANES)
+    if n_lanes or len(prompts) == 1:  # beam hypotheses run together, so they must fit together
         model.admit(n, longest, loops, max(window, ring), what=f"{n} x {what}" if n > 1 else what)
     else:  # batch lanes wait for blocks or are preempted (Runner.run): each must fit on its own
         model.admit(1, longest, loops, max(window, ring), what=f"the longest {what}", now=False)

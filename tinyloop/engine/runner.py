@@ -1,16 +1,27 @@
-"""Runner: steps a set of sequences through the model, lane i of its KV cache holding sequence i.
+"""Runner: the scheduler. It steps sequences through the model, each in a lane of its KV cache while it runs.
 
-One call of `run` takes every sequence from its prompt to its result: each prompt is prefilled into its lane (one
-chunk: the same call for a sequence alone or in a batch, so their outputs are equal), then the running lanes decode
-together, one token per lane per forward. A finished lane leaves the forward and gives its blocks back; when the
-pool runs out, the youngest lane is preempted and recomputed later (`run`).
+Sequences may be added at any time (`add`); one `step()` is one scheduling iteration (iteration-level scheduling,
+as in Orca and vLLM), and both the in-process calls (`run`: add, then step until done) and the worker drive it.
+One step:
+  1. drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
+  2. admit waiting sequences, oldest first, while a lane is free and the pool's free blocks cover them
+     (a preempted sequence is recomputed here, exactly);
+  3. prefill: pieces of admitted prompts, the shortest rest first, up to `chunk` prompt tokens in all (a piece never
+     crosses a multiple of `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards);
+  4. sample: every sequence with fresh logits takes its next token (stops, grammar, streaming, max_tokens);
+     a finished one leaves at once and gives its blocks back;
+  5. decode: the running lanes feed one token each in one forward, each lane at its own loop count and early-exit
+     threshold (the model's one forward takes them per lane).
+When a forward finds the pool exhausted, the youngest sequence without fresh logits gives its blocks back and
+waits (preemption); waiting sequences rejoin only after a running one finishes (no thrashing).
 
 Forwards: `decode` runs one-token-per-lane rows, `prefill` a chunk, both through the model's one forward over the
-paged cache (tinyloop/kernels/step.py); with early exit (a threshold or the model's exit gate) decode rows go
-through `forward_adaptive`, which stops each lane's looping on its own.
+paged cache (tinyloop/kernels/step.py); lanes at different loop counts, or with early exit (a threshold or the
+model's exit gate), go through `forward_adaptive`, which runs each lane to its own depth.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -26,141 +37,255 @@ from .sequence import Sequence
 # reuse and warm starts replace the prefill
 Prefill = Callable[[Sequence], torch.Tensor]
 
+# Every decision at DEBUG level, one line each: admit, prefill piece, decode group, finish, preempt (docs/engine.md).
+log = logging.getLogger("tinyloop.scheduler")
+
 
 class Runner:
-    def __init__(self, model, cache: KVCache, loops: int, early_exit: float = 0.0):
-        self.model, self.net, self.cache, self.loops, self.early_exit = model, model.net, cache, loops, early_exit
-        self.adaptive = self.net.adaptive(early_exit)
-        self.hold_back = False  # set by a preemption, cleared when a lane finishes
+    def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: float = 0.0,
+                 chunk: int | None = None):
+        self.model, self.net, self.cache = model, model.net, cache
+        # defaults for callers that feed the forwards themselves (beam search, resume); sequences bring their own
+        self.loops, self.early_exit = loops or model.cfg.default_loops, early_exit
+        self.adaptive = self.is_adaptive(early_exit)
+        self.chunk = model.prefill_chunk if chunk is None else chunk  # 0: a prompt in one piece
+        self.free_lanes = list(range(cache.lanes))
+        self.waiting: list[Sequence] = []   # without a lane (new or preempted), oldest first
+        self.admitted: list[Sequence] = []  # holding a lane, in admission order: the youngest last
+        self.hold_back = False  # set by a preemption, cleared when a sequence finishes
+        self.arrivals = self.steps = 0
         self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
+
+    def is_adaptive(self, threshold: float) -> bool:
+        return self.net.adaptive(threshold)
 
     def lane(self, i: int) -> KVCache:
         return self.cache if self.cache.lanes == 1 else self.cache.lane_view(i)
 
-    def prefill(self, ids: list[int], start: int, lane: int = 0) -> torch.Tensor:
+    # --- forwards -----------------------------------------------------------------------------------------
+    def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
+                threshold: float | None = None) -> torch.Tensor:
         """Logits [T, V] of a chunk at positions start.. in `lane`: all loops (a chunk does not exit early)."""
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
-        return cached.forward(self.net, x, self.loops, step, self.lane(lane), exit_threshold=self.early_exit)[0]
+        threshold = self.early_exit if threshold is None else threshold
+        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=threshold)[0]
 
-    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None
+    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
+               loops: list[int] | int | None = None, threshold: list[float] | float | None = None
                ) -> tuple[torch.Tensor, list[int]]:
-        """One token per lane (lanes 0..B-1 of `cache`, default the runner's): logits [B, V] and the loops each
-        lane ran. Subclasses may answer from elsewhere (resume's refine verifies a guessed continuation)."""
+        """One token per lane (lanes 0..B-1 of `cache`, default the runner's), each lane at its own loop count and
+        threshold (lists, or one value for all): logits [B, V] and the loops each lane ran. Subclasses may answer
+        from elsewhere (resume's refine verifies a guessed continuation)."""
         cache = self.cache if cache is None else cache
+        B = len(tokens)
+        loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
+        threshold = [self.early_exit if threshold is None else threshold] * B if not isinstance(threshold, list) else threshold
         dev = self.model.device
         ids = torch.tensor([[t] for t in tokens], device=dev)
         pos = torch.tensor([[p] for p in positions], device=dev)
         step = self.net.make_step(pos, max(positions) + 1)
-        if self.adaptive:
-            out, used = cached.forward_adaptive(self.net, ids, self.loops, step, cache, self.early_exit)
-            return out[:, -1], used
-        return cached.forward(self.net, ids, self.loops, step, cache)[:, -1], [self.loops] * len(tokens)
+        if len(set(loops)) > 1 or any(self.is_adaptive(t) for t in threshold):
+            out, used = cached.forward_adaptive(self.net, ids, loops, step, cache, threshold)
+            return out[:, -1], list(used)
+        return cached.forward(self.net, ids, loops[0], step, cache)[:, -1], loops
 
-    def first_logits(self, seq: Sequence, lane: int, cached: int, first: Prefill | None) -> torch.Tensor:
-        """The prompt's last logits: a plain prefill of what the cache lacks, or `first` (prefix reuse, warm start).
-        A one-token prompt with early exit decodes adaptively, as any one-token forward."""
+    @staticmethod
+    def prefilling(seq: Sequence) -> bool:
+        return seq.logits is None and (seq.cached < len(seq.prompt) or seq.first is not None)
+
+    def piece_len(self, seq: Sequence) -> int:
+        """Prompt tokens seq's next prefill forward runs: up to the next multiple of the chunk, whatever else runs,
+        so a prompt is cut at the same places alone or in a batch."""
+        n = len(seq.prompt) - seq.cached
+        return min(n, self.chunk - seq.cached % self.chunk) if self.chunk and seq.first is None else n
+
+    def prefill_piece(self, seq: Sequence) -> int:
+        """Advance seq's prompt by one piece (or `seq.first`); sets seq.logits once the prompt is in. Returns the
+        prompt tokens it ran. A one-token prompt with early exit decodes adaptively, as any one-token forward."""
         t = time.perf_counter()
-        if first is None and not cached and self.prefixes is not None:
-            first = self.prefixes.reuse(self, seq, lane)  # the longest cached prefix's blocks; None on a miss
-        if first is not None:
-            logits = first(seq)
-            seq.loop_counts.append(self.loops)
-        elif len(seq.prompt) - cached == 1 and self.adaptive:
-            row, used = Runner.decode(self, [seq.prompt[-1]], [cached], self.lane(lane))
+        if seq.first is None and not seq.cached and self.prefixes is not None and seq.loops == self.loops:
+            seq.first = self.prefixes.reuse(self, seq, seq.lane)  # the longest cached prefix's blocks; None on a miss
+        n = self.piece_len(seq)
+        if seq.first is not None:
+            logits, seq.first = seq.first(seq), None
+            seq.loop_counts.append(seq.loops)
+        elif len(seq.prompt) == 1 and self.is_adaptive(seq.threshold):
+            row, used = Runner.decode(self, [seq.prompt[-1]], [0], self.lane(seq.lane), seq.loops, seq.threshold)
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
-            logits = self.prefill(seq.prompt[cached:], cached, lane)[-1].clone()  # not a view pinning [T, V]
-            seq.loop_counts.append(self.loops)
+            log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, seq.arrival, seq.cached,
+                      seq.cached + n, len(seq.prompt), seq.lane)
+            rows = self.prefill(seq.prompt[seq.cached:seq.cached + n], seq.cached, seq.lane, seq.loops, seq.threshold)
+            logits = rows[-1].clone()  # not a view pinning [T, V]
+            if seq.cached + n == len(seq.prompt):
+                seq.loop_counts.append(seq.loops)
+        seq.cached += n
+        seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
+        if seq.cached == len(seq.prompt):
+            seq.logits, seq.t_prefilled = logits, time.perf_counter()
             release_freed_memory(self.model.device)
-        if self.prefixes is not None:
-            self.prefixes.keep(seq.prompt, self.loops, self.lane(lane))
-        seq.stats.prefill_ms = (time.perf_counter() - t) * 1000
+            if self.prefixes is not None:
+                self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
+        return n
+
+    def first_logits(self, seq: Sequence, lane: int, cached: int = 0, first: Prefill | None = None) -> torch.Tensor:
+        """The prompt's last logits, the prompt's cache in `lane` (beam search builds its root this way)."""
+        seq.lane, seq.cached, seq.first = lane, cached, first
+        while seq.logits is None:
+            self.prefill_piece(seq)
+        logits, seq.logits = seq.logits, None
         return logits
 
+    # --- scheduling -----------------------------------------------------------------------------------------
+    def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
+        """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`
+        tokens come from a handle instead of a prefill."""
+        seq.cached, seq.first, seq.arrival = cached, first, self.arrivals
+        self.arrivals += 1
+        self.waiting.append(seq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.admitted
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], cached: int = 0, first: Prefill | None = None) -> list:
-        """Take every sequence from its prompt to its result. Lanes join as the pool's free blocks allow (in order),
-        decode together, and give their blocks back when done. When a step finds the pool exhausted, the youngest
-        running lane is preempted: its blocks go back, and it rejoins later by recomputing its cache (prompt, then
-        its tokens one by one, the forwards that built it) and continues where it stopped."""
-        waiting, running = list(range(len(seqs))), []  # lanes without a cache (new or preempted), oldest first
-        logits: dict[int, torch.Tensor] = {}  # lane -> the logits its next token is sampled from
-        while True:
-            self.admit(seqs, waiting, running, logits, cached, first)
-            for i in list(running):
-                if i in logits and not seqs[i].step(logits.pop(i)):
-                    running.remove(i)
-                    if self.prefixes is not None and not self.adaptive:  # adaptive decode fills skipped loops by copies
-                        self.prefixes.keep(seqs[i].history, self.loops, self.lane(i))
-                    self.lane(i).reset()  # a finished lane's blocks go back at once
-                    self.hold_back = False
-            if not running:
-                if not waiting:
-                    return [seq.result() for seq in seqs]
-                continue
-            view = self.cache.select(running)
+    def step(self) -> list[Sequence]:
+        """One scheduling iteration; returns the sequences that finished in it (`seq.error` set when one had to be
+        given up: it could not get a block with nothing else running)."""
+        self.steps += 1
+        finished = [s for s in self.waiting + self.admitted if s.done]
+        for seq in finished:
+            self.release(seq)
+        self.admit()
+        budget, spent = self.chunk or float("inf"), 0
+        # shortest rest first: a newcomer's short prompt is not stuck behind the pieces of an older long one
+        for seq in sorted((s for s in self.admitted if self.prefilling(s)), key=lambda s: len(s.prompt) - s.cached):
+            if spent and spent + self.piece_len(seq) > budget:
+                continue  # it waits for a later step, so decode rows are not stalled behind long prompts
             try:
-                rows, used = self.decode([seqs[i].token for i in running], [seqs[i].pos for i in running], view)
-            except BudgetError:
-                if len(running) == 1:
-                    raise
-                lane = running.pop()
-                self.preempt(lane, waiting)
-                seqs[lane].stats.preempted += 1
-                continue
-            finally:
-                view.commit()
-            for r, i in enumerate(running):
-                seqs[i].pos += 1
-                seqs[i].loop_counts.append(used[r])
-                logits[i] = rows[r]
+                spent += self.prefill_piece(seq)
+            except BudgetError as exc:
+                finished += self.out_of_blocks(exc)
+                break
+        for seq in list(self.admitted):
+            if seq.logits is not None:
+                logits, seq.logits = seq.logits, None
+                if not seq.step(logits):
+                    self.release(seq)
+                    finished.append(seq)
+        return finished + self.decode_running()
 
-    def admit(self, seqs: list[Sequence], waiting: list[int], running: list[int], logits: dict, cached: int,
-              first: Prefill | None) -> None:
-        """Build the caches of waiting lanes, oldest first, while the pool has room for them (with nothing running a
-        lane is tried anyway: a pool that cannot hold it raises BudgetError)."""
+    def decode_running(self) -> list[Sequence]:
+        """Feed one token per running lane, all in one forward, each lane at its own loops and threshold; fresh logits
+        go to seq.logits."""
+        group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)), key=lambda s: s.lane)
+        if not group:
+            return []
+        log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
+                  ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
+        view = self.cache.select([s.lane for s in group])
+        try:
+            out, used = self.decode([s.token for s in group], [s.pos for s in group], view,
+                                    [s.loops for s in group], [s.threshold for s in group])
+        except BudgetError as exc:
+            return self.out_of_blocks(exc)
+        finally:
+            view.commit()
+        for r, seq in enumerate(group):
+            seq.pos += 1
+            seq.loop_counts.append(used[r])
+            seq.logits = out[r]
+        return []
+
+    def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
+        """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up."""
+        victims = [s for s in self.admitted if s.logits is None]
+        if len(self.admitted) == 1:
+            seq = self.admitted[0]
+            seq.error = exc
+            seq.cancel()
+            self.release(seq)
+            return [seq]
+        self.preempt(victims[-1])
+        return []
+
+    def admit(self) -> None:
+        """Give waiting sequences a lane, oldest first, while the pool has room for them (with nothing admitted one
+        is tried anyway: a pool that cannot hold it ends it with a BudgetError)."""
         pool, window, cfg = self.cache.pool, self.cache.ring, self.model.cfg
-        if self.hold_back and running:
-            return  # after a preemption lanes rejoin only once a running lane has finished (no thrashing)
+        if self.hold_back and self.admitted:
+            return  # after a preemption sequences rejoin only once a running one has finished (no thrashing)
         self.hold_back = False
-        while waiting:
-            i = waiting[0]
-            seq = seqs[i]
-            # its blocks now, and room for every running lane to cross into a new block on the next step
+        while self.waiting and self.free_lanes:
+            seq = self.waiting[0]
+            # its blocks now, and room for every admitted lane to cross into a new block on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
-                sum(cfg.n_slots(seqs[r].loops) for r in running + [i])
-            if running and need > pool.room():
+                sum(cfg.n_slots(s.loops) for s in self.admitted + [seq])
+            if self.admitted and need > pool.room():
+                log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.arrival, need, pool.room())
                 return
-            waiting.pop(0)
-            try:
-                if seq.count == 0:
-                    logits[i] = self.first_logits(seq, i, cached, first)
-                    seq.t_prefilled = time.perf_counter()
-                else:
-                    self.recompute(seq, i)
-            except BudgetError:
-                self.lane(i).reset()
-                if not running:
-                    raise
-                waiting.insert(0, i)
-                return
-            running.append(i)
-            running.sort()
+            self.waiting.pop(0)
+            seq.lane = self.free_lanes.pop(0)
+            self.admitted.append(seq)
+            log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
+                      seq.arrival, seq.lane, len(seq.prompt), seq.loops, pool.room())
+            if seq.count:
+                try:
+                    self.recompute(seq)
+                except BudgetError as exc:
+                    self.out_of_blocks(exc)
+                    return
 
-    def recompute(self, seq: Sequence, lane: int) -> None:
-        """Rebuild a preempted lane's cache with the forwards that first built it: the prompt's prefill, then each
-        token it has fed one at a time; the token it was about to feed (seq.token) comes next."""
-        cache = self.lane(lane)
-        self.prefill(seq.prompt, 0, lane)
+    def recompute(self, seq: Sequence) -> None:
+        """Rebuild a preempted sequence's cache with the forwards that first built it: the prompt's chunks, then
+        each token it has fed one at a time; the token it was about to feed (seq.token) comes next."""
+        cache = self.lane(seq.lane)
+        for start in range(0, len(seq.prompt), self.chunk or len(seq.prompt)):
+            self.prefill(seq.prompt[start:start + (self.chunk or len(seq.prompt))], start, seq.lane, seq.loops,
+                         seq.threshold)
+        seq.cached = len(seq.prompt)
         fed = seq.history[len(seq.prompt):-1]
         for j, token in enumerate(fed):
-            Runner.decode(self, [token], [len(seq.prompt) + j], cache)
+            Runner.decode(self, [token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
 
-    def preempt(self, lane: int, waiting: list[int]) -> None:
-        self.lane(lane).reset()
-        waiting.append(lane)
-        waiting.sort()
+    def preempt(self, seq: Sequence) -> None:
+        log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps, seq.arrival,
+                  seq.lane, len(seq.history))
+        self.release(seq)
+        seq.cached, seq.first, seq.logits = 0, None, None
+        seq.stats.preempted += 1
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.arrival)
         self.hold_back = True
+
+    def release(self, seq: Sequence) -> None:
+        """Take a sequence out of the runner; its lane's blocks go back to the pool at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.admitted:
+            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.cached:
+                self.prefixes.keep(seq.history, seq.loops, self.lane(seq.lane))  # adaptive decode fills loops by copies
+            if seq.done:
+                log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps, seq.arrival,
+                          seq.stop_reason, seq.count, seq.lane)
+            self.admitted.remove(seq)
+            self.lane(seq.lane).reset()
+            self.free_lanes.append(seq.lane)
+            self.free_lanes.sort()
+            if seq.done:
+                self.hold_back = False
+        seq.lane = None
+
+    # --- in-process calls -------------------------------------------------------------------------------------
+    def run(self, seqs: list[Sequence], cached: int = 0, first: Prefill | None = None) -> list:
+        """Take every sequence from its prompt to its result: add them all, then step until none is left."""
+        for seq in seqs:
+            self.add(seq, cached, first)
+        while not self.idle:
+            for seq in self.step():
+                if seq.error is not None:
+                    raise seq.error
+        return [seq.result() for seq in seqs]

@@ -23,7 +23,7 @@ class Sequence:
                  t_call: float | None = None, stats: GenerateStats | None = None):
         self.model, self.prompt, self.cfg, self.on_token = model, prompt, cfg, on_token
         self.t_call = time.perf_counter() if t_call is None else t_call
-        self.loops = cfg.resolved_loops(model)
+        self.loops, self.threshold = cfg.resolved_loops(model), cfg.early_exit_threshold
         self.gen = make_generator(cfg.seed)
         self.history = list(prompt)  # prompt + tokens taken: what the repetition penalty sees
         self.matcher = StopMatcher(model.codec.decode, cfg.stop_sequences)
@@ -37,6 +37,10 @@ class Sequence:
         self.done, self.stop_reason = False, "max_tokens"
         self.loop_counts: list[int] = []  # loops run per forward that produced a sampled token
         self.t_prefilled = self.t_end = self.t_call
+        # the scheduler's view (engine/runner.py): its lane, prompt tokens in the lane, fresh logits to sample from
+        self.lane: int | None = None
+        self.cached, self.first, self.logits, self.arrival = 0, None, None, 0
+        self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
     # --- sampling -----------------------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
@@ -87,6 +91,11 @@ class Sequence:
             if keep is False:
                 return False
         return True
+
+    def cancel(self) -> None:
+        """Stop from outside (a client's cancel, a deadline): the scheduler drops it at the next step boundary."""
+        if not self.done:
+            self.finish("cancelled")
 
     def finish(self, reason: str) -> bool:
         self.done, self.stop_reason = True, reason

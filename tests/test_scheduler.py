@@ -1,0 +1,118 @@
+"""The scheduler (tinyloop.Scheduler, engine/runner.py): sequences join and leave at step boundaries, long prompts are
+prefilled in pieces between decode steps, lanes of different loop counts run in one batch, admission follows free
+blocks; every output equals generate of that request alone."""
+from __future__ import annotations
+
+import pytest
+
+import tinyloop
+from conftest import ids
+from tinyloop import GenerateConfig as G
+
+
+def drain(sched: tinyloop.Scheduler) -> None:
+    while not sched.idle():
+        sched.step()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
+def test_joins_and_leaves_keep_every_request_exact(make_artifact, mode):
+    """Requests with different loops, temperatures, seeds, stops, grammars, max_tokens and early-exit thresholds join a
+    running batch at different steps, one is cancelled midway; each result equals generate alone."""
+    model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
+    model.prefill_chunk = 8
+    cfgs = [G(max_tokens=20, loops=4), G(max_tokens=9, loops=16, temperature=0.9, seed=2),
+            G(max_tokens=14, loops=2, stop_sequences=[[7, 8]]), G(max_tokens=12, loops=4, early_exit_threshold=0.2),
+            G(max_tokens=16, loops=8, temperature=0.7, top_k=5, seed=11), G(max_tokens=10, grammar={"regex": "[ab ]+"}),
+            G(max_tokens=30, loops=4)]
+    prompts = [ids(5 + 4 * i, 100 + i) for i in range(len(cfgs))]
+    sched = tinyloop.Scheduler(model, lanes=4)
+    seqs, depths = [], set()
+    for step in range(200):
+        if step % 3 == 0 and len(seqs) < len(cfgs):  # a newcomer every third step
+            seqs.append(sched.submit(prompts[len(seqs)], cfgs[len(seqs)]))
+        if step == 10:
+            seqs[0].cancel()
+        depths.add(len({s.loops for s in sched.runner.admitted}))
+        sched.step()
+        if sched.idle() and len(seqs) == len(cfgs):
+            break
+    assert max(depths) >= 3  # lanes at three loop counts ran in one batch
+    assert model.pool.used == 0  # every lane gave its blocks back
+    cancelled = seqs[0].result()
+    assert cancelled.stats.stop_reason == "cancelled"
+    assert cancelled.tokens == tinyloop.generate(model, prompts[0], cfgs[0]).tokens[:len(cancelled.tokens)]
+    for p, c, s in zip(prompts[1:], cfgs[1:], seqs[1:]):
+        alone = tinyloop.generate(model, p, c)
+        assert s.result().tokens == alone.tokens and s.result().stats.stop_reason == alone.stats.stop_reason
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(make_artifact):
+    """A running stream gets a token every step while a 100-token prompt joins in 16-token pieces; the newcomer's
+    prompt is cut at the same places as generate alone cuts it, so its output is the same."""
+    model = tinyloop.load_model(make_artifact(eos_id=319), 256)
+    model.prefill_chunk = 16
+    sched = tinyloop.Scheduler(model, lanes=4)
+    running = sched.submit(ids(6, 1), G(max_tokens=40))
+    for _ in range(3):
+        sched.step()
+    newcomer = sched.submit(ids(100, 2), G(max_tokens=5))
+    steps = 0
+    while newcomer.count == 0:
+        before = running.count
+        sched.step()
+        steps += 1
+        assert running.count == before + 1  # the stream was not stalled by the long prefill
+    assert steps == 7  # ceil(100 / 16) pieces, one per step
+    drain(sched)
+    assert newcomer.result().tokens == tinyloop.generate(model, ids(100, 2), G(max_tokens=5)).tokens
+    assert running.result().tokens == tinyloop.generate(model, ids(6, 1), G(max_tokens=40)).tokens
+    model.prefill_chunk = 0  # the prompt in one forward: other pieces, the same tokens here
+    assert newcomer.result().tokens == tinyloop.generate(model, ids(100, 2), G(max_tokens=5)).tokens
+
+
+def test_admission_waits_for_free_blocks_and_preempts_exactly(make_artifact):
+    """A pool with room for about three sequences and eight lanes: newcomers wait for blocks, a full pool preempts the
+    youngest (recomputed exactly later), nothing crashes, and a request that can never fit is refused at submit."""
+    art = make_artifact(eos_id=319)
+    probe = tinyloop.load_model(art, 96)
+    model = tinyloop.load_model(art, 96, memory_budget=tinyloop.plan_memory(probe, lanes=2, loops=4).total_bytes)
+    sched = tinyloop.Scheduler(model, lanes=8)
+    cfgs = [G(max_tokens=30 + i, loops=4, temperature=0.8 * (i % 2), seed=i) for i in range(8)]
+    seqs = [sched.submit(ids(6 + 3 * i, 40 + i), c) for i, c in enumerate(cfgs)]
+    waited = 0
+    while not sched.idle():
+        waited += bool(sched.runner.waiting and sched.runner.free_lanes)
+        sched.step()
+        assert model.pool.used <= model.pool.num_blocks
+    assert waited > 0 and sum(s.stats.preempted for s in seqs) > 0
+    for i, (c, s) in enumerate(zip(cfgs, seqs)):
+        assert s.result().tokens == tinyloop.generate(probe, ids(6 + 3 * i, 40 + i), c).tokens
+    with pytest.raises(tinyloop.BudgetError, match="can never fit"):
+        sched.submit(ids(8, 1), G(max_tokens=80, loops=16))
+
+
+def test_a_thousand_prompts_hold_a_bounded_number_of_lanes(make_artifact, monkeypatch):
+    model = tinyloop.load_model(make_artifact(), 64)
+    made = []
+    real_init = tinyloop.KVCache.__init__
+
+    def spy(self, cfg, lanes, *a, **k):
+        made.append(lanes)
+        real_init(self, cfg, lanes, *a, **k)
+
+    monkeypatch.setattr(tinyloop.KVCache, "__init__", spy)
+    prompts = [ids(3, i) for i in range(1000)]
+    out = tinyloop.generate_batch(model, prompts, G(max_tokens=2, loops=2))
+    assert len(out) == 1000 and made == [32]  # one cache of 32 lanes, lanes reused as prompts finish
+    for i in (0, 517, 999):
+        assert out[i].tokens == tinyloop.generate(model, prompts[i], G(max_tokens=2, loops=2)).tokens
+
+
+def test_batch_lanes_may_run_at_different_depths(make_artifact):
+    model = tinyloop.load_model(make_artifact(), 128)
+    cfgs = [G(max_tokens=12, loops=4), G(max_tokens=12, loops=16), G(max_tokens=12, loops=4, early_exit_threshold=0.3)]
+    out = tinyloop.generate_batch(model, [ids(9, 1), ids(9, 2), ids(9, 3)], cfgs)
+    for i, (c, r) in enumerate(zip(cfgs, out)):
+        assert r.tokens == tinyloop.generate(model, ids(9, i + 1), c).tokens
+    assert out[1].stats.loops_mean == 16 and out[0].stats.loops_mean == 4
