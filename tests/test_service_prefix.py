@@ -35,9 +35,11 @@ def model():
 def service(tmp_path_factory):
     prefix_file = tmp_path_factory.mktemp("prefixes") / "scaffolds.json"
     prefix_file.write_text(json.dumps([SCAFFOLD]))
-    worker_args = ["--max-seq-len", str(MAX_SEQ_LEN), "--max-handles", "2", "--threads", "1",
+    # one lane per worker: a worker running a request is busy, so the fallback below is observable (with more lanes
+    # the holder would batch the follower beside its long answer)
+    worker_args = ["--max-seq-len", str(MAX_SEQ_LEN), "--max-handles", "2", "--threads", "1", "--max-lanes", "1",
                    "--prefix-file", str(prefix_file)]
-    with launcher.LocalService(2, worker_args, heartbeat_interval=0.3, startup_timeout=300) as svc:
+    with launcher.LocalService(2, worker_args, heartbeat_interval=1.0, startup_timeout=300) as svc:
         yield svc
 
 
