@@ -201,6 +201,8 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
                         n_threads_batch=torch.get_num_threads(), verbose=False)
             llamas.append(llm)
             runs["llama.cpp", qtype, 1] = llama_runner(llm, prompts[0], n_tokens)
+    for run in runs.values():  # warm-up: packed copies, allocator pools, llama.cpp's first-use work
+        run()
     best: dict = {}
     tokens: dict = {}
     for r in range(rounds):

@@ -177,7 +177,7 @@ def write_gguf(net: LoopedLM, loops: int, path: str | Path, qtype: str = "F32") 
             w.add_tensor(name, a.astype(np.float16))
         else:
             q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # bytes; the writer derives the shape
 
     def norm(name: str, t: torch.Tensor) -> None:
         w.add_tensor(name, t.detach().float().cpu().contiguous().numpy())
