@@ -14,6 +14,7 @@ rounds. Greedy tokens of each row are compared with TinyLoop's fp32 exact row at
 from __future__ import annotations
 
 import importlib.util
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -167,7 +168,7 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 
 
 def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int, rounds: int, tmp: Path,
-                 echo: Callable[[str], None]) -> tuple[list[dict], dict]:
+                 echo: Callable[[str], None], progress: Callable[[str], None]) -> tuple[list[dict], dict]:
     """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
     loops = cfg.default_loops
     art = random_artifact(cfg, tmp / f"{name}.tinyloop")
@@ -180,6 +181,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
     for fmt, layout in FORMATS.items():
         for B in BATCHES:
             runs["tinyloop", fmt, B] = tinyloop_runner(model, prompts[:B], n_tokens, loops, layout)
+    progress(f"  [{name}] {model.net.num_params() / 1e6:.0f}M parameters loaded; setting up the peers")
     runs["tinyloop", "fp32 exact", 1]()  # fuses the weights, so the twin below shares the tensors TinyLoop runs
     checks: dict = {}
     if installed("transformers"):
@@ -201,6 +203,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
                         n_threads_batch=torch.get_num_threads(), verbose=False)
             llamas.append(llm)
             runs["llama.cpp", qtype, 1] = llama_runner(llm, prompts[0], n_tokens)
+    progress(f"  [{name}] warm-up, then {rounds} rounds of {len(runs)} rows")
     for run in runs.values():  # warm-up: packed copies, allocator pools, llama.cpp's first-use work
         run()
     best: dict = {}
@@ -210,7 +213,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
             toks, decoded, seconds = run()
             tokens[key] = toks
             best[key] = min(best.get(key, float("inf")), seconds / max(decoded, 1))
-        echo(f"  [{name}] round {r + 1}/{rounds} done")
+        progress(f"  [{name}] round {r + 1}/{rounds} done")
     rows = []
     for (system, fmt, B), s_per_tok in best.items():
         per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else 4.0
@@ -260,6 +263,9 @@ def bench_peers(model_path: str | None, quick: bool):
 
     lines: list[str] = []
     echo = lines.append
+
+    def progress(text: str) -> None:  # the section's lines print when it ends; progress goes to stderr now
+        print(text, file=sys.stderr, flush=True)
     threads = torch.get_num_threads()
     bandwidth = memory_bandwidth(1 << 28 if quick else 1 << 30, 3 if quick else 5)
     lines.append(f"memory bandwidth (sum over a {'256 MiB' if quick else '1 GiB'} fp32 tensor, {threads} threads, "
@@ -277,7 +283,8 @@ def bench_peers(model_path: str | None, quick: bool):
     with tempfile.TemporaryDirectory(prefix="tinyloop-peers-") as tmp:
         for name, cfg in (QUICK if quick else CONFIGS).items():
             got, facts = bench_config(name, cfg, prompt_len=8 if quick else 32, n_tokens=8 if quick else 32,
-                                      rounds=1 if quick else 3, tmp=Path(tmp), echo=echo)
+                                      rounds=1 if quick else 3, tmp=Path(tmp), echo=echo,
+                                      progress=progress)
             for r in got:
                 steps_per_s = r["tok_s"] / r["batch"]  # a step reads the weights once for all its lanes
                 r["weights_GBps"] = r["weight_bytes_per_step"] * steps_per_s / 1e9
