@@ -190,7 +190,11 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
             ids = torch.tensor(prompts[:2])
             diff = (twin(ids).logits - model.net(ids, loops)).abs().max().item()
         checks["transformers_max_logit_diff"] = diff
-        echo(f"  [{name}] transformers twin: max |logit difference| from TinyLoop's forward on 2 prompts: {diff:.2e}")
+        import transformers
+
+        checks["transformers_version"] = transformers.__version__
+        echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
+             f"forward on 2 prompts: {diff:.2e}")
         for B in BATCHES:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
     llamas = []

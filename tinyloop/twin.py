@@ -102,7 +102,7 @@ def hf_twin(net: LoopedLM, loops: int, attn_implementation: str = "sdpa"):
         twin = LlamaForCausalLM(hf_cfg)
     twin.load_state_dict(hf_state_dict(net, loops), strict=True, assign=True)
     # the rotary table is a non-persistent buffer, still on the meta device: build it for real
-    twin.model.rotary_emb = type(twin.model.rotary_emb)(config=hf_cfg, device=net.embed.weight.device)
+    twin.model.rotary_emb = type(twin.model.rotary_emb)(hf_cfg).to(net.embed.weight.device)
     twin.generation_config.eos_token_id = None
     twin.generation_config.pad_token_id = cfg.eos_id
     return twin.eval()
