@@ -108,17 +108,21 @@ def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int, layout:
     B = len(prompts)
 
     def run():
-        stamps: list[float] = []
+        stamps: list[tuple[int, float]] = []  # (lane, time) per token
         cached_step.set_layout(layout)
         try:
             if B == 1:
-                res = [generate_stream(model, prompts[0], cfg, lambda tok, i: stamps.append(time.perf_counter()) or True)]
+                res = [generate_stream(model, prompts[0], cfg, lambda tok, i: stamps.append((0, time.perf_counter())) or True)]
             else:
-                res = generate_batch(model, prompts, cfg, lambda lane, tok, i: stamps.append(time.perf_counter()) or True)
+                res = generate_batch(model, prompts, cfg,
+                                     lambda lane, tok, i: stamps.append((lane, time.perf_counter())) or True)
         finally:
             cached_step.set_layout(None)
-        # the first step's B tokens end at stamps[B - 1]; every later stamp is one decoded token
-        return [r.tokens for r in res], len(stamps) - B, stamps[-1] - stamps[B - 1]
+        # Decode starts once every lane has its first token (the engine may prefill lanes one by one between
+        # decode steps); every token after that moment is a decoded one.
+        seen: set[int] = set()
+        start = next(i for i, (lane, _) in enumerate(stamps) if seen.add(lane) or len(seen) == B)
+        return [r.tokens for r in res], len(stamps) - 1 - start, stamps[-1][1] - stamps[start][1]
     return run
 
 
