@@ -163,14 +163,39 @@ def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
 @click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
 @click.option("--section", "sections", multiple=True, help="Run only these sections (repeatable).")
 @click.option("--quick", is_flag=True, help="Fewer tokens and repeats (a smoke run).")
-def bench(model_path, sections, quick) -> None:
+@click.option("--peers", is_flag=True, help="TinyLoop against transformers and llama.cpp on the dense twin, and the "
+              "memory bandwidth (the 'peers' section; docs/kernels.md, Peers).")
+@click.option("--json", "json_path", default=None, help="Write every section's lines and measurements here as JSON.")
+@click.option("--plot", "plot_path", default=None, help="Draw decode tok/s per format and batch against the peers "
+              "(PNG; needs matplotlib).")
+def bench(model_path, sections, quick, peers, json_path, plot_path) -> None:
     """Benchmarks: ratios measured side by side in one run."""
     from tinyloop.bench import SECTIONS, run_bench
 
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         fail(ValueError(f"unknown section(s) {unknown}; known: {sorted(SECTIONS)}"))
-    run_bench(model_path, list(sections) or None, quick, click.echo)
+    sections = list(sections) + (["peers"] if peers and "peers" not in sections else [])
+    results = run_bench(model_path, sections or None, quick, click.echo)
+    write_results(results, json_path, plot_path, "bench")
+
+
+def write_results(results: dict, json_path: str | None, plot_path: str | None, kind: str) -> None:
+    """--json and --plot of `bench` and `loadtest`."""
+    if json_path:
+        import json
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(results, indent=2))
+        click.echo(f"results written to {json_path}", err=True)
+    if plot_path:
+        from scripts import plots
+
+        try:
+            (plots.plot_bench if kind == "bench" else plots.plot_loadtest)(results, plot_path)
+        except plots.PlotError as e:
+            fail(e)
+        click.echo(f"plot written to {plot_path}", err=True)
 
 
 @main.command()

@@ -368,7 +368,8 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--connect", default=DEFAULT_FRONTEND, show_default=True)
 @click.option("--mode", type=click.Choice(["closed", "open"]), default="closed", show_default=True,
               help="closed: fixed concurrency; open: Poisson arrivals at --rate.")
-@click.option("--concurrency", default=4, show_default=True)
+@click.option("--concurrency", default="4", show_default=True,
+              help="Clients of the closed loop; a list (1,2,4,8) runs one load per value, for --plot.")
 @click.option("--rate", default=2.0, show_default=True, help="Requests per second (open loop).")
 @click.option("--requests", "n_requests", type=int, default=None, help="Requests to send [default: 32; --soak: 10000].")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable; default: a few code snippets).")
@@ -377,6 +378,8 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--timeout", default=120.0, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seed of the arrival process.")
 @click.option("--json", "json_path", default=None, help="Write the results here as JSON.")
+@click.option("--plot", "plot_path", default=None,
+              help="Draw throughput and latency percentiles versus concurrency (PNG; needs matplotlib).")
 @click.option("--soak", is_flag=True,
               help="Start a service itself and print the broker's and workers' memory every 1,000 requests, "
                    "with the growth per 1,000 requests (leak check).")
@@ -395,9 +398,17 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     soak, side_by_side, batching, before, prefix_routing, model_path, threads, curve_dir) -> None:
+                     plot_path, soak, side_by_side, batching, before, prefix_routing, model_path, threads,
+                     curve_dir) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     from broker import loadtest
+    from scripts.cli import write_results
+
+    try:
+        levels = [int(c) for c in str(concurrency).split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{concurrency!r}: a number or a comma-separated list of numbers", param_hint="--concurrency")
+    concurrency = levels[0]
 
     if soak:
         total = n_requests or 10_000
@@ -417,13 +428,13 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
                                         concurrency=concurrency, threads=threads, echo=click.echo)
     else:
-        results = loadtest.run_load(connect, mode=mode, concurrency=concurrency, rate=rate, n_requests=n_requests or 32,
-                                    prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
-                                    seed=seed, progress=True, curve_dir=curve_dir)
-        click.echo(loadtest.format_summary(results))
-    if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2))
-        click.echo(f"results written to {json_path}", err=True)
+        sweep = [loadtest.run_load(connect, mode=mode, concurrency=c, rate=rate, n_requests=n_requests or 32,
+                                   prompts=list(prompts) or None, max_tokens=max_tokens, op=op, timeout=timeout,
+                                   seed=seed, progress=True, curve_dir=curve_dir) for c in levels]
+        for r in sweep:
+            click.echo(loadtest.format_summary(r))
+        results = sweep[0] if len(sweep) == 1 else {"sweep": sweep}
+    write_results(results, json_path, plot_path, "loadtest")
 
 
 @click.command("keys")

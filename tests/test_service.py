@@ -164,3 +164,21 @@ def test_speculative_equals_plain_decode(service, model):
         assert err.value.code == "mode_error"
     assert reply.tokens == streamed == direct(model, PROMPT, max_tokens=10, loops=6).tokens
     assert 0.0 <= reply.stats["draft_accept_rate"] <= 1.0
+
+
+def test_loadtest_concurrency_sweep_json_and_plot(service, tmp_path):
+    """`loadtest --concurrency 1,2`: one closed-loop load per level, all in the JSON, drawn as throughput and
+    latency percentiles versus concurrency."""
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    run = subprocess.run(launcher.service_command("loadtest", "--connect", service.frontend, "--concurrency", "1,2",
+                                                  "--requests", "4", "--max-tokens", "2", "--json", str(out),
+                                                  "--plot", str(png)),
+                         env=launcher.child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [r["concurrency"] for r in sweep] == [1, 2] and all(r["ok"] == 4 and 4 <= r["output_tokens"] <= 8 for r in sweep)
+    assert all(r["latency_ms"]["p99"] >= r["latency_ms"]["p50"] > 0 for r in sweep)
+    assert run.stdout.count("closed loop, concurrency") == 2
+    import matplotlib.image
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(str(png)).ndim == 3

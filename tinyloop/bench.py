@@ -1,7 +1,8 @@
 """`tinyloop bench`: side-by-side measurements printed as ratios from one run.
 
 Each section is a function (model, quick) -> list of printed lines, registered in SECTIONS. Sections that
-other parts of the runtime add (batching, cache reuse, speculative, kernels) register here too.
+other parts of the runtime add (batching, cache reuse, speculative, kernels) register here too. A section may
+return a Report: its lines plus its measurements as data, which `--json` writes and `--plot` draws.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .batch import bench_batch
 from .bench_reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from .cache import CACHE_MODES
 from .bench_engine import bench_engine
+from .bench_peers import bench_peers
 from .generate import GenerateConfig, generate
 from .kernels.bench import bench_kernels
 from .runtime import Model, load_model
@@ -20,6 +22,14 @@ from .timing import timed
 from .speculative import bench_speculative
 
 PROMPT = "def fibonacci(n):\n    "
+
+
+class Report(list):
+    """A section's printed lines, with its measurements as `data` (JSON-serialisable) for --json and --plot."""
+
+    def __init__(self, lines: list[str], data: dict):
+        super().__init__(lines)
+        self.data = data
 
 
 @torch.inference_mode()
@@ -93,15 +103,23 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "kernels": bench_kernels,
     "speculative": bench_speculative,
     "engine": bench_engine,
+    "peers": bench_peers,
 }
+OPT_IN = ("peers",)  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)
 
 
 def run_bench(model_path: str | None = None, sections: list[str] | None = None, quick: bool = False,
-              echo: Callable[[str], None] = print) -> None:
+              echo: Callable[[str], None] = print) -> dict:
+    """Run the sections, printing as they finish; returns every section's lines and data (for --json)."""
     torch.manual_seed(0)
-    echo(f"tinyloop bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-         f"{'CUDA' if torch.cuda.is_available() else 'CPU'}")
-    for name in sections or list(SECTIONS):
+    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    echo(f"tinyloop bench: torch {torch.__version__}, {torch.get_num_threads()} threads, {device}")
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": device, "quick": quick,
+               "sections": {}}
+    for name in sections or [s for s in SECTIONS if s not in OPT_IN]:
         echo(f"\n== {name} ==")
-        for line in SECTIONS[name](model_path, quick):
+        out = SECTIONS[name](model_path, quick)
+        for line in out:
             echo(line)
+        results["sections"][name] = {"lines": list(out), "data": getattr(out, "data", {})}
+    return results

@@ -1,0 +1,316 @@
+"""`tinyloop bench --peers`: TinyLoop's decode against the runtimes a user would pick instead, side by side in one
+run, on the same random weights, and against the machine's measured memory bandwidth (docs/kernels.md, "Peers").
+
+For each config (the looped models of issue 15, or a small one with --quick) it builds a looped model with random
+weights and runs greedy decode at batch 1 and 16 through:
+  * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format it has (FORMATS);
+  * transformers' eager `generate` of the dense twin (tinyloop/twin.py), when transformers is installed;
+  * llama.cpp (llama-cpp-python) on the twin written as GGUF in F32, F16 and Q8_0, at batch 1, when
+    llama-cpp-python and gguf are installed.
+A peer that is not installed is named with the command that installs it. Every run is timed the same way: from
+the first generated token to the last (decode only, prefill excluded), on wall clock, best of interleaved
+rounds. Greedy tokens of each row are compared with TinyLoop's fp32 exact row at the same batch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .artifact import DEFAULT_ARTIFACT, read_artifact, save_artifact
+from .batch import generate_batch
+from .config import ModelConfig
+from .generate import generate_stream
+from .kernels import step as cached_step
+from .model import LoopedLM
+from .runtime import free_model, load_model
+from .twin import GGUF_BYTES, GGUF_TYPES, hf_twin, matrix_numel, write_gguf
+
+_COMMON = dict(injection="none", state_init="embed", tie_embeddings=True, bos_id=1, eos_id=2)
+CONFIGS = {  # issue 15's configs: 2 + 4 x 4 + 2 layer passes per token
+    "d768": ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=2048, n_prelude=2,
+                        n_core=4, n_coda=2, max_loops=4, default_loops=4, **_COMMON),
+    "d1024": ModelConfig(vocab_size=8192, d_model=1024, n_heads=16, n_kv_heads=8, ffn_hidden=2816, n_prelude=2,
+                         n_core=4, n_coda=2, max_loops=4, default_loops=4, **_COMMON),
+}
+QUICK = {"d128": ModelConfig(vocab_size=4096, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=352, n_prelude=1,
+                             n_core=2, n_coda=1, max_loops=2, default_loops=2, **_COMMON)}
+# TinyLoop's weight formats today: fp32 in the step's two layouts (kernels/step.py). name -> layout
+FORMATS = {"fp32 exact": "exact", "fp32 packed": "packed"}
+BATCHES = (1, 16)
+INSTALL = {
+    "transformers": "pip install 'transformers==4.56.2'   (or: pip install -e '.[peers]')",
+    "llama.cpp": "nice pip install llama-cpp-python gguf   (compiles llama.cpp from source, ~8 minutes; "
+                 "use a venv of its own)",
+    "gguf": "pip install gguf",
+}
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read: the best of `repeats` sums over an fp32 tensor of `nbytes`, torch's threads.
+    The tensor is written first, so its pages exist and the reads come from memory, not from the zero page."""
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+@torch.no_grad()
+def randomize(net: LoopedLM, seed: int) -> None:
+    """Random weights that make every layer matter: matrices N(0, 1/fan_in), embedding N(0, 1), norm weights
+    around 1 (so a misplaced norm shows). The EOS row of the tied embedding is zero, so its logit is exactly 0
+    and greedy decode never stops early: every runtime decodes the same number of tokens."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in net.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+        elif name == "embed.weight":
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    net.embed.weight[net.cfg.eos_id] = 0
+    if net.lm_head is not None:
+        net.lm_head.weight[net.cfg.eos_id] = 0
+
+
+def random_artifact(cfg: ModelConfig, path: Path, seed: int = 0) -> Path:
+    """A .tinyloop file of `cfg` with random weights (fp32), carrying the bundled model's tokenizer (the bench
+    feeds token ids), so TinyLoop loads it the way a user's model is loaded."""
+    codec = read_artifact(DEFAULT_ARTIFACT)[0].codec
+    net = LoopedLM(cfg, max_seq_len=2)
+    randomize(net, seed)
+    save_artifact(path, net, codec, dtype=torch.float32, provenance={"made_by": "tinyloop bench --peers (random)"})
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- runners
+# Each runner decodes greedily from the prompts and returns (tokens per lane, tokens decoded after the first step,
+# seconds from the end of the first step to the last token).
+Run = Callable[[], tuple[list[list[int]], int, float]]
+
+
+def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int, layout: str) -> Run:
+    from .types import GenerateConfig
+
+    cfg = GenerateConfig(max_tokens=n, loops=loops, stop_sequences=())
+    B = len(prompts)
+
+    def run():
+        stamps: list[tuple[int, float]] = []  # (lane, time) per token
+        cached_step.set_layout(layout)
+        try:
+            if B == 1:
+                res = [generate_stream(model, prompts[0], cfg, lambda tok, i: stamps.append((0, time.perf_counter())) or True)]
+            else:
+                res = generate_batch(model, prompts, cfg,
+                                     lambda lane, tok, i: stamps.append((lane, time.perf_counter())) or True)
+        finally:
+            cached_step.set_layout(None)
+        # Decode starts once every lane has its first token (the engine may prefill lanes one by one between
+        # decode steps); every token after that moment is a decoded one.
+        seen: set[int] = set()
+        start = next(i for i, (lane, _) in enumerate(stamps) if seen.add(lane) or len(seen) == B)
+        return [r.tokens for r in res], len(stamps) - 1 - start, stamps[-1][1] - stamps[start][1]
+    return run
+
+
+class _Stamps:
+    """transformers' streamer interface: put() once with the prompt, then once per step; end() at the end."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def put(self, value) -> None:
+        self.t.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(twin, prompts: list[list[int]], n: int) -> Run:
+    ids = torch.tensor(prompts)
+
+    @torch.inference_mode()
+    def run():
+        s = _Stamps()
+        out = twin.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, streamer=s)
+        return out[:, ids.shape[1]:].tolist(), len(prompts) * (len(s.t) - 2), s.t[-1] - s.t[1]
+    return run
+
+
+def llama_runner(llm, prompt: list[int], n: int) -> Run:
+    def run():
+        llm.reset()  # no reuse of the last run's cache: every run prefills the same prompt
+        toks, stamps = [], []
+        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())
+            toks.append(int(tok))
+            if len(toks) == n:
+                break
+        return [toks], n - 1, stamps[-1] - stamps[0]
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- one config
+def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
+    """Share of positions where two greedy outputs agree."""
+    same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
+    return same / max(1, sum(max(len(r), len(g)) for r, g in zip(ref, got)))
+
+
+def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int, rounds: int, tmp: Path,
+                 echo: Callable[[str], None], progress: Callable[[str], None]) -> tuple[list[dict], dict]:
+    """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
+    loops = cfg.default_loops
+    art = random_artifact(cfg, tmp / f"{name}.tinyloop")
+    model = load_model(art, prompt_len + n_tokens + 16)
+    g = torch.Generator().manual_seed(1)
+    first = 3 + 256  # past the control and byte tokens of the GGUF vocabulary (tokens a real prompt would hold)
+    prompts = torch.randint(first, cfg.vocab_size, (max(BATCHES), prompt_len), generator=g).tolist()
+    numel = matrix_numel(model.net, loops)
+    runs: dict[tuple[str, str, int], Run] = {}
+    for fmt, layout in FORMATS.items():
+        for B in BATCHES:
+            runs["tinyloop", fmt, B] = tinyloop_runner(model, prompts[:B], n_tokens, loops, layout)
+    progress(f"  [{name}] {model.net.num_params() / 1e6:.0f}M parameters loaded; setting up the peers")
+    runs["tinyloop", "fp32 exact", 1]()  # fuses the weights, so the twin below shares the tensors TinyLoop runs
+    checks: dict = {}
+    if installed("transformers"):
+        twin = hf_twin(model.net, loops).requires_grad_(False)
+        with torch.inference_mode():
+            ids = torch.tensor(prompts[:2])
+            diff = (twin(ids).logits - model.net(ids, loops)).abs().max().item()
+        checks["transformers_max_logit_diff"] = diff
+        import transformers
+
+        checks["transformers_version"] = transformers.__version__
+        echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
+             f"forward on 2 prompts: {diff:.2e}")
+        for B in BATCHES:
+            runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
+    llamas = []
+    if installed("llama_cpp") and installed("gguf"):
+        from llama_cpp import Llama
+
+        for qtype in GGUF_TYPES:
+            path = write_gguf(model.net, loops, tmp / f"{name}-{qtype}.gguf", qtype)
+            llm = Llama(str(path), n_ctx=prompt_len + n_tokens + 16, n_batch=512, n_threads=torch.get_num_threads(),
+                        n_threads_batch=torch.get_num_threads(), verbose=False)
+            llamas.append(llm)
+            runs["llama.cpp", qtype, 1] = llama_runner(llm, prompts[0], n_tokens)
+    progress(f"  [{name}] warm-up, then {rounds} rounds of {len(runs)} rows")
+    for run in runs.values():  # warm-up: packed copies, allocator pools, llama.cpp's first-use work
+        run()
+    best: dict = {}
+    tokens: dict = {}
+    for r in range(rounds):
+        for key, run in runs.items():
+            toks, decoded, seconds = run()
+            tokens[key] = toks
+            best[key] = min(best.get(key, float("inf")), seconds / max(decoded, 1))
+        progress(f"  [{name}] round {r + 1}/{rounds} done")
+    rows = []
+    for (system, fmt, B), s_per_tok in best.items():
+        per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else 4.0
+        ref = tokens["tinyloop", "fp32 exact", B]
+        rows.append({"config": name, "system": system, "format": fmt, "batch": B, "tok_s": 1.0 / s_per_tok,
+                     "weight_bytes_per_step": numel * per_weight, "greedy_agreement": agreement(ref, tokens[system, fmt, B]),
+                     "tokens": tokens[system, fmt, B]})
+    for llm in llamas:
+        llm.close()
+    free_model(model)
+    facts = {"config": cfg.to_dict(), "loops": loops, "layer_passes": cfg.n_prelude + cfg.n_core * loops + cfg.n_coda,
+             "weights_read_per_step": numel, "prompt_len": prompt_len, "new_tokens": n_tokens, "rounds": rounds, **checks}
+    return rows, facts
+
+
+# ----------------------------------------------------------------------------------------------- the section
+def describe(name: str, f: dict) -> str:
+    c = f["config"]
+    return (f"{name}: {c['n_heads']} heads / {c['n_kv_heads']} kv, FFN {c['ffn_hidden']}, {c['n_prelude']} + "
+            f"{c['n_core']} x {f['loops']} + {c['n_coda']} layer passes, vocab {c['vocab_size']}; "
+            f"{f['weights_read_per_step'] / 1e6:.1f}M weights read per step; {f['prompt_len']}-token prompts, "
+            f"{f['new_tokens']} new tokens, best of {f['rounds']} rounds")
+
+
+def table(rows: list[dict], bandwidth: float) -> list[str]:
+    lines = [f"  {'runtime':<13}{'format':<13}{'batch':>5}{'tok/s':>10}{'weights GB/s':>14}{'of bandwidth':>14}"
+             f"{'greedy = TinyLoop fp32 exact':>30}"]
+    for r in rows:
+        lines.append(f"  {r['system']:<13}{r['format']:<13}{r['batch']:>5}{r['tok_s']:>10.1f}"
+                     f"{r['weights_GBps']:>14.1f}{r['bandwidth_fraction']:>13.0%} {r['greedy_agreement']:>29.0%}")
+    return lines
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Each TinyLoop format against each peer row at the same config and batch."""
+    out = []
+    for t in (r for r in rows if r["system"] == "tinyloop"):
+        for p in (r for r in rows if r["system"] != "tinyloop" and r["config"] == t["config"] and r["batch"] == t["batch"]):
+            out.append({"config": t["config"], "batch": t["batch"], "tinyloop": t["format"],
+                        "peer": f"{p['system']} {p['format']}", "ratio": t["tok_s"] / p["tok_s"]})
+    return out
+
+
+def bench_peers(model_path: str | None, quick: bool):
+    """The section (its model_path is not used: the configs are the issue's, with random weights)."""
+    from .bench import Report
+
+    lines: list[str] = []
+    echo = lines.append
+
+    def progress(text: str) -> None:  # the section's lines print when it ends; progress goes to stderr now
+        print(text, file=sys.stderr, flush=True)
+    threads = torch.get_num_threads()
+    bandwidth = memory_bandwidth(1 << 28 if quick else 1 << 30, 3 if quick else 5)
+    lines.append(f"memory bandwidth (sum over a {'256 MiB' if quick else '1 GiB'} fp32 tensor, {threads} threads, "
+                 f"best of {3 if quick else 5}): {bandwidth / 1e9:.1f} GB/s")
+    missing = []
+    if not installed("transformers"):
+        missing.append({"peer": "transformers", "install": INSTALL["transformers"]})
+    if not installed("llama_cpp"):
+        missing.append({"peer": "llama.cpp", "install": INSTALL["llama.cpp"]})
+    elif not installed("gguf"):
+        missing.append({"peer": "llama.cpp (needs gguf to write the twin)", "install": INSTALL["gguf"]})
+    for m in missing:
+        lines.append(f"peer {m['peer']}: NOT INSTALLED, not measured; install with: {m['install']}")
+    rows, configs = [], {}
+    with tempfile.TemporaryDirectory(prefix="tinyloop-peers-") as tmp:
+        for name, cfg in (QUICK if quick else CONFIGS).items():
+            got, facts = bench_config(name, cfg, prompt_len=8 if quick else 32, n_tokens=8 if quick else 32,
+                                      rounds=1 if quick else 3, tmp=Path(tmp), echo=echo,
+                                      progress=progress)
+            for r in got:
+                steps_per_s = r["tok_s"] / r["batch"]  # a step reads the weights once for all its lanes
+                r["weights_GBps"] = r["weight_bytes_per_step"] * steps_per_s / 1e9
+                r["bandwidth_fraction"] = r["weight_bytes_per_step"] * steps_per_s / bandwidth
+            rows += got
+            configs[name] = facts
+            lines.append("")
+            lines.append(describe(name, facts))
+            lines += table(got, bandwidth)
+    rat = ratios(rows)
+    if rat:
+        lines.append("")
+        lines.append("ratios, TinyLoop tok/s over the peer's (same config, same batch, same run):")
+        for r in rat:
+            lines.append(f"  {r['config']:<7} batch {r['batch']:>2}  {r['tinyloop']:<12} / {r['peer']:<22} "
+                         f"{r['ratio']:>6.2f}x")
+    lines.append("(weights GB/s: weights read per step x steps per second, a step reading each weight once for all "
+                 "its lanes; KV-cache reads not counted. Timings on a shared machine are noisy: compare rows of one run.)")
+    data = {"threads": threads, "bandwidth_Bps": bandwidth, "configs": configs, "rows": rows, "ratios": rat,
+            "missing_peers": missing}
+    return Report(lines, data)
