@@ -19,7 +19,7 @@ LAYERS = [
     ("engine", {"engine"}),
     ("public API", {"generate", "batch", "decoding", "handles", "prefix", "resume", "speculative", "score", "chat",
                     "bench_engine",
-                    "inspect", "train", "bench", "bench_reuse", "__init__"}),
+                    "inspect", "train", "bench", "bench_reuse", "bench_peers", "twin", "__init__"}),
 ]
 
 

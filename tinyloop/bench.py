@@ -24,14 +24,6 @@ from .speculative import bench_speculative
 PROMPT = "def fibonacci(n):\n    "
 
 
-class Report(list):
-    """A section's printed lines, with its measurements as `data` (JSON-serialisable) for --json and --plot."""
-
-    def __init__(self, lines: list[str], data: dict):
-        super().__init__(lines)
-        self.data = data
-
-
 @torch.inference_mode()
 def naive_decode(model: Model, prompt_ids: list[int], n_tokens: int, loops: int) -> list[int]:
     """Baseline without a KV cache: every new token recomputes the whole sequence at full depth."""

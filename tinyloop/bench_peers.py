@@ -50,6 +50,13 @@ INSTALL = {
     "gguf": "pip install gguf",
 }
 
+class Report(list):
+    """A section's printed lines, with its measurements as `data` (JSON-serialisable) for --json and --plot."""
+
+    def __init__(self, lines: list[str], data: dict):
+        super().__init__(lines)
+        self.data = data
+
 
 def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
@@ -267,7 +274,6 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def bench_peers(model_path: str | None, quick: bool):
     """The section (its model_path is not used: the configs are the issue's, with random weights)."""
-    from .bench import Report
 
     lines: list[str] = []
     echo = lines.append
