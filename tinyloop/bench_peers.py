@@ -50,6 +50,7 @@ INSTALL = {
     "gguf": "pip install gguf",
 }
 
+
 class Report(list):
     """A section's printed lines, with its measurements as `data` (JSON-serialisable) for --json and --plot."""
 
