@@ -18,6 +18,11 @@ ARCHS = {
 }
 
 
+def direct(model, prompt, **config):
+    """The runtime's own answer to a prompt, what a service reply must equal."""
+    return tinyloop.generate(model, prompt, tinyloop.GenerateConfig(**config))
+
+
 def ids(n: int, seed: int) -> list[int]:
     """n random token ids of the tiny vocabulary, reproducible by seed."""
     g = torch.Generator().manual_seed(seed)

@@ -19,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 import tinyloop  # noqa: E402
+from conftest import direct  # noqa: E402
 from broker import launcher  # noqa: E402
 from broker.client import Client, HandleLost, InvalidRequest  # noqa: E402
 
@@ -47,10 +48,6 @@ def service(tmp_path_factory):
                    "--prefix-file", str(prefix_file)]
     with launcher.LocalService(2, worker_args, heartbeat_interval=0.3, startup_timeout=300) as svc:
         yield svc
-
-
-def direct(model, prompt, **config):
-    return tinyloop.generate(model, prompt, tinyloop.GenerateConfig(**config))
 
 
 def test_generate_equals_the_runtime(service, model):

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import tinyloop
+from conftest import direct
 from broker import launcher
 from broker.client import Client, RequestTimeout
 
@@ -37,10 +38,6 @@ def service():
     args = ["--max-seq-len", str(MAX_SEQ_LEN), "--threads", "1", "--max-lanes", "8", "--prefill-chunk", "32"]
     with launcher.LocalService(1, args, heartbeat_interval=0.3, startup_timeout=300) as svc:
         yield svc
-
-
-def direct(model, prompt, **config):
-    return tinyloop.generate(model, prompt, tinyloop.GenerateConfig(**config))
 
 
 def watch_running(frontend: str, stop: threading.Event, seen: list[int]) -> None:

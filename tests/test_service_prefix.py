@@ -10,6 +10,7 @@ import json
 import pytest
 
 import tinyloop
+from conftest import direct
 from broker import launcher
 from broker.client import Client
 
@@ -41,10 +42,6 @@ def service(tmp_path_factory):
                    "--prefix-file", str(prefix_file)]
     with launcher.LocalService(2, worker_args, heartbeat_interval=1.0, startup_timeout=300) as svc:
         yield svc
-
-
-def direct(model, prompt, **config):
-    return tinyloop.generate(model, prompt, tinyloop.GenerateConfig(**config))
 
 
 def test_registered_scaffold_continuations_hit_and_equal_generate(service, model):
