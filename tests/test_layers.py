@@ -14,7 +14,8 @@ ROOT = Path(tinyloop.__file__).parent
 LAYERS = [
     ("core types", {"errors", "env", "config", "tokenizer", "stops", "sampling", "grammar", "modes", "types", "timing",
                     "continuation"}),
-    ("model and cache", {"model", "cache", "memory", "artifact", "hf", "runtime", "prefix_tree"}),
+    ("model and cache", {"model", "cache", "memory", "artifact", "hf", "runtime", "prefix_tree",
+                         "formats"}),
     ("kernels", {"kernels"}),
     ("engine", {"engine"}),
     ("public API", {"generate", "batch", "decoding", "handles", "prefix", "resume", "speculative", "score", "chat",

@@ -1,0 +1,116 @@
+"""Weight formats: how a weight matrix is stored, and the one product every forward multiplies it by.
+
+  fp32  a plain torch tensor [N, K] (the model's own parameter)
+  bf16  data bf16 [N, K]; each value widens exactly to fp32
+  int8  data int8 [N, K], scale fp32 [N]: one scale per output row (channel), w ~ q * scale, scale = max|w_row| / 127
+  int4  data uint8 [N, K / 2], scale fp32 [N, K / group]: one scale per `group` consecutive values of a row,
+        w ~ (q - 8) * scale with q in 0..15, scale = max|w_group| / 7 (q = clamp(round(w / scale), -8, 7) + 8).
+        Nibbles are packed per block of 32 values: byte j of block b holds value 32 b + j in its low nibble and
+        value 32 b + j + 16 in its high nibble, so a SIMD unit unpacks 32 values with one mask and one shift.
+        group is a multiple of 32 that divides K.
+
+Weights are weight-only quantised: activations stay fp32 and every product returns fp32. `linear(x, w)` picks the
+fastest product for the weight's format and the device (tinyloop/kernels: a CPU kernel for few rows, Triton on
+CUDA); `reference_linear` is the definition they are tested against: x @ dequantize(w).T in fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+INT4_BLOCK = 32  # values per nibble block; an int4 group is a multiple of it
+DEFAULT_GROUP = 32
+
+
+@dataclass
+class QMatrix:
+    """A weight matrix [N, K] in a format other than fp32 (see the module doc for each layout)."""
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    group: int = 0  # int4 only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self.data.shape[0]
+        return (n, self.data.shape[1] * 2) if self.fmt == "int4" else (n, self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + \
+            (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+
+    def rows(self, start: int, stop: int) -> "QMatrix":
+        """Rows start..stop-1 as a view (the fused q|k|v matrix gives its k|v rows this way)."""
+        scale = None if self.scale is None else self.scale[start:stop]
+        return QMatrix(self.fmt, self.data[start:stop], scale, self.group)
+
+    def to(self, device: torch.device | str) -> "QMatrix":
+        scale = None if self.scale is None else self.scale.to(device)
+        return QMatrix(self.fmt, self.data.to(device), scale, self.group)
+
+
+Matrix = torch.Tensor | QMatrix
+
+
+def check_format(fmt: str, group: int = DEFAULT_GROUP) -> None:
+    if fmt not in FORMATS:
+        raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "int4" and (group <= 0 or group % INT4_BLOCK):
+        raise ConfigError(f"int4 group size {group} is not a positive multiple of {INT4_BLOCK}")
+
+
+def quantize(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> Matrix:
+    """w [N, K] (any float dtype) in format fmt; fp32 gives a plain fp32 tensor."""
+    check_format(fmt, group)
+    w = w.detach().float()
+    if fmt == "fp32":
+        return w.contiguous()
+    if fmt == "bf16":
+        return QMatrix("bf16", w.to(torch.bfloat16).contiguous(), None)
+    N, K = w.shape
+    if fmt == "int8":
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return QMatrix("int8", q.contiguous(), scale.contiguous())
+    if K % group:
+        raise ConfigError(f"int4 group size {group} does not divide the matrix width {K}")
+    g = w.view(N, K // group, group)
+    scale = (g.abs().amax(dim=2) / 7.0).clamp_min(1e-12)
+    q = (torch.round(g / scale[:, :, None]).clamp(-8, 7) + 8).to(torch.uint8).view(N, K // INT4_BLOCK, 2, 16)
+    packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)  # low nibble: value j of the block, high: value j + 16
+    return QMatrix("int4", packed.reshape(N, K // 2).contiguous(), scale.contiguous(), group)
+
+
+def dequantize(w: Matrix) -> torch.Tensor:
+    """The fp32 matrix [N, K] that w stands for."""
+    if isinstance(w, torch.Tensor):
+        return w.float()
+    if w.fmt == "bf16":
+        return w.data.float()
+    if w.fmt == "int8":
+        return w.data.float() * w.scale[:, None]
+    N, K = w.shape
+    b = w.data.view(N, K // INT4_BLOCK, 16)
+    q = torch.stack((b & 0x0F, b >> 4), dim=2).view(N, K // w.group, w.group).float() - 8.0
+    return (q * w.scale[:, :, None]).view(N, K)
+
+
+def reference_linear(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """x [..., K] @ dequantize(w).T in fp32: the definition every kernel is tested against."""
+    return F.linear(x.float(), dequantize(w))
+
+
+def nbytes(w: Matrix) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def linear(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """The product of the model layer (no cache: training, scoring): F.linear for fp32 weights, the reference
+    otherwise. The cached step multiplies through tinyloop/kernels/linear.py's faster products."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else reference_linear(x, w)
