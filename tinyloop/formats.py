@@ -7,7 +7,8 @@
         w ~ (q - 8) * scale with q in 0..15, scale = max|w_group| / 7 (q = clamp(round(w / scale), -8, 7) + 8).
         Nibbles are packed per block of 32 values: byte j of block b holds value 32 b + j in its low nibble and
         value 32 b + j + 16 in its high nibble, so a SIMD unit unpacks 32 values with one mask and one shift.
-        group is a multiple of 32 that divides K.
+        group is a multiple of 32; a width K that group does not divide is stored zero-padded to the next multiple
+        (`padded_width`), and the products pad x with zeros to match (QMatrix.pad).
 
 Weights are weight-only quantised: activations stay fp32 and every product returns fp32. `linear(x, w)` picks the
 fastest product for the weight's format and the device (tinyloop/kernels: a CPU kernel for few rows, Triton on
@@ -34,11 +35,21 @@ class QMatrix:
     data: torch.Tensor
     scale: torch.Tensor | None
     group: int = 0  # int4 only
+    width: int = 0  # int4 only: the matrix's own K (data holds padded_width values per row)
 
     @property
     def shape(self) -> tuple[int, int]:
         n = self.data.shape[0]
-        return (n, self.data.shape[1] * 2) if self.fmt == "int4" else (n, self.data.shape[1])
+        return (n, self.width) if self.fmt == "int4" else (n, self.data.shape[1])
+
+    @property
+    def padded_width(self) -> int:
+        return self.data.shape[1] * 2 if self.fmt == "int4" else self.data.shape[1]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] with zeros appended up to the stored width (the padded columns hold zeros)."""
+        extra = self.padded_width - x.shape[-1]
+        return F.pad(x, (0, extra)) if extra > 0 else x
 
     @property
     def nbytes(self) -> int:
@@ -48,11 +59,11 @@ class QMatrix:
     def rows(self, start: int, stop: int) -> "QMatrix":
         """Rows start..stop-1 as a view (the fused q|k|v matrix gives its k|v rows this way)."""
         scale = None if self.scale is None else self.scale[start:stop]
-        return QMatrix(self.fmt, self.data[start:stop], scale, self.group)
+        return QMatrix(self.fmt, self.data[start:stop], scale, self.group, self.width)
 
     def to(self, device: torch.device | str) -> "QMatrix":
         scale = None if self.scale is None else self.scale.to(device)
-        return QMatrix(self.fmt, self.data.to(device), scale, self.group)
+        return QMatrix(self.fmt, self.data.to(device), scale, self.group, self.width)
 
 
 Matrix = torch.Tensor | QMatrix
@@ -78,13 +89,12 @@ def quantize(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> Matrix:
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return QMatrix("int8", q.contiguous(), scale.contiguous())
-    if K % group:
-        raise ConfigError(f"int4 group size {group} does not divide the matrix width {K}")
-    g = w.view(N, K // group, group)
+    Kp = -(-K // group) * group
+    g = F.pad(w, (0, Kp - K)).view(N, Kp // group, group)
     scale = (g.abs().amax(dim=2) / 7.0).clamp_min(1e-12)
-    q = (torch.round(g / scale[:, :, None]).clamp(-8, 7) + 8).to(torch.uint8).view(N, K // INT4_BLOCK, 2, 16)
+    q = (torch.round(g / scale[:, :, None]).clamp(-8, 7) + 8).to(torch.uint8).view(N, Kp // INT4_BLOCK, 2, 16)
     packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)  # low nibble: value j of the block, high: value j + 16
-    return QMatrix("int4", packed.reshape(N, K // 2).contiguous(), scale.contiguous(), group)
+    return QMatrix("int4", packed.reshape(N, Kp // 2).contiguous(), scale.contiguous(), group, K)
 
 
 def dequantize(w: Matrix) -> torch.Tensor:
@@ -95,10 +105,10 @@ def dequantize(w: Matrix) -> torch.Tensor:
         return w.data.float()
     if w.fmt == "int8":
         return w.data.float() * w.scale[:, None]
-    N, K = w.shape
-    b = w.data.view(N, K // INT4_BLOCK, 16)
-    q = torch.stack((b & 0x0F, b >> 4), dim=2).view(N, K // w.group, w.group).float() - 8.0
-    return (q * w.scale[:, :, None]).view(N, K)
+    (N, K), Kp = w.shape, w.padded_width
+    b = w.data.view(N, Kp // INT4_BLOCK, 16)
+    q = torch.stack((b & 0x0F, b >> 4), dim=2).view(N, Kp // w.group, w.group).float() - 8.0
+    return (q * w.scale[:, :, None]).view(N, Kp)[:, :K]
 
 
 def reference_linear(x: torch.Tensor, w: Matrix) -> torch.Tensor:

@@ -11,6 +11,7 @@ attends over everything the slot holds for that lane.
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import formats
 from .config import ModelConfig
+from .errors import ConfigError
 
 
 class RMSNorm(nn.Module):
@@ -129,9 +132,10 @@ class BlockWeights:
 
 @dataclass
 class Weights:
-    """Every matrix and norm weight of a forward, in one layout, and the operations that use them: linear(x, w)
-    for every product, norm(x, w, eps) for every RMSNorm. `fused_weights` gives the model's own layout; the
-    cached step (tinyloop/kernels/step.py) may bring a packed copy for faster CPU products."""
+    """Every matrix and norm weight of a forward and the operations that use them: linear(x, w) for every
+    product, norm(x, w, eps) for every RMSNorm. `name` is the weight format (tinyloop/formats.py): the matrices are
+    fp32 tensors or formats.QMatrix. `fused_weights` gives the model's own; the cached step
+    (tinyloop/kernels/step.py) multiplies the same matrices through faster products."""
     name: str
     prelude: list[BlockWeights]
     core: list[BlockWeights]
@@ -139,7 +143,7 @@ class Weights:
     adapter: torch.Tensor | None
     final_norm: torch.Tensor
     head: torch.Tensor
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+    linear: Callable[[torch.Tensor, formats.Matrix], torch.Tensor] = F.linear
     norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
 
@@ -169,7 +173,7 @@ def _block_weights(block: Block, rebind: bool) -> BlockWeights:
 def _all_weights(net: "LoopedLM", rebind: bool) -> Weights:
     blocks = [[_block_weights(b, rebind) for b in part] for part in (net.prelude, net.core, net.coda)]
     head = net.embed.weight if net.lm_head is None else net.lm_head.weight
-    return Weights("exact", *blocks, None if net.adapter is None else net.adapter.weight, net.norm.weight, head)
+    return Weights("fp32", *blocks, None if net.adapter is None else net.adapter.weight, net.norm.weight, head)
 
 
 _fused: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
@@ -190,7 +194,10 @@ def fused_weights(net: "LoopedLM") -> Weights:
 
     Inference: built once (and again after an in-place change of the parameters), the model's own linear
     weights becoming views of the fused matrices, so nothing is held twice. Training (gradients on): fused
-    afresh in every forward, so the gradients reach the parameters."""
+    afresh in every forward, so the gradients reach the parameters. A model in another weight format holds its
+    matrices only in that format (quantize_weights)."""
+    if net.quantized is not None:
+        return net.quantized
     if torch.is_grad_enabled() and any(p.requires_grad for p in net.parameters()):
         return _all_weights(net, rebind=False)
     cached = _fused.get(net)
@@ -200,6 +207,71 @@ def fused_weights(net: "LoopedLM") -> Weights:
         _params.pop(net, None)  # rebinding made new parameters
         cached = _fused[net] = (weights_version(net), weights)
     return cached[1]
+
+
+def _linears(net: "LoopedLM") -> list[nn.Linear]:
+    """The linear layers whose weights the forward's matrices are made of (the exit gate, a [1, d] row, is not)."""
+    blocks = [*net.prelude, *net.core, *net.coda]
+    mods = [m for b in blocks for m in (b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down)]
+    return mods + [m for m in (net.adapter, net.lm_head) if m is not None]
+
+
+def matrices(W: Weights) -> dict[str, formats.Matrix]:
+    """The forward's matrices by name (prelude.0.wqkv, ..., adapter, head): what a quantised artifact stores."""
+    out: dict[str, formats.Matrix] = {}
+    for part in ("prelude", "core", "coda"):
+        for i, w in enumerate(getattr(W, part)):
+            for name in ("wqkv", "wo", "wgu", "w_down"):
+                out[f"{part}.{i}.{name}"] = getattr(w, name)
+    if W.adapter is not None:
+        out["adapter"] = W.adapter
+    out["head"] = W.head
+    return out
+
+
+def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GROUP,
+                     stored: dict[str, formats.QMatrix] | None = None) -> None:
+    """Hold every matrix of the forward (the linear layers and the head) in weight format `fmt` and release the
+    linear layers' own weights, so each matrix is held once. The embedding table stays in the model's dtype (a
+    decode step reads one row of it); a tied head gets its own quantised copy. stored: the quantised matrices
+    of an artifact, by matrices()'s names, instead of quantising the current weights. fp32 changes nothing."""
+    formats.check_format(fmt, group)
+    if net.quantized is not None:
+        raise ConfigError(f"the model already holds {net.quantized.name} weights; load the fp32 model to re-quantise")
+    if fmt == "fp32":
+        return
+    with torch.no_grad():
+        W = fused_weights(net)
+        mats = stored if stored is not None else {k: formats.quantize(w, fmt, group) for k, w in matrices(W).items()}
+        q_rows = net.cfg.n_heads * net.cfg.head_dim
+
+        def blocks(part: str) -> list[BlockWeights]:
+            out = []
+            for i, w in enumerate(getattr(W, part)):
+                qkv = mats[f"{part}.{i}.wqkv"]
+                out.append(dataclasses.replace(w, wqkv=qkv, wkv=qkv.rows(q_rows, qkv.shape[0]), wo=mats[f"{part}.{i}.wo"],
+                                               wgu=mats[f"{part}.{i}.wgu"], w_down=mats[f"{part}.{i}.w_down"]))
+            return out
+
+        quantized = Weights(fmt, blocks("prelude"), blocks("core"), blocks("coda"), mats.get("adapter"), W.final_norm,
+                            mats["head"], formats.linear)
+        for lin in _linears(net):
+            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        _fused.pop(net, None)
+        _params.pop(net, None)
+        net.quantized = quantized
+
+
+def weight_format(net: "LoopedLM") -> str:
+    """The format the forward's matrices are held in: fp32 (the model's own tensors, whatever their dtype) or a
+    quantised one."""
+    return "fp32" if net.quantized is None else net.quantized.name
+
+
+def weight_bytes(net: "LoopedLM") -> int:
+    """Bytes of every weight the model holds: its parameters and, in a quantised format, the quantised matrices."""
+    held = sum(p.numel() * p.element_size() for p in net.parameters())
+    return held + (0 if net.quantized is None else sum(formats.nbytes(m) for m in matrices(net.quantized).values()))
 
 
 # --- the math ---------------------------------------------------------------------------------------------
@@ -272,6 +344,7 @@ class LoopedLM(nn.Module):
         self.exit_gate = nn.Linear(cfg.d_model, 1) if cfg.exit_gate else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.quantized: Weights | None = None  # the matrices in a weight format other than fp32 (quantize_weights)
         self.set_max_seq_len(max_seq_len)
         self.apply(self._init_weights)
 
