@@ -42,9 +42,11 @@ def fail(err: Exception) -> None:
               help="Weights' dtype (default: bf16 checkpoints stay bf16, others run fp32 on CPU).")
 @click.option("--init-scale", type=float, default=None,
               help="Scale of a random initial state (Huginn's init_scale, default 1.0; 0: a zero state).")
+@click.option("--weights", default=None, metavar="FORMAT",
+              help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own).")
 def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, top_k, top_p, repetition_penalty, seed,
              stop, cache_mode, cache_window, early_exit, beam_size, grammar, speculative, chat, system, dtype,
-             init_scale) -> None:
+             init_scale, weights) -> None:
     """Generate a continuation of PROMPT, streamed, then print the stats line.
 
     stdout carries the prompt and the answer only; the stats line and errors go to stderr. Everything
@@ -55,8 +57,11 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
     try:
         import torch
 
+        from tinyloop.formats import parse_spec
+
+        fmt, group = parse_spec(weights) if weights else (None, None)
         model = tinyloop.load_model(model_path, max_seq_len, cache_mode=cache_mode, init_scale=init_scale,
-                                    dtype=getattr(torch, dtype) if dtype else None)
+                                    dtype=getattr(torch, dtype) if dtype else None, weights=fmt, group=group)
         if chat:  # the prompt becomes the rendered conversation, shown as it goes in
             from tinyloop.chat import chat_ids
 
@@ -122,15 +127,40 @@ def speculative_line(stats: object) -> str:
 @click.option("--config-only", is_flag=True,
               help="Read the config alone (no weights) and print the memory plan per cache mode.")
 @click.option("--max-seq-len", default=4096, show_default=True, help="Sequence length of the --config-only plan.")
-def inspect(path, config_only, max_seq_len) -> None:
+@click.option("--formats", "with_formats", is_flag=True,
+              help="Also measure the held-out loss in every weight format (fp32, bf16, int8, int4; takes seconds).")
+def inspect(path, config_only, max_seq_len, with_formats) -> None:
     """Show an artifact's (or Hugging Face model directory's) config, parameter counts, beta, loss-versus-loops table
     and cache costs."""
     from tinyloop.artifact import DEFAULT_ARTIFACT
-    from tinyloop.inspect import config_text, inspect_text
+    from tinyloop.inspect import config_text, format_loss_text, inspect_text
     import tinyloop
 
     try:
         click.echo(config_text(path or str(DEFAULT_ARTIFACT), max_seq_len) if config_only else inspect_text(path))
+        if with_formats:
+            click.echo(format_loss_text(path))
+    except tinyloop.TinyLoopError as e:
+        fail(e)
+
+
+@main.command()
+@click.argument("src")
+@click.argument("out")
+@click.option("--weights", required=True, metavar="FORMAT", help="bf16, int8, int4 or int4:GROUP (default group 32).")
+def quantize(src, out, weights) -> None:
+    """Write SRC (a .tinyloop artifact or a Hugging Face model directory) to OUT with its matrices in a weight
+    format (docs/kernels.md, Weight formats): load_model(OUT) then holds and multiplies them in that format."""
+    import tinyloop
+    from tinyloop.artifact import save_artifact
+    from tinyloop.formats import parse_spec
+
+    try:
+        fmt, group = parse_spec(weights)
+        model = tinyloop.load_model(src, 2, weights=fmt, group=group, device="cpu")
+        save_artifact(out, model.net, model.info.codec, beta=model.info.beta, loss_vs_loops=model.info.loss_vs_loops,
+                      provenance={**model.info.provenance, "quantized_from": str(src), "weights": weights})
+        click.echo(f"wrote {out}: {fmt} weights, {model.weight_bytes() / 2**20:.1f} MiB")
     except tinyloop.TinyLoopError as e:
         fail(e)
 

@@ -57,6 +57,8 @@ def worker_options(fn):
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts)."),
         click.option("--max-lanes", default=16, show_default=True,
                      help="Requests a worker batches at once (continuous batching; more wait on the broker)."),
+        click.option("--weights", default=None, metavar="FORMAT",
+                     help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own)."),
         click.option("--prefill-chunk", type=int, default=None,
                      help="Prompt tokens per prefill forward, interleaved with decode steps (0: a prompt in one "
                           "forward; default $TINYLOOP_PREFILL_CHUNK or 256)."),
@@ -67,13 +69,13 @@ def worker_options(fn):
 
 
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                heartbeat_interval, threads, curve_dir, max_lanes=16, prefill_chunk=None) -> list[str]:
+                heartbeat_interval, threads, curve_dir, max_lanes=16, weights=None, prefill_chunk=None) -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
             "--heartbeat-interval", str(heartbeat_interval), "--max-lanes", str(max_lanes)]
     for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
                         ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads),
-                        ("--curve-dir", curve_dir), ("--prefill-chunk", prefill_chunk)):
+                        ("--curve-dir", curve_dir), ("--weights", weights), ("--prefill-chunk", prefill_chunk)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -145,7 +147,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @click.option("--log-level", default="info", show_default=True)
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
-                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, prefill_chunk, plan_only,
+                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, plan_only,
                    log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
@@ -157,7 +159,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
                          max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
                          vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
                          threads=threads, curve_dir=curve_dir, plan_only=plan_only, max_lanes=max_lanes,
-                         prefill_chunk=prefill_chunk)
+                         weights=weights, prefill_chunk=prefill_chunk)
     sys.exit(run_worker(opts))
 
 
@@ -183,7 +185,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
                   max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
-                  prefill_chunk, device_budget, max_attempts,
+                  weights, prefill_chunk, device_budget, max_attempts,
                   skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
@@ -195,7 +197,7 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     if threads is None and (device or "cpu").startswith("cpu"):
         threads = max(1, (os.cpu_count() or 1) // n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                        heartbeat_interval, threads, curve_dir, max_lanes, prefill_chunk)
+                        heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
                                          "--max-attempts", str(max_attempts)]

@@ -1,6 +1,7 @@
 """The .tinyloop artifact: one safetensors file whose metadata carries everything needed to run it.
 
 Metadata keys: format ("tinyloop"), format_version, config (ModelConfig JSON), tokenizer (tokenizers JSON),
+weights (JSON {format, group}: a quantised artifact, tinyloop/formats.py; optional, default fp32),
 chat (JSON {template, bos_token, eos_token}: a chat model's template; optional), beta, loss_vs_loops (JSON {loops: held-out loss}), provenance (JSON), data_sha256 (of the tensor bytes,
 so a flipped bit in the weights is caught at load, not as garbage output).
 """
@@ -18,7 +19,8 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import ArtifactError, ConfigError
-from .model import LoopedLM
+from . import formats
+from .model import LoopedLM, matrices, quantize_weights
 from .tokenizer import TextCodec
 
 FORMAT = "tinyloop"
@@ -34,6 +36,11 @@ class ArtifactInfo:
     beta: float | None
     loss_vs_loops: dict[int, float]
     provenance: dict
+    weights: str = "fp32"  # the matrices' format (tinyloop/formats.py)
+    group: int = 0         # int4's group size
+    matrices: dict[str, formats.QMatrix] | None = None  # a quantised artifact's matrices, by model.matrices' names
+
+QUANTIZED = "quantized."  # tensor name prefix of a quantised artifact's matrices: quantized.<matrix>.data / .scale
 
 
 def _data_digest(path: Path) -> str:
@@ -52,8 +59,16 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
     """Write the model's weights (as `dtype`) and metadata. The digest is added in a second pass."""
     path = Path(path)
     # clone: parameters may be views of one fused matrix (model.fused_weights), safetensors wants separate storage
-    tensors = {k: v.detach().to("cpu", dtype).clone() for k, v in model.state_dict().items()}
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": json.dumps(model.cfg.to_dict()),
+    tensors = {k: v.detach().to("cpu", dtype).clone() for k, v in model.state_dict().items() if v.numel()}
+    fmt, group = "fp32", 0
+    if model.quantized is not None:  # the matrices as they are held, not widened
+        fmt = model.quantized.name
+        for name, m in matrices(model.quantized).items():
+            group = m.group
+            tensors[f"{QUANTIZED}{name}.data"] = m.data.detach().cpu().contiguous().clone()
+            if m.scale is not None:
+                tensors[f"{QUANTIZED}{name}.scale"] = m.scale.detach().cpu().contiguous().clone()
+    meta = {"weights": json.dumps({"format": fmt, "group": group}),"format": FORMAT, "format_version": FORMAT_VERSION, "config": json.dumps(model.cfg.to_dict()),
             "tokenizer": codec.to_json(), "chat": json.dumps(codec.chat_dict()), "beta": "" if beta is None else repr(float(beta)),
             "loss_vs_loops": json.dumps({str(k): v for k, v in (loss_vs_loops or {}).items()}),
             "provenance": json.dumps(provenance or {}), "data_sha256": ""}
@@ -109,7 +124,14 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
     if codec.vocab_size > cfg.vocab_size:
         raise ArtifactError(f"{path}: tokenizer has {codec.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
 
-    expected = _expected_shapes(cfg)
+    try:
+        stored = json.loads(meta.get("weights") or '{"format": "fp32", "group": 0}')
+        fmt, group = stored["format"], int(stored["group"])
+        formats.check_format(fmt, group or formats.DEFAULT_GROUP)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, ConfigError) as e:
+        raise ArtifactError(f"{path}: bad 'weights' metadata {meta.get('weights')!r}: {e}") from None
+    expected_meta = _expected_tensors(cfg, fmt, group)
+    expected = {k: tuple(v.shape) for k, v in expected_meta.items()}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing:
@@ -119,7 +141,9 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
     for k, shape in expected.items():
         if tuple(tensors[k].shape) != shape:
             raise ArtifactError(f"{path}: tensor {k} has shape {tuple(tensors[k].shape)}, config needs {shape}")
-        if not tensors[k].is_floating_point():
+        if k.startswith(QUANTIZED) and tensors[k].dtype != expected_meta[k].dtype:
+            raise ArtifactError(f"{path}: tensor {k} has dtype {tensors[k].dtype}, {fmt} needs {expected_meta[k].dtype}")
+        if not k.startswith(QUANTIZED) and not tensors[k].is_floating_point():
             raise ArtifactError(f"{path}: tensor {k} has dtype {tensors[k].dtype}, expected a float type")
     try:
         beta = float(meta["beta"]) if meta.get("beta") else None
@@ -127,12 +151,38 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
         provenance = json.loads(meta.get("provenance") or "{}")
     except (ValueError, TypeError, AttributeError) as e:
         raise ArtifactError(f"{path}: bad beta / loss_vs_loops / provenance metadata: {e}") from None
-    return ArtifactInfo(str(path), cfg, codec, beta, table, provenance), tensors
+    info = ArtifactInfo(str(path), cfg, codec, beta, table, provenance, fmt, group)
+    if fmt != "fp32":
+        info.matrices = {}
+        with torch.device("meta"):
+            shapes = matrices(_meta_model(cfg, fmt, group).quantized)
+        for name, like in shapes.items():
+            scale = tensors.pop(f"{QUANTIZED}{name}.scale", None)
+            info.matrices[name] = formats.QMatrix(fmt, tensors.pop(f"{QUANTIZED}{name}.data"), scale, like.group, like.width)
+    return info, tensors
+
+
+def _meta_model(cfg: ModelConfig, fmt: str, group: int) -> LoopedLM:
+    with torch.device("meta"):
+        net = LoopedLM(cfg, max_seq_len=1)
+        quantize_weights(net, fmt, group or formats.DEFAULT_GROUP)
+    return net
+
+
+def _expected_tensors(cfg: ModelConfig, fmt: str = "fp32", group: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors (on the meta device) an artifact of this config and weight format holds, by name."""
+    net = _meta_model(cfg, fmt, group)
+    out = {k: v for k, v in net.state_dict().items() if v.numel()}
+    if net.quantized is not None:
+        for name, m in matrices(net.quantized).items():
+            out[f"{QUANTIZED}{name}.data"] = m.data
+            if m.scale is not None:
+                out[f"{QUANTIZED}{name}.scale"] = m.scale
+    return out
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in LoopedLM(cfg, max_seq_len=1).state_dict().items()}
+    return {k: tuple(v.shape) for k, v in _expected_tensors(cfg).items()}
 
 
 def read_config(path: str | Path) -> ModelConfig:

@@ -76,6 +76,17 @@ def check_format(fmt: str, group: int = DEFAULT_GROUP) -> None:
         raise ConfigError(f"int4 group size {group} is not a positive multiple of {INT4_BLOCK}")
 
 
+def parse_spec(spec: str) -> tuple[str, int]:
+    """'int8', 'int4' or 'int4:64' (a group size) -> (format, group), as the command line's --weights takes it."""
+    fmt, _, group = spec.partition(":")
+    if group and not group.isdigit():
+        raise ConfigError(f"--weights {spec!r}: the group size after ':' must be a number, e.g. int4:64")
+    if group and fmt != "int4":
+        raise ConfigError(f"--weights {spec!r}: only int4 takes a group size")
+    check_format(fmt, int(group or DEFAULT_GROUP))
+    return fmt, int(group or DEFAULT_GROUP)
+
+
 def quantize(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> Matrix:
     """w [N, K] (any float dtype) in format fmt; fp32 gives a plain fp32 tensor."""
     check_format(fmt, group)

@@ -332,16 +332,18 @@ def load_hf(path, dtype: torch.dtype | None = None):
     return ArtifactInfo(str(path), cfg, codec, None, {}, provenance(path)), tensors
 
 
-def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype]:
-    """A model's config and the dtype load_model gives its weights on CPU (bf16 stays bf16, others fp32), from
-    config.json or the artifact's header: what a memory plan needs before anything large is read."""
+def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype, tuple[str, int]]:
+    """A model's config, the dtype load_model gives its weights on CPU (bf16 stays bf16, others fp32) and the
+    format and group its matrices are stored in, from config.json or the artifact's header: what a memory plan
+    needs before anything large is read."""
     if is_hf_dir(path):
-        return read_hf_config(path), checkpoint_dtype(read_raw(path)) or torch.float32
+        return read_hf_config(path), checkpoint_dtype(read_raw(path)) or torch.float32, ("fp32", 0)
     cfg = read_config(path)
     with safe_open(str(path), framework="pt") as f:
         first = next(iter(f.keys()), None)
         stored = f.get_slice(first).get_dtype() if first else ""
-    return cfg, torch.bfloat16 if stored == "BF16" else torch.float32
+        weights = json.loads((f.metadata() or {}).get("weights") or '{"format": "fp32", "group": 0}')
+    return cfg, torch.bfloat16 if stored == "BF16" else torch.float32, (weights["format"], int(weights["group"]))
 
 
 def provenance(path) -> dict:

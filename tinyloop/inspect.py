@@ -9,7 +9,9 @@ from .artifact import DEFAULT_ARTIFACT, read_artifact
 from .cache import CACHE_MODES, bytes_per_token_slot
 from .config import ModelConfig
 from .hf import config_and_dtype, is_hf_dir, load_hf
+from .formats import FORMATS
 from .memory import plan_memory, weight_bytes_of
+from .runtime import load_model
 
 
 def parameter_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -39,7 +41,7 @@ def plan_table(cfg: ModelConfig, dtype: torch.dtype, max_seq_len: int, loops: in
 
 def config_text(path: str, max_seq_len: int = 4096) -> str:
     """Config and memory plan from the config alone (no weights read)."""
-    cfg, dtype = config_and_dtype(path)
+    cfg, dtype, _ = config_and_dtype(path)
     n = weight_bytes_of(cfg, torch.float32) // 4
     lines = [f"model: {path}", "config:"] + [f"  {k:<22} {v}" for k, v in cfg.to_dict().items()]
     lines.append(f"parameters: {n:,}")
@@ -70,4 +72,30 @@ def inspect_text(path: str | None = None) -> str:
     lines.append(plan_memory(cfg, 2048, "fp16").table())
     if info.provenance:
         lines.append("provenance: " + ", ".join(f"{k}={v}" for k, v in info.provenance.items()))
+    return "\n".join(lines)
+
+
+def format_losses(path: str | None = None, loops: int | None = None, formats: tuple[str, ...] = FORMATS,
+                  tokens: int = 16384) -> dict[str, float]:
+    """Held-out loss (nats/token, at `loops`, default the model's) with the model's matrices in each weight format,
+    on the same tokens: the bundled model's held-out split (every 50th file of the Python standard library, as
+    train.py set it aside). Quantising from the artifact's own weights; a quantised artifact gives only its own."""
+    from .train import EVAL_SEQ_LEN, held_out_ids, evaluate
+
+    first = load_model(path, EVAL_SEQ_LEN, device="cpu")
+    data = held_out_ids(first.info.codec)[:tokens + 1]
+    loops = loops or first.net.cfg.default_loops
+    out = {}
+    for fmt in (formats if first.weights == "fp32" else (first.weights,)):
+        model = first if fmt == first.weights else load_model(path, EVAL_SEQ_LEN, device="cpu", weights=fmt)
+        out[fmt] = evaluate(model.net, data, EVAL_SEQ_LEN, [loops], n_batches=len(data) // (EVAL_SEQ_LEN * 8) or 1)[loops]
+    return out
+
+
+def format_loss_text(path: str | None = None) -> str:
+    losses = format_losses(path)
+    base = losses.get("fp32")
+    lines = ["held-out loss by weight format (nats/token at the default loops; difference to fp32):"]
+    for fmt, loss in losses.items():
+        lines.append(f"  {fmt:<5} {loss:.4f}" + ("" if base is None or fmt == "fp32" else f"  {loss - base:+.4f}"))
     return "\n".join(lines)

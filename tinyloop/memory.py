@@ -74,32 +74,35 @@ def workspace_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int) -> int
     return 2 * (chunk + gathered + READ_AHEAD_BYTES)
 
 
-def weight_bytes_of(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    from .model import LoopedLM  # the model layer sits beside this one; only the parameter count is needed
+def weight_bytes_of(cfg: ModelConfig, dtype: torch.dtype, fmt: str = "fp32", group: int = 32) -> int:
+    """Bytes of a model's weights: parameters in `dtype`, the matrices in weight format fmt (tinyloop/formats.py)."""
+    from .model import LoopedLM, quantize_weights, weight_bytes  # the model layer sits beside this one
     with torch.device("meta"):
-        n = LoopedLM(cfg, max_seq_len=1).num_params()
-    return n * torch.tensor([], dtype=dtype).element_size()
+        net = LoopedLM(cfg, max_seq_len=1).to(dtype)
+        quantize_weights(net, fmt, group)
+        return weight_bytes(net)
 
 
 def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = None, lanes: int = 1,
                 max_handles: int = 0, handle_tokens: int | None = None, dtype: torch.dtype | None = None,
-                loops: int | None = None) -> MemoryPlan:
+                loops: int | None = None, weights: str = "fp32", group: int = 32) -> MemoryPlan:
     """Itemise weights and the KV block pool for a Model (or a ModelConfig with explicit values).
 
     pool = (lanes x blocks of one max_seq_len sequence at `loops` (default max_loops)
             + max_handles x blocks of a handle_tokens prefix at max_loops + 1 null block) x block bytes
     handle states = max_handles x (e and s per token + one row of logits), kept beside a handle's blocks.
+    weights / group: a ModelConfig's weight format (tinyloop/formats.py); a Model counts what it holds.
     workspace = the transient tensors of one step (workspace_bytes).
     """
     if isinstance(model, ModelConfig):
-        cfg, weights = model, None
+        cfg, fmt = model, weights
         max_seq_len, cache_mode = max_seq_len or 2048, cache_mode or "fp16"
         dtype = dtype or torch.float32
+        held_bytes = weight_bytes_of(cfg, dtype, fmt, group)
     else:
-        cfg, weights = model.cfg, model.weight_bytes()
+        cfg, fmt, held_bytes = model.cfg, model.weights, model.weight_bytes()
         max_seq_len, cache_mode, dtype = max_seq_len or model.max_seq_len, cache_mode or model.cache_mode, dtype or model.dtype
     dbytes = torch.tensor([], dtype=dtype).element_size()
-    weights = weight_bytes_of(cfg, dtype) if weights is None else weights
     loops = loops or cfg.max_loops
     block = BLOCK_TOKENS * bytes_per_token_slot(cfg, cache_mode, dbytes)
     seq_blocks = blocks_for(cfg, max_seq_len, loops)
@@ -109,7 +112,8 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
     what = f"{lanes} x {max_seq_len} tok at {loops} loops"
     if max_handles:
         what += f" + {max_handles} handles x {tokens} tok"
-    plan = MemoryPlan([(f"weights ({dtype})".replace("torch.", ""), weights),
+    held = str(dtype).replace("torch.", "") if fmt == "fp32" else f"{fmt} matrices"
+    plan = MemoryPlan([(f"weights ({held})", held_bytes),
                        (f"KV block pool ({blocks} blocks x {block // 1024} KiB, {cache_mode}: {what})",
                         (blocks + 1) * block)], cfg, blocks, block)
     plan.items.append(("workspace (one step's activations)", workspace_bytes(cfg, max_seq_len, dbytes)))

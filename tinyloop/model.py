@@ -233,15 +233,15 @@ def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GRO
                      stored: dict[str, formats.QMatrix] | None = None) -> None:
     """Hold every matrix of the forward (the linear layers and the head) in weight format `fmt` and release the
     linear layers' own weights, so each matrix is held once. The embedding table stays in the model's dtype (a
-    decode step reads one row of it); a tied head gets its own quantised copy. stored: the quantised matrices
-    of an artifact, by matrices()'s names, instead of quantising the current weights. fp32 changes nothing."""
+    decode step reads one row of it); a tied head gets its own quantised copy. stored: an artifact's quantised
+    matrices by matrices()'s names, used instead of quantising the current weights. fp32 changes nothing."""
     formats.check_format(fmt, group)
     if net.quantized is not None:
         raise ConfigError(f"the model already holds {net.quantized.name} weights; load the fp32 model to re-quantise")
     if fmt == "fp32":
         return
     with torch.no_grad():
-        W = fused_weights(net)
+        W = fused_weights(net) if stored is None else _all_weights(net, rebind=False)  # norms and biases from net
         mats = stored if stored is not None else {k: formats.quantize(w, fmt, group) for k, w in matrices(W).items()}
         q_rows = net.cfg.n_heads * net.cfg.head_dim
 
@@ -255,11 +255,18 @@ def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GRO
 
         quantized = Weights(fmt, blocks("prelude"), blocks("core"), blocks("coda"), mats.get("adapter"), W.final_norm,
                             mats["head"], formats.linear)
-        for lin in _linears(net):
-            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
-        _fused.pop(net, None)
-        _params.pop(net, None)
+        release_linears(net)
         net.quantized = quantized
+
+
+def release_linears(net: "LoopedLM") -> None:
+    """Empty the linear layers' weights (a quantised model's matrices live in net.quantized), on the embedding's
+    device: a model built on the meta device may then move."""
+    empty = torch.empty(0, dtype=net.norm.weight.dtype, device=net.norm.weight.device)
+    for lin in _linears(net):
+        lin.weight = nn.Parameter(empty.clone(), requires_grad=False)
+    _fused.pop(net, None)
+    _params.pop(net, None)
 
 
 def weight_format(net: "LoopedLM") -> str:

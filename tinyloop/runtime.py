@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,8 +14,9 @@ from .hf import is_hf_dir, load_hf, with_init_scale
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
 from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
-from .memory import available_bytes, blocks_for, workspace_bytes
-from .model import LoopedLM
+from .formats import DEFAULT_GROUP, check_format
+from .memory import available_bytes, blocks_for, release_freed_memory, weight_bytes_of, workspace_bytes
+from .model import LoopedLM, quantize_weights, release_linears, weight_bytes, weight_format
 from .prefix_tree import PrefixTree
 
 # Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
@@ -102,7 +104,12 @@ class Model:
         return ids
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.net.parameters())
+        return weight_bytes(self.net)
+
+    @property
+    def weights(self) -> str:
+        """The weight format the matrices are held in (tinyloop/formats.py)."""
+        return weight_format(self.net)
 
 
 def default_device() -> torch.device:
@@ -124,13 +131,16 @@ def pool_blocks_for(cfg, cache_mode: str, dtype: torch.dtype, device: torch.devi
 
 def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, device=None, dtype=None,
                cache_mode: str | None = None, memory_budget: int | None = None, prefix_caching: bool | None = None,
-               init_scale: float | None = None) -> Model:
+               init_scale: float | None = None, weights: str | None = None, group: int | None = None) -> Model:
     """Load a .tinyloop artifact (None: the bundled default model) or a Hugging Face model directory (Ouro,
     Huginn-0125; docs/hf.md). Raises ArtifactError on a bad file or directory.
 
     dtype: None keeps bf16 weights in bf16 and runs others in fp32 on CPU, bf16 on CUDA.
     init_scale: multiplies the init_sigma of a random initial state ("normal" state init; Huginn's init_scale, whose
     default is 1.0); 0 gives a zero state, the reference's deterministic init_scale=0.0 output.
+    weights: the format every matrix is held and multiplied in (tinyloop/formats.py): fp32, bf16, int8 or int4
+    (group: int4's group size, default 32); None: the artifact's own (fp32 unless `tinyloop quantize` wrote it;
+    TINYLOOP_WEIGHTS overrides). A quantised artifact loads only in its own format.
 
     memory_budget: bytes for the weights, the KV block pool and one step's workspace together (None: TINYLOOP_MEMORY_BUDGET, else a
     pool for DEFAULT_POOL_SEQUENCES full-length sequences within half the available memory). BudgetError when the
@@ -158,6 +168,9 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
                           "torch.float16 or torch.bfloat16)")
     # A Hugging Face model directory (Ouro, Huginn) is converted on the fly (tinyloop/hf.py).
     info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
+    fmt, group = weight_format_for(info, weights, group)
+    if fmt != "fp32" and dtype is None and device.type == "cpu":
+        dtype = torch.float32  # weight-only formats: activations in fp32
     if init_scale is not None:
         info.config = with_init_scale(info.config, init_scale)
     if dtype is None:  # bf16 weights stay bf16; others run in bf16 on CUDA and fp32 on CPU (fp16 matmuls are slow there)
@@ -165,7 +178,7 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
         dtype = stored if stored == torch.bfloat16 else torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = info.config
     check_mode(cfg, cache_mode)
-    weights = sum(t.numel() for t in tensors.values()) * torch.tensor([], dtype=dtype).element_size()
+    weights = weight_bytes_of(cfg, dtype, fmt, group)
     blocks = pool_blocks_for(cfg, cache_mode, dtype, device, max_seq_len, weights, memory_budget)
     need = blocks_for(cfg, max_seq_len, cfg.default_loops)
     if blocks < need:
@@ -177,12 +190,30 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     with torch.device("meta"):  # no random init of weights about to be replaced (seconds and GBs for real models)
         net = LoopedLM(cfg, max_seq_len=1)
     # assign: the loaded tensors become the parameters, so a bf16 checkpoint is held once, not widened and copied
-    net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
+    net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=info.matrices is None, assign=True)
     del tensors
+    if info.matrices is not None:  # a quantised artifact: its linear layers have no weights of their own
+        release_linears(net)
     net.set_max_seq_len(max_seq_len)  # position tables on the weights' device and dtype
     net = net.to(device=device).eval().requires_grad_(False)
     net.set_max_seq_len(max_seq_len)  # rebuilt on the final device
+    stored = None if info.matrices is None else {k: m.to(device) for k, m in info.matrices.items()}
+    info.matrices = None
+    quantize_weights(net, fmt, group, stored)
+    release_freed_memory(device)  # the fp32 matrices just released
     return Model(net, info, cache_mode, max_seq_len, blocks, bool(prefix_caching))
+
+
+def weight_format_for(info: ArtifactInfo, weights: str | None, group: int | None) -> tuple[str, int]:
+    """load_model's weight format and int4 group: asked for, else TINYLOOP_WEIGHTS, else the artifact's own."""
+    if weights is None:
+        weights = os.environ.get("TINYLOOP_WEIGHTS", "").strip() or info.weights
+    group = group or info.group or DEFAULT_GROUP
+    check_format(weights, group)
+    if info.weights != "fp32" and (weights != info.weights or group != (info.group or group)):
+        raise ConfigError(f"{info.path} holds {info.weights} weights" + (f" (group {info.group})" if info.group else "")
+                          + f"; it loads only as such (asked: {weights}). Quantise the fp32 artifact instead")
+    return weights, group
 
 
 def check_device(device) -> torch.device:

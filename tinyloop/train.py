@@ -20,6 +20,8 @@ from .model import LoopedLM
 from .tokenizer import TextCodec, train_tokenizer
 
 EVAL_LOOPS = (1, 2, 4, 8, 12, 16)
+EVAL_SEQ_LEN = 256  # the sequence length of train's default --seq-len, which its held-out table is measured at
+HELD_OUT_EVERY = 50  # one file in this many is held out
 
 
 def stdlib_files() -> list[Path]:
@@ -36,6 +38,20 @@ def read_corpus(files: list[Path]) -> list[str]:
         except (UnicodeDecodeError, OSError):
             continue
     return out
+
+
+def to_ids(codec: TextCodec, texts: list[str]) -> torch.Tensor:
+    """The texts' tokens, each text followed by eos, as one stream."""
+    ids: list[int] = []
+    for enc in codec.tokenizer.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(codec.eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def held_out_ids(codec: TextCodec) -> torch.Tensor:
+    """The held-out split's tokens: the standard library files train() set aside (one in HELD_OUT_EVERY)."""
+    return to_ids(codec, read_corpus(stdlib_files())[::HELD_OUT_EVERY])
 
 
 def sample_loops(rng: random.Random, max_train_loops: int) -> int:
@@ -87,21 +103,14 @@ def train(out_path: str, steps: int = 2000, seq_len: int = 256, batch_size: int 
     t_start = time.time()
     files = stdlib_files()
     texts = read_corpus(files)
-    held_out = texts[::50]
-    train_texts = [t for i, t in enumerate(texts) if i % 50]
+    held_out = texts[::HELD_OUT_EVERY]
+    train_texts = [t for i, t in enumerate(texts) if i % HELD_OUT_EVERY]
     log(f"corpus: {len(texts)} files, {sum(map(len, texts)) / 1e6:.1f} MB of Python source")
     start = torch.load(init_from, weights_only=True) if init_from else None
     codec = TextCodec.from_json(start["tokenizer"]) if start else TextCodec(train_tokenizer(train_texts, vocab_size))
     eos = codec.eos_id
 
-    def to_ids(ts: list[str]) -> torch.Tensor:
-        ids: list[int] = []
-        for enc in codec.tokenizer.encode_batch(ts):
-            ids.extend(enc.ids)
-            ids.append(eos)
-        return torch.tensor(ids, dtype=torch.long)
-
-    train_ids, eval_ids = to_ids(train_texts), to_ids(held_out)
+    train_ids, eval_ids = to_ids(codec, train_texts), to_ids(codec, held_out)
     log(f"tokens: {len(train_ids) / 1e6:.2f}M train, {len(eval_ids) / 1e6:.2f}M held out "
         f"({time.time() - t_start:.0f}s)")
     base = start["cfg"] if start else dict(vocab_size=codec.vocab_size, bos_id=eos, eos_id=eos)

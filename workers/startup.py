@@ -69,6 +69,7 @@ class WorkerOptions:
     plan_only: bool = False  # print the memory plan as JSON and exit (used by `tinyloop serve`)
     max_lanes: int = 16  # requests batched at once (tinyloop.Scheduler lanes)
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: the model's default)
+    weights: str | None = None  # weight format, 'int8' or 'int4:64' (None: the artifact's own; tinyloop/formats.py)
 
 
 def run_worker(opts: WorkerOptions) -> int:
@@ -97,13 +98,17 @@ def run_worker(opts: WorkerOptions) -> int:
         from tinyloop.env import env_choice
         from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
 
-        cfg, dtype = config_and_dtype(opts.model_path or DEFAULT_ARTIFACT)
+        from tinyloop.formats import parse_spec
+
+        cfg, dtype, (fmt, group) = config_and_dtype(opts.model_path or DEFAULT_ARTIFACT)
+        if opts.weights:
+            fmt, group = parse_spec(opts.weights)
         cache_mode = opts.cache_mode or env_choice("TINYLOOP_CACHE_MODE", tinyloop.CACHE_MODES, "fp16")
         import torch
 
         dtype = torch.bfloat16 if device.startswith("cuda") else dtype
         plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=1,
-                                    max_handles=opts.max_handles, dtype=dtype)
+                                    max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group or 32)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
@@ -125,7 +130,7 @@ def run_worker(opts: WorkerOptions) -> int:
         caching = env_choice("TINYLOOP_PREFIX_CACHE", ("on", "off"), "on") == "on"
         model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=cache_mode,
                                     memory_budget=plan.total_bytes - plan.bytes_of("handle states"),
-                                    prefix_caching=caching)
+                                    prefix_caching=caching, weights=fmt, group=group or None)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
