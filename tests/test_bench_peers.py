@@ -133,21 +133,24 @@ def test_bench_peers_json_and_plot(tmp_path):
     assert data["bandwidth_Bps"] > 1e8 and data["threads"] == res["threads"]
     rows = data["rows"]
     got = {(r["system"], r["format"], r["batch"]) for r in rows if r["system"] == "tinyloop"}
-    assert got == {("tinyloop", f, b) for f in ("fp32 exact", "fp32 packed") for b in (1, 16)}
+    assert got == {("tinyloop", f, b) for f in ("fp32", "bf16", "int8", "int4") for b in (1, 16)}
     cfg = QUICK["d128"]
     for r in rows:
         assert r["tok_s"] > 0 and len(r["tokens"]) == r["batch"]
         assert all(len(t) == data["configs"]["d128"]["new_tokens"] for t in r["tokens"])
         frac = r["weight_bytes_per_step"] * r["tok_s"] / r["batch"] / data["bandwidth_Bps"]
         assert r["bandwidth_fraction"] == pytest.approx(frac)
-    fp32 = [r for r in rows if r["system"] == "tinyloop"]
-    assert all(r["weight_bytes_per_step"] == fp32[0]["weight_bytes_per_step"] for r in fp32)
+    ours = {(r["format"], r["batch"]): r for r in rows if r["system"] == "tinyloop"}
+    for (fmt, b), r in ours.items():  # each format's bytes per weight, on the same weights read per step
+        assert r["weight_bytes_per_step"] == pytest.approx(ours["fp32", b]["weight_bytes_per_step"] / 4 *
+                                                           {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.625}[fmt])
+    fp32 = [r for r in rows if r["system"] == "tinyloop" and r["format"] == "fp32"]
     per_step = sum(p.numel() for n, p in LoopedLM(cfg, 2).named_parameters() if "norm" not in n)  # distinct blocks
     per_block = (per_step - cfg.vocab_size * cfg.d_model) // (cfg.n_prelude + cfg.n_core + cfg.n_coda)
     passes = cfg.n_prelude + cfg.n_core * cfg.default_loops + cfg.n_coda
     assert fp32[0]["weight_bytes_per_step"] == 4 * (passes * per_block + cfg.vocab_size * cfg.d_model)
-    exact = {r["batch"]: r["tokens"] for r in fp32 if r["format"] == "fp32 exact"}
-    assert all(r["tokens"] == exact[r["batch"]] and r["greedy_agreement"] == 1.0 for r in fp32)
+    assert all(r["greedy_agreement"] == 1.0 for r in fp32)
+    assert ours["bf16", 1]["greedy_agreement"] > 0.5  # bf16 rounds the random weights slightly: mostly the same
     measured = {r["system"] for r in rows}
     missing = {m["peer"].split()[0]: m["install"] for m in data["missing_peers"]}
     for peer in ("transformers", "llama.cpp"):

@@ -23,7 +23,7 @@ from tinyloop.kernels.attention import decode_attention_ref, decode_attention_tr
 from tinyloop.kernels.norm import add_rmsnorm_ref, add_rmsnorm_triton  # noqa: E402
 from tinyloop.kernels.quant import write_tokens, write_tokens_ref  # noqa: E402
 from tinyloop.kernels.rope import rope_ref, rope_triton  # noqa: E402
-from tinyloop.model import LoopedLM, apply_rope  # noqa: E402
+from tinyloop.model import LoopedLM, apply_rope, quantize_weights  # noqa: E402
 
 # tiny shapes: one intra-op thread (two stall on a busy machine: 0.2 s tests took 35 s with the other core taken)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -258,11 +258,13 @@ def small_net(cfg: ModelConfig) -> LoopedLM:
 
 
 def cached_decode(cfg: ModelConfig, mode: str, window: int, lengths: list[int], steps: int = 4, loops: int = 3,
-                  layout: str = "exact") -> tuple[torch.Tensor, list[list[int]]]:
+                  weights: str = "fp32") -> tuple[torch.Tensor, list[list[int]]]:
     """Per-lane prefill of random prompts, then `steps` greedy lockstep decode steps over lanes of different lengths,
-    all through kernels.step.forward: the logits [steps, B, 1, V] and each lane's tokens (prompt + decoded)."""
+    all through kernels.step.forward, the model's matrices in format `weights`: the logits [steps, B, 1, V] and each
+    lane's tokens (prompt + decoded)."""
     from tinyloop.kernels import step
     net = small_net(cfg)
+    quantize_weights(net, weights, 32)
     cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window)
     gen = torch.Generator().manual_seed(1)
     seqs = []
@@ -271,14 +273,14 @@ def cached_decode(cfg: ModelConfig, mode: str, window: int, lengths: list[int], 
             ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(DEV)
             seqs.append(ids[0].tolist())
             step.forward(net, ids, loops, net.make_step(torch.arange(n, device=DEV).unsqueeze(0), n),
-                         cache.lane_view(lane), layout)
+                         cache.lane_view(lane))
         pos = torch.tensor(lengths, device=DEV).unsqueeze(1)
         tok = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen).to(DEV)
         out = []
         for _ in range(steps):
             for seq, t in zip(seqs, tok[:, 0].tolist()):
                 seq.append(t)
-            logits = step.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), cache, layout)
+            logits = step.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), cache)
             out.append(logits)
             tok, pos = logits.argmax(-1), pos + 1
     return torch.stack(out), seqs
@@ -312,58 +314,24 @@ def test_cached_decode_equals_one_chunk_over_the_whole_sequence(mode, arch, monk
                     torch.testing.assert_close(logits[:, lane, 0], full[n:n + steps], **tol)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_packed_weights_keep_the_exact_greedy_tokens(mode, monkeypatch):
-    """TINYLOOP_LEAN_WEIGHTS=packed: fp32 matmuls on pre-transposed (1 lane) or oneDNN-blocked (more lanes)
-    copies of the weights, RoPE as a product with a rotation matrix. The sums run in another order, so close to
-    the exact layout rather than bit-equal."""
+@pytest.mark.parametrize("fmt", ("bf16", "int8", "int4"))
+def test_cached_step_multiplies_through_the_weight_format(fmt, monkeypatch):
+    """A model whose matrices are held in a weight format: prefill chunks and decode rows through the paged cache
+    (CPU kernels for few rows, torch above) give the logits of the cache-free forward of the same quantised model
+    (formats.reference_linear: x @ dequantize(W).T), to fp32 rounding; and they differ from the fp32 model's by the
+    format's quantisation error, so the quantised matrices are what ran."""
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    exact_products = []
-    real = torch.nn.functional.linear
-    for arch in ARCHS:
-        cfg = ModelConfig(**{**SMALL, **arch})
-        for window, lengths in ((0, [1]), (0, [4, 4, 4]), (0, [9, 2, 5]), (4, [9, 2, 5])):
-            exact, _ = cached_decode(cfg, mode, window, lengths)
-            # packed products take rows [B*T, d]; only the int4 recompute of K/V from h multiplies [B, T, d]
-            monkeypatch.setattr(torch.nn.functional, "linear",
-                                lambda x, w, b=None: exact_products.append(x.shape) if x.dim() == 2 else real(x, w, b))
-            packed, _ = cached_decode(cfg, mode, window, lengths, layout="packed")
-            monkeypatch.setattr(torch.nn.functional, "linear", real)
-            assert torch.equal(exact.argmax(-1), packed.argmax(-1))
-            # quantised caches: a last-bit difference in K or V can move a value across an int8/int4 rounding
-            # boundary, one quantisation step
-            torch.testing.assert_close(packed, exact, atol=1e-5 if mode == "fp16" else 1e-3, rtol=1e-4)
-            assert not torch.equal(packed, exact)  # the packed step ran: other summation order, other last bits
-    assert exact_products == []  # every product of every packed step went through the packed copies
-
-
-def test_rotation_matrix_is_the_rotation():
-    from tinyloop.kernels.step import rotation_matrices
-    from tinyloop.model import rope_factors, rotate
-    net = LoopedLM(ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96), 64)
-    pos = torch.tensor([[0], [7], [63]])
-    cos2, sin2 = rope_factors(*net.make_step(pos).rope_at(pos))  # [3, 1, 1, hd]
-    x = torch.randn(3, 6, 16)
-    want = rotate(x.unsqueeze(1), cos2, sin2)[:, 0]
-    torch.testing.assert_close(torch.bmm(x, rotation_matrices(cos2[:, 0, 0], sin2[:, 0, 0])), want)
-
-
-def test_weight_layout_settings(monkeypatch):
-    from tinyloop.kernels import step
-    monkeypatch.delenv("TINYLOOP_LEAN_WEIGHTS", raising=False)
-    assert step.layout() == "exact"
-    monkeypatch.setenv("TINYLOOP_LEAN_WEIGHTS", "packed")
-    assert step.layout() == "packed"
-    step.set_layout("exact")
-    try:
-        assert step.layout() == "exact"
-    finally:
-        step.set_layout(None)
-    monkeypatch.setenv("TINYLOOP_LEAN_WEIGHTS", "bf16")
-    with pytest.raises(ConfigError, match="TINYLOOP_LEAN_WEIGHTS"):
-        step.layout()
-    with pytest.raises(ConfigError, match="layout"):
-        step.set_layout("int8")
+    cfg = ModelConfig(**{**SMALL, **ARCHS[0]})
+    fp32, _ = cached_decode(cfg, "fp16", 0, [9, 2, 5], steps=6)
+    logits, seqs = cached_decode(cfg, "fp16", 0, [9, 2, 5], steps=6, weights=fmt)
+    net = small_net(cfg)
+    quantize_weights(net, fmt, 32)
+    with torch.inference_mode():
+        for lane, (n, seq) in enumerate(zip([9, 2, 5], seqs)):
+            full = net(torch.tensor([seq], device=DEV), 3)[0]
+            torch.testing.assert_close(logits[:, lane, 0], full[n:n + 6], atol=1e-4, rtol=1e-4)
+    first = float((logits[0] - fp32[0]).abs().max())  # the first step reads the same tokens in both
+    assert 0 < first < {"bf16": 0.05, "int8": 0.1, "int4": 1.0}[fmt]
 
 
 @pytest.mark.parametrize("mode", ("int8", "int4"))
@@ -392,20 +360,19 @@ def test_decode_threads_policy(monkeypatch):
         decode_threads(1, small)
 
 
-@pytest.mark.parametrize("layout", ("exact", "packed"))
-def test_cached_step_follows_weight_updates(layout, monkeypatch):
-    """The fused (and packed) weight copies are rebuilt when the model's parameters change in place."""
+def test_cached_step_follows_weight_updates(monkeypatch):
+    """The fused weights are rebuilt when the model's parameters change in place."""
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
     from tinyloop.kernels import step
     cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
     net = small_net(cfg)
     ids, pos = torch.tensor([[5]]), torch.tensor([[0]])
     with torch.inference_mode():
-        step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16), layout)
+        step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
         net.core[0].mlp.w_up.weight.mul_(3.0)
         want = net(ids, 2, net.make_step(pos, 1))  # the cache-free forward reads the parameters as they are now
-        got = step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16), layout)
-    torch.testing.assert_close(got, want, atol=1e-6 if layout == "exact" else 1e-5, rtol=1e-6 if layout == "exact" else 1e-4)
+        got = step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):

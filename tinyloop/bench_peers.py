@@ -3,13 +3,14 @@ run, on the same random weights, and against the machine's measured memory bandw
 
 For each config (the looped models of issue 15, or a small one with --quick) it builds a looped model with random
 weights and runs greedy decode at batch 1 and 16 through:
-  * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format it has (FORMATS);
-  * transformers' eager `generate` of the dense twin (tinyloop/twin.py), when transformers is installed;
+  * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format (tinyloop/formats.py);
+  * transformers' eager `generate` of the dense twin (tinyloop/twin.py) in fp32 and bf16, when transformers is
+    installed;
   * llama.cpp (llama-cpp-python) on the twin written as GGUF in F32, F16 and Q8_0, at batch 1, when
     llama-cpp-python and gguf are installed.
 A peer that is not installed is named with the command that installs it. Every run is timed the same way: from
 the first generated token to the last (decode only, prefill excluded), on wall clock, best of interleaved
-rounds. Greedy tokens of each row are compared with TinyLoop's fp32 exact row at the same batch.
+rounds. Greedy tokens of each row are compared with TinyLoop's fp32 row at the same batch.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .artifact import DEFAULT_ARTIFACT, read_artifact, save_artifact
 from .batch import generate_batch
 from .config import ModelConfig
 from .generate import generate_stream
-from .kernels import step as cached_step
+from .formats import FORMATS
 from .model import LoopedLM
 from .runtime import free_model, load_model
 from .twin import GGUF_BYTES, GGUF_TYPES, hf_twin, matrix_numel, write_gguf
@@ -40,8 +41,8 @@ CONFIGS = {  # issue 15's configs: 2 + 4 x 4 + 2 layer passes per token
 }
 QUICK = {"d128": ModelConfig(vocab_size=4096, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=352, n_prelude=1,
                              n_core=2, n_coda=1, max_loops=2, default_loops=2, **_COMMON)}
-# TinyLoop's weight formats today: fp32 in the step's two layouts (kernels/step.py). name -> layout
-FORMATS = {"fp32 exact": "exact", "fp32 packed": "packed"}
+# bytes a step reads per weight in each format (int8: a per-row fp32 scale, negligible; int4: a scale per 32)
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 BATCHES = (1, 16)
 INSTALL = {
     "transformers": "pip install 'transformers==4.56.2'   (or: pip install -e '.[peers]')",
@@ -64,8 +65,13 @@ def installed(module: str) -> bool:
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read: the best of `repeats` sums over an fp32 tensor of `nbytes`, torch's threads.
-    The tensor is written first, so its pages exist and the reads come from memory, not from the zero page."""
+    """Bytes/s of a streaming read: the best of `repeats` sums over an fp32 array of `nbytes` with torch's threads,
+    by the CPU kernels' own read loop (tinyloop/kernels/cpu.py) where they build, else torch's sum. The array is
+    written first, so its pages exist and the reads come from memory, not from the zero page."""
+    from .kernels import cpu
+
+    if cpu.available():
+        return cpu.stream_bandwidth(nbytes, repeats=repeats) * 1e9
     x = torch.ones(nbytes // 4)
     best = float("inf")
     for _ in range(repeats):
@@ -109,7 +115,7 @@ def random_artifact(cfg: ModelConfig, path: Path, seed: int = 0) -> Path:
 Run = Callable[[], tuple[list[list[int]], int, float]]
 
 
-def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int, layout: str) -> Run:
+def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int) -> Run:
     from .types import GenerateConfig
 
     cfg = GenerateConfig(max_tokens=n, loops=loops, stop_sequences=())
@@ -117,15 +123,11 @@ def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int, layout:
 
     def run():
         stamps: list[tuple[int, float]] = []  # (lane, time) per token
-        cached_step.set_layout(layout)
-        try:
-            if B == 1:
-                res = [generate_stream(model, prompts[0], cfg, lambda tok, i: stamps.append((0, time.perf_counter())) or True)]
-            else:
-                res = generate_batch(model, prompts, cfg,
-                                     lambda lane, tok, i: stamps.append((lane, time.perf_counter())) or True)
-        finally:
-            cached_step.set_layout(None)
+        if B == 1:
+            res = [generate_stream(model, prompts[0], cfg, lambda tok, i: stamps.append((0, time.perf_counter())) or True)]
+        else:
+            res = generate_batch(model, prompts, cfg,
+                                 lambda lane, tok, i: stamps.append((lane, time.perf_counter())) or True)
         # Decode starts once every lane has its first token (the engine may prefill lanes one by one between
         # decode steps); every token after that moment is a decoded one.
         seen: set[int] = set()
@@ -184,17 +186,18 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
     """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
     loops = cfg.default_loops
     art = random_artifact(cfg, tmp / f"{name}.tinyloop")
-    model = load_model(art, prompt_len + n_tokens + 16)
+    models = {fmt: load_model(art, prompt_len + n_tokens + 16, weights=fmt) for fmt in FORMATS}
+    model = models["fp32"]
     g = torch.Generator().manual_seed(1)
     first = 3 + 256  # past the control and byte tokens of the GGUF vocabulary (tokens a real prompt would hold)
     prompts = torch.randint(first, cfg.vocab_size, (max(BATCHES), prompt_len), generator=g).tolist()
     numel = matrix_numel(model.net, loops)
     runs: dict[tuple[str, str, int], Run] = {}
-    for fmt, layout in FORMATS.items():
+    for fmt, m in models.items():
         for B in BATCHES:
-            runs["tinyloop", fmt, B] = tinyloop_runner(model, prompts[:B], n_tokens, loops, layout)
+            runs["tinyloop", fmt, B] = tinyloop_runner(m, prompts[:B], n_tokens, loops)
     progress(f"  [{name}] {model.net.num_params() / 1e6:.0f}M parameters loaded; setting up the peers")
-    runs["tinyloop", "fp32 exact", 1]()  # fuses the weights, so the twin below shares the tensors TinyLoop runs
+    runs["tinyloop", "fp32", 1]()  # fuses the weights, so the twin below shares the tensors TinyLoop runs
     checks: dict = {}
     if installed("transformers"):
         twin = hf_twin(model.net, loops).requires_grad_(False)
@@ -207,8 +210,10 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         checks["transformers_version"] = transformers.__version__
         echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
              f"forward on 2 prompts: {diff:.2e}")
+        twin_bf16 = hf_twin(model.net, loops).requires_grad_(False).to(torch.bfloat16)
         for B in BATCHES:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
+            runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
     llamas = []
     if installed("llama_cpp") and installed("gguf"):
         from llama_cpp import Llama
@@ -220,7 +225,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
             llamas.append(llm)
             runs["llama.cpp", qtype, 1] = llama_runner(llm, prompts[0], n_tokens)
     progress(f"  [{name}] warm-up, then {rounds} rounds of {len(runs)} rows")
-    for run in runs.values():  # warm-up: packed copies, allocator pools, llama.cpp's first-use work
+    for run in runs.values():  # warm-up: compiled kernels, allocator pools, llama.cpp's first-use work
         run()
     best: dict = {}
     tokens: dict = {}
@@ -232,14 +237,15 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         progress(f"  [{name}] round {r + 1}/{rounds} done")
     rows = []
     for (system, fmt, B), s_per_tok in best.items():
-        per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else 4.0
-        ref = tokens["tinyloop", "fp32 exact", B]
+        per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else BYTES_PER_WEIGHT[fmt]
+        ref = tokens["tinyloop", "fp32", B]
         rows.append({"config": name, "system": system, "format": fmt, "batch": B, "tok_s": 1.0 / s_per_tok,
                      "weight_bytes_per_step": numel * per_weight, "greedy_agreement": agreement(ref, tokens[system, fmt, B]),
                      "tokens": tokens[system, fmt, B]})
     for llm in llamas:
         llm.close()
-    free_model(model)
+    for m in models.values():
+        free_model(m)
     facts = {"config": cfg.to_dict(), "loops": loops, "layer_passes": cfg.n_prelude + cfg.n_core * loops + cfg.n_coda,
              "weights_read_per_step": numel, "prompt_len": prompt_len, "new_tokens": n_tokens, "rounds": rounds, **checks}
     return rows, facts
@@ -256,7 +262,7 @@ def describe(name: str, f: dict) -> str:
 
 def table(rows: list[dict], bandwidth: float) -> list[str]:
     lines = [f"  {'runtime':<13}{'format':<13}{'batch':>5}{'tok/s':>10}{'weights GB/s':>14}{'of bandwidth':>14}"
-             f"{'greedy = TinyLoop fp32 exact':>30}"]
+             f"{'greedy = TinyLoop fp32':>30}"]
     for r in rows:
         lines.append(f"  {r['system']:<13}{r['format']:<13}{r['batch']:>5}{r['tok_s']:>10.1f}"
                      f"{r['weights_GBps']:>14.1f}{r['bandwidth_fraction']:>13.0%} {r['greedy_agreement']:>29.0%}")
@@ -283,7 +289,7 @@ def bench_peers(model_path: str | None, quick: bool):
         print(text, file=sys.stderr, flush=True)
     threads = torch.get_num_threads()
     bandwidth = memory_bandwidth(1 << 28 if quick else 1 << 30, 3 if quick else 5)
-    lines.append(f"memory bandwidth (sum over a {'256 MiB' if quick else '1 GiB'} fp32 tensor, {threads} threads, "
+    lines.append(f"memory bandwidth (a streaming read of {'256 MiB' if quick else '1 GiB'}, {threads} threads, "
                  f"best of {3 if quick else 5}): {bandwidth / 1e9:.1f} GB/s")
     missing = []
     if not installed("transformers"):

@@ -426,21 +426,25 @@ class LoopedLM(nn.Module):
     def exit_prob(self, s: torch.Tensor) -> torch.Tensor | None:
         return None if self.exit_gate is None else torch.sigmoid(self.exit_gate(s)).squeeze(-1)
 
-    def decode_head(self, s: torch.Tensor, ctx) -> torch.Tensor:
-        """Coda, final norm and head of states s [B, T, d]: logits [B, T, V]."""
+    def decode_head(self, s: torch.Tensor, ctx, last_only: bool = False) -> torch.Tensor:
+        """Coda, final norm and head of states s [B, T, d]: logits [B, T, V] ([B, 1, V]: the last position's
+        only, when that is all the caller uses: a prefill's head is then one row, not T)."""
         W, d, cfg = ctx.weights, s.shape[-1], self.cfg
         x = s.reshape(-1, d)
         if cfg.coda_norm:  # Huginn: the final norm also before the coda
             x = W.norm(x, W.final_norm, cfg.norm_eps)
         for i, w in enumerate(W.coda):
             x = block(cfg, w, x, ctx, cfg.coda_slot(i))
+        if last_only:
+            x = x.view(ctx.B, ctx.T, d)[:, -1]
         if cfg.final_norm:
             x = W.norm(x, W.final_norm, cfg.norm_eps)
-        return W.linear(x, W.head).view(ctx.B, ctx.T, -1)
+        return W.linear(x, W.head).view(ctx.B, 1 if last_only else ctx.T, -1)
 
     # --- whole forward ------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, ctx=None,
-                grad_loops: int | None = None, return_states: bool = False, exit_threshold: float = 0.0):
+                grad_loops: int | None = None, return_states: bool = False, exit_threshold: float = 0.0,
+                last_only: bool = False):
         """Logits [B, T, V] for a chunk ids [B, T]. Without a context this is a plain causal forward over the chunk
         (training, full recompute); calls with a KV cache pass the cached step's context (kernels/step.py).
 
@@ -448,7 +452,7 @@ class LoopedLM(nn.Module):
         run without autograd), which bounds memory and compute like truncated backprop through time.
         exit_threshold: under the cdf exit rule (Ouro) each position's logits come from the loop it exits at, as the
         reference does for every position (the chunk still runs every loop: its K/V are all needed). Under the
-        latent rule a chunk's logits are its last loop's.
+        latent rule a chunk's logits are its last loop's. last_only: logits of the last position only ([B, 1, V]).
         """
         if ctx is not None and not hasattr(ctx, "attend"):
             raise TypeError(f"LoopedLM.forward: ctx must be a forward context, got {type(ctx).__name__} (a cached "
@@ -474,7 +478,7 @@ class LoopedLM(nn.Module):
                 states.append(s)
             if exits is not None:
                 exits.after(k, list(range(ids.shape[0])), None, s)
-        logits = self.decode_head(s if exits is None else exits.out, ctx)
+        logits = self.decode_head(s if exits is None else exits.out, ctx, last_only)
         return (logits, states) if return_states else logits
 
     def num_params(self) -> int:

@@ -55,7 +55,7 @@ def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable) -> torc
     try:
         x = torch.tensor([ids], device=model.device)
         step = model.net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
-        logits = cached.forward(model.net, x, n_loops, step, cache)[0, -1:].clone()
+        logits = cached.forward(model.net, x, n_loops, step, cache, last_only=True)[0].clone()
         keep(cache)
         return logits
     finally:

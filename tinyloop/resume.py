@@ -142,7 +142,7 @@ class RefiningRunner(Runner):
         i = positions[0] - self.base
         if cache is self.cache and self.following and i < len(self.guess) and tokens == [self.guess[i]]:
             if self.rows is None or i >= self.rows_from + len(self.rows):
-                self.rows, self.rows_from = self.prefill(self.guess[i:i + self.piece], positions[0]), i
+                self.rows, self.rows_from = self.prefill(self.guess[i:i + self.piece], positions[0], all_rows=True), i
                 self.piece *= 2
             self.reused += 1
             return self.rows[i - self.rows_from][None], [self.loops]

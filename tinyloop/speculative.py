@@ -161,10 +161,6 @@ class Speculator:
         if self.adaptive and model.cfg.exit_rule == "cdf":  # drafts stop per token; Ouro's rule picks among all loops
             raise ModeError("speculative decoding with early exit under the model's cdf exit rule (Ouro) is not "
                             "supported; decode without early_exit_threshold, or without speculation")
-        # Drafts and verification multiply through the packed weight layout where it applies (CPU, fp32): the same
-        # fp32 math in another summation order, as a verified chunk is anyway; greedy output stays plain decode's
-        # (tests). With early exit the exit decisions must be plain decode's bit for bit: the exact layout.
-        self.layout = "exact" if self.adaptive else "packed"
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see run
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
@@ -198,7 +194,7 @@ class Speculator:
         return tree.step(self.net, pos, cells)
 
     def context(self, step: Step) -> cached.Cached:
-        return cached.context(self.net, step, self.cache, self.layout)
+        return cached.context(self.net, step, self.cache)
 
     def deepen(self, s, e, step: Step, pos: list[int], cells: list[int], tree: TreeShape | None,
                k0: int, k1: int, used: list[int], done: list[bool]) -> tuple[torch.Tensor, int]:
@@ -357,7 +353,8 @@ class Speculator:
             logits = prefill()
         else:
             step = net.make_step(torch.arange(P, device=model.device).unsqueeze(0), P)
-            logits = cached.forward(net, torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache)[0, -1]
+            logits = cached.forward(net, torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache,
+                                    last_only=True)[0, -1]
         seq.t_prefilled = time.perf_counter()
         stats.prefill_ms = (seq.t_prefilled - t0) * 1000
         first = seq.sample(logits)
@@ -517,16 +514,9 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
     best: dict = {}
     runs: dict = {}
 
-    def plain_packed(prompt):  # plain decode with the packed weights the speculative rounds use
-        cached.set_layout("packed")
-        try:
-            return generate(model, prompt, cfg)
-        finally:
-            cached.set_layout(None)
-
-    runners = [lambda p: generate(model, p, cfg), plain_packed]
+    runners = [lambda p: generate(model, p, cfg)]
     runners += [lambda p, sc=sc: generate_speculative(model, p, sc, cfg) for sc in configs]
-    for run in runners[:3]:
+    for run in runners[:2]:
         run(prompts[0])  # warm-up
     for _ in range(repeats):  # side by side: every prompt runs plain and every config back to back
         for i, prompt in enumerate(prompts):
@@ -542,15 +532,14 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
              f"{'passes/tok':>10} {'pass ratio':>10} {'exact':>5}"]
     plain_passes = c.n_prelude + 8 * c.n_core + c.n_coda
     plain_tps = None
-    for j, sc in enumerate([None, None] + configs):
+    for j, sc in enumerate([None] + configs):
         toks = sum(runs[(j, i)].stats.generated_tokens for i in range(len(prompts)))
         tps = toks / sum(best[(j, i)] for i in range(len(prompts)))
         plain_tps = plain_tps or tps
         if sc is None:
             exact = all(runs[(j, i)].tokens == runs[(0, i)].tokens for i in range(len(prompts)))
-            lines.append(f"  {'plain 8 loops' + (', packed' if j else ''):<22} {tps:>7.1f} {tps / plain_tps:>5.2f}x "
-                         f"{'-':>7} {1.0:>10.2f} {8.0:>14.2f} {plain_passes:>10.2f} {1.0:>9.2f}x "
-                         f"{('yes' if exact else 'NO') if j else '-':>5}")
+            lines.append(f"  {'plain 8 loops':<22} {tps:>7.1f} {tps / plain_tps:>5.2f}x "
+                         f"{'-':>7} {1.0:>10.2f} {8.0:>14.2f} {plain_passes:>10.2f} {1.0:>9.2f}x {'-':>5}")
             continue
         sts = [runs[(j, i)].stats for i in range(len(prompts))]
         drafted, accepted, rounds = sum(s.drafted for s in sts), sum(s.accepted for s in sts), sum(s.verify_steps for s in sts)
@@ -561,9 +550,7 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
         lines.append(f"  {name:<22} {tps:>7.1f} {tps / plain_tps:>5.2f}x {accepted / max(drafted, 1):>7.2f} "
                      f"{(accepted + rounds) / max(rounds, 1):>10.2f} {steps:>14.2f} {passes:>10.2f} "
                      f"{plain_passes / passes:>9.2f}x {'yes' if exact else 'NO':>5}")
-    lines.append("  plain = generate as shipped (exact weight layout); plain, packed ="
-                 " TINYLOOP_LEAN_WEIGHTS=packed, the\n  weight layout the speculative rounds use on CPU; ratios are"
-                 " against plain")
+    lines.append("  plain = generate as shipped; ratios are against plain")
     lines.append("  loop-steps/tok: core passes x tokens per generated token (verification continues the drafts, so a"
                  " chain\n  spends verify_loops per pushed token, like plain decode); passes/tok: sequential layer passes"
                  " per token,\n  the speedup bound on a launch-bound device where a chunk costs one token (pass ratio)")

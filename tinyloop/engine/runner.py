@@ -64,13 +64,15 @@ class Runner:
 
     # --- forwards -----------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
-                threshold: float | None = None) -> torch.Tensor:
-        """Logits [T, V] of a chunk at positions start.. in `lane`: all loops (a chunk does not exit early)."""
+                threshold: float | None = None, all_rows: bool = False) -> torch.Tensor:
+        """Logits [1, V] of a chunk's last position at positions start.. in `lane` ([T, V], every position's, with
+        all_rows): all loops (a chunk does not exit early)."""
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
         threshold = self.early_exit if threshold is None else threshold
-        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=threshold)[0]
+        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=threshold,
+                              last_only=not all_rows)[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
                loops: list[int] | int | None = None, threshold: list[float] | float | None = None

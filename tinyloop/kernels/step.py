@@ -13,135 +13,28 @@ Backends:
           kernels (tinyloop/kernels/attention.py, quant.py), RoPE and RMSNorm kernels; `CudaGraphStep` replays a
           whole decode step as one CUDA graph.
 
-Weight layouts (TINYLOOP_LEAN_WEIGHTS, CPU fp32 models): `exact` (default) multiplies by the model's fused weights
-as stored. `packed` keeps a second, GEMM-friendly copy of every matrix (pre-transposed at one lane, oneDNN's
-blocked layout for more lanes), computes RMSNorm as one LayerNorm kernel and RoPE at one token per lane as one
-product with a per-step rotation matrix: still fp32 arithmetic, but the sums run in another order, so logits
-differ from the exact layout in the last bits (docs/kernels.md).
+Products: every matrix is multiplied through tinyloop/kernels/linear.py, in the format the model holds it in
+(fp32, bf16, int8, int4; tinyloop/formats.py), held once: no second copy for a faster layout.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import weakref
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache, decode_entries, encode_entries
-from ..env import env_choice
 from ..errors import ConfigError
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights, rope_factors, rotate
 from .dispatch import use_triton
-
-_layout: str | None = None
-LAYOUTS = ("exact", "packed")
-
-
-def set_layout(name: str | None) -> None:
-    """Force the weight layout for this process (None: follow TINYLOOP_LEAN_WEIGHTS)."""
-    global _layout
-    if name is not None and name not in LAYOUTS:
-        raise ConfigError(f"weight layout {name!r} is not one of {LAYOUTS}")
-    _layout = name
-
-
-def layout() -> str:
-    if _layout is not None:
-        return _layout
-    return env_choice("TINYLOOP_LEAN_WEIGHTS", LAYOUTS, "exact")
-
-
-# --- the packed layout ---------------------------------------------------------------------------------------
-def packed_weight(w: torch.Tensor, name: str, lanes: int) -> torch.Tensor:
-    """w [N, K] in layout `name` for `lanes` rows, to be multiplied by linear_for(name, lanes)."""
-    if name == "exact":
-        return w
-    if lanes == 1:
-        return w.t().contiguous()  # a row times a [K, N] matrix: MKL's faster GEMV form (30 % here), oneDNN's is slower
-    # oneDNN's blocked layout for `lanes` rows: its GEMM streams the weights at 80 % of the fp32 matmul peak
-    # where MKL reaches 45 % on the same [16 x 768] x [768 x 2048] product (one thread; docs/kernels.md)
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), lanes)
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
-def linear_for(name: str, lanes: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The product x [rows, K] -> [rows, N] by a weight in packed_weight(w, name, lanes)'s form."""
-    return F.linear if name == "exact" else torch.mm if lanes == 1 else _onednn_linear
-
-
-def packed_norm(x: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as LayerNorm of [x, -x] (doubled = [[w], [w]]): that has mean 0 and variance mean(x^2), so its first
-    half is x / sqrt(mean(x^2) + eps) * w. LayerNorm is one fused CPU kernel where rms_norm is ten small ops
-    (9.6 -> 6.2 us at d_model 256); the reductions round differently, so only for the packed layout."""
-    signs = _signs(x.dtype, x.device)  # [x, -x] as one broadcast product, normalised over both halves
-    return F.layer_norm(x.unsqueeze(-2) * signs, doubled.shape, doubled, None, eps)[..., 0, :]
-
-
-@functools.lru_cache(maxsize=8)
-def _signs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor([[1.0], [-1.0]], dtype=dtype, device=device)
-
-
-def packed_weights(exact: Weights, lanes: int) -> Weights:
-    """A second copy of every matrix in packed_weight's form, norms doubled for packed_norm."""
-    mat = lambda w: packed_weight(w, "packed", lanes)
-    dbl = lambda w: None if w is None else torch.stack((w, w))  # [2, d]: packed_norm's weight
-    blocks = lambda ws: [BlockWeights(dbl(w.attn_norm), mat(w.wqkv), w.wkv, mat(w.wo), dbl(w.mlp_norm), mat(w.wgu),
-                                      mat(w.w_down), dbl(w.attn_out_norm), dbl(w.mlp_out_norm), w.bqkv, w.on_sum)
-                          for w in ws]
-    return Weights("packed", blocks(exact.prelude), blocks(exact.core), blocks(exact.coda),
-                   None if exact.adapter is None else mat(exact.adapter), dbl(exact.final_norm), mat(exact.head),
-                   linear_for("packed", lanes), packed_norm)
-
-
-def layout_applies(net: LoopedLM, device: torch.device) -> bool:
-    """The packed layout is for CPU kernels (MKL, oneDNN) and fp32 models; elsewhere the step runs exact."""
-    return device.type == "cpu" and net.embed.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-_packed: "weakref.WeakKeyDictionary[LoopedLM, tuple[Weights, dict[int, Weights]]]" = weakref.WeakKeyDictionary()
-
-
-def weights_for(net: LoopedLM, name: str, lanes: int) -> Weights:
-    """The model's weights in layout `name` for `lanes` rows; a packed copy is built on first use (and again after
-    the parameters change), for at most two lane counts at a time."""
-    exact = fused_weights(net)
-    if name == "exact":
-        return exact
-    base, by_lanes = _packed.get(net, (None, {}))
-    if base is not exact:
-        by_lanes = {}
-        _packed[net] = (exact, by_lanes)
-    if lanes not in by_lanes:
-        if len(by_lanes) >= 2:  # lane counts change rarely: keep the memory bounded
-            by_lanes.clear()
-        by_lanes[lanes] = packed_weights(exact, lanes)
-    return by_lanes[lanes]
-
+from .linear import linear
 
 def _triton_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     from .norm import add_rmsnorm
     return add_rmsnorm(x, None, w, eps)[1]
-
-
-def rotation_matrices(cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """R [B, hd, hd] with x @ R == rotate(x, cos2, sin2) for rows x of one lane (cos2, sin2: [B, hd]): the
-    diagonal holds cos2, and column j takes sin2[j] times the element half a head away."""
-    return torch.diag_embed(cos2) + _swap(cos2.shape[1], cos2.dtype, cos2.device) * sin2.unsqueeze(1)
-
-
-@functools.lru_cache(maxsize=8)
-def _swap(hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[hd, hd]: 1 where row i is column j's partner half a head away."""
-    j = torch.arange(hd, device=device)
-    return (j.unsqueeze(1) == (j + hd // 2) % hd).to(dtype)
 
 
 # --- the context ---------------------------------------------------------------------------------------------
@@ -157,8 +50,6 @@ class Cached:
         self.B, self.T, self.end, self.pos = B, T, step.end, pos
         self.lane = torch.arange(B, device=dev).unsqueeze(1)
         self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, T, 1, hd]: broadcast over heads
-        self.rotation = rotation_matrices(self.cos[:, 0, 0], self.sin[:, 0, 0]) \
-            if weights.name == "packed" and T == 1 else None
         # the cells each lane writes, on the host once, so blocks are taken before the layers write
         W, tree = cache.window, step.cells is not None
         self.cells = pos % cache.ring if W else step.cells if tree else pos
@@ -188,9 +79,6 @@ class Cached:
         if self.triton:
             from .rope import rope
             return rope(qk, self.pos, self.step.table_cos, self.step.table_sin)
-        if self.rotation is not None:  # one batched product instead of the rotation's five elementwise ops
-            B, _, n, hd = qk.shape
-            return torch.bmm(qk.reshape(B, n, hd), self.rotation).view(B, 1, n, hd)
         return rotate(qk, self.cos, self.sin)
 
     def attend(self, w: BlockWeights, slot: int, q, h, k, v) -> torch.Tensor:
@@ -232,7 +120,9 @@ class Cached:
         """Full-precision keys and values [B, n, KV, hd] from stored entries (int4 store-h: recomputed from h)."""
         def project(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             B, n, KV, hd = self.B, h.shape[1], self.net.cfg.n_kv_heads, self.net.cfg.head_dim
-            kv = F.linear(h, w.wkv, None if w.bqkv is None else w.bqkv[self.net.cfg.d_model:])
+            kv = self.weights.linear(h, w.wkv)
+            if w.bqkv is not None:
+                kv = kv + w.bqkv[self.net.cfg.d_model:]
             cos, sin = (self.kcos, self.ksin) if kpos is None else rope_factors(*self.step.rope_at(kpos.clamp_min(0)))
             return rotate(kv[..., :KV * hd].view(B, n, KV, hd), cos, sin), kv[..., KV * hd:].view(B, n, KV, hd)
         return decode_entries(self.cache.mode, data, self.cache.dtype, project)
@@ -340,19 +230,14 @@ class _W:
         self.weight = weight
 
 
-def context(net: LoopedLM, step: Step, cache: KVCache, name: str | None = None) -> Cached:
-    """The context of a chunk at `step` over `cache`, weights in layout `name` (None: TINYLOOP_LEAN_WEIGHTS).
-    Triton runs decode rows on CUDA (or when forced); the packed layout applies on CPU to fp32 models, and
-    elsewhere the exact one runs."""
-    name = layout() if name is None else name
-    dev = step.pos.device
-    triton = use_triton(dev) and step.pos.shape[1] == 1 and step.cells is None and step.mask is None \
-        and triton_supports(net.cfg)
-    if name != "exact" and (triton or not layout_applies(net, dev)):
-        name = "exact"
-    weights = weights_for(net, name, step.pos.shape[0])
-    if triton:
-        weights = dataclasses.replace(weights, name="triton", norm=_triton_norm)
+def context(net: LoopedLM, step: Step, cache: KVCache) -> Cached:
+    """The context of a chunk at `step` over `cache`: the model's weights multiplied through kernels/linear.py;
+    Triton runs decode rows on CUDA (or when forced)."""
+    triton = use_triton(step.pos.device) and step.pos.shape[1] == 1 and step.cells is None and step.mask is None \
+        and triton_supports(net.cfg) and not (cache.mode == "int4" and net.quantized is not None)
+    weights = dataclasses.replace(fused_weights(net), linear=linear)
+    if triton:  # (the int4 store-h kernel recomputes K and V from h by fp32 wk and wv)
+        weights = dataclasses.replace(weights, norm=_triton_norm)
     return Cached(net, cache, step, weights, triton)
 
 
@@ -396,7 +281,7 @@ class _threads:
 
 
 def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache,
-            name: str | None = None, exit_threshold: float = 0.0) -> torch.Tensor:
+            exit_threshold: float = 0.0, last_only: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`
     (exit_threshold: LoopedLM.forward's, the cdf rule's choice of each position's loop)."""
     rows = ids.shape[1] == 1 and step.cells is None and step.mask is None
@@ -405,11 +290,11 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
     threads = decode_threads(ids.shape[0], net.cfg) if rows and ids.device.type == "cpu" else 0
     with _threads(threads):
-        ctx = context(net, step, cache, name)
+        ctx = context(net, step, cache)
         if rows:
             cfg = net.cfg
             ctx.read_ahead([*range(cfg.n_prelude + cfg.n_core * loops), *range(cfg.coda_slot(0), cfg.n_slots())])
-        logits = net(ids, loops, ctx=ctx, exit_threshold=exit_threshold)
+        logits = net(ids, loops, ctx=ctx, exit_threshold=exit_threshold, last_only=last_only)
         ctx.flush()
         return logits
 
@@ -420,7 +305,7 @@ def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], s
     gate says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
     threads = decode_threads(ids.shape[0], net.cfg) if ids.device.type == "cpu" else 0
     with _threads(threads):
-        return net.forward_adaptive(ids, loops, context(net, step, cache, "exact"), threshold)
+        return net.forward_adaptive(ids, loops, context(net, step, cache), threshold)
 
 
 # --- CUDA graphs ------------------------------------------------------------------------------------------
