@@ -11,7 +11,7 @@ def cached_logits(model, ids: list[int], loops: int, cache, prefill: int = 5) ->
     """Prefill the first `prefill` tokens, then feed the rest one at a time; logits for every position."""
     cache.reset()
     runner = Runner(model, cache, loops)
-    out = [runner.prefill(ids[:prefill], 0)]
+    out = [runner.prefill(ids[:prefill], 0, all_rows=True)]
     for t in range(prefill, len(ids)):
         out.append(runner.decode([ids[t]], [t])[0])
     return torch.cat(out)
