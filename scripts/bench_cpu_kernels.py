@@ -3,8 +3,9 @@
   .venv/bin/python scripts/bench_cpu_kernels.py [--batches 1,2,4,8,16] [--threads 1,2] [--formats ...] [--reps 15]
 
 Each product reads its weight from memory, as in a decode step (which cycles through far more weight than the
-last-level cache holds): every call uses the next of several copies of the matrix totalling > 64 MB. A
-number is the best call time over --reps calls (the machine is shared; the best is the least disturbed).
+last-level cache holds): every call uses the next of several copies of the matrix totalling > 256 MB. A
+number is the best call time over at least --reps calls (more for small products; the machine is shared,
+the best is the least disturbed).
 Ratio = GB/s over the streaming-read bandwidth measured with the same thread count.
 
 torch's products: fp32 F.linear; bf16 F.linear with bf16 weights (x cast to bf16); int8
@@ -22,7 +23,7 @@ from tinyloop import formats
 from tinyloop.kernels import cpu
 
 MATRICES = {"qkv": (1280, 768), "o": (768, 768), "gate|up": (4096, 768), "down": (768, 2048), "head": (32000, 768)}
-ROTATE_BYTES = 64 << 20
+ROTATE_BYTES = 256 << 20  # several times the last-level cache (32 MB here)
 
 
 def torch_product(fmt: str, w: formats.Matrix, W: torch.Tensor):
@@ -41,15 +42,24 @@ def torch_product(fmt: str, w: formats.Matrix, W: torch.Tensor):
     return lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, w.group, sz)
 
 
-def best_time(fn, copies: list, x: torch.Tensor, reps: int) -> float:
+def clone(w: formats.Matrix) -> formats.Matrix:
+    if isinstance(w, torch.Tensor):
+        return w.clone()
+    return formats.QMatrix(w.fmt, w.data.clone(), None if w.scale is None else w.scale.clone(), w.group)
+
+
+def best_time(fn, copies: list, x: torch.Tensor, reps: int, budget_s: float = 0.25) -> float:
+    """Best call time over at least `reps` calls, more (up to 2000) while under budget_s: on a shared machine a
+    two-thread call is only undisturbed when both threads happen to be scheduled, so small products need many."""
     for c in copies[:2]:
         fn(x, c)  # warm: threads started, code paged in
-    best = float("inf")
-    for i in range(reps):
+    best, start, i = float("inf"), time.perf_counter(), 0
+    while i < reps or (i < 2000 and time.perf_counter() - start < budget_s):
         c = copies[i % len(copies)]
         t0 = time.perf_counter()
         fn(x, c)
         best = min(best, time.perf_counter() - t0)
+        i += 1
     return best
 
 
@@ -77,7 +87,7 @@ def main() -> None:
             w = formats.quantize(W, fmt)
             nb = formats.nbytes(w)
             n_copies = max(2, -(-ROTATE_BYTES // nb))
-            ws = [w] + [formats.quantize(W, fmt) for _ in range(n_copies - 1)]
+            ws = [w] + [clone(w) for _ in range(n_copies - 1)]
             tp = [torch_product(fmt, c, W) for c in ws]
             for B in batches:
                 x = torch.randn(B, K)

@@ -113,6 +113,7 @@ def test_stream_bandwidth_is_positive():
 def test_switch_off(monkeypatch):
     monkeypatch.setenv("TINYLOOP_CPU_KERNELS", "0")
     assert not cpu.available()
+    monkeypatch.setattr(cpu, "_state", "unknown")  # not loaded yet: linear() refuses too
     with pytest.raises(ConfigError, match="not available"):
         cpu.linear(torch.randn(1, 64), torch.randn(8, 64))
 

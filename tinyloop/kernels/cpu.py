@@ -125,9 +125,10 @@ def _lib_or_raise() -> ctypes.CDLL:
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, shape: tuple, what: str) -> None:
-    if t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu" or not t.is_contiguous():
-        raise ConfigError(f"{what} must be a contiguous CPU {dtype} tensor of shape {list(shape)}, got "
-                          f"{t.dtype} {list(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
+    if t.dtype is dtype and t.shape == shape and t.is_cpu and t.is_contiguous():
+        return  # the common case first: this runs up to 3 times per product
+    raise ConfigError(f"{what} must be a contiguous CPU {dtype} tensor of shape {list(shape)}, got "
+                      f"{t.dtype} {list(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
 
 
 def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False) -> torch.Tensor:
@@ -135,10 +136,11 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
 
     act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster, at
     the cost of ~0.5% of the output scale. Without it the result is formats.reference_linear up to fp32 rounding.
-    threads 0 = torch.get_num_threads().
+    threads 0 = torch.get_num_threads(). Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS);
+    once the library is loaded this call does not, to keep the per-call cost (a few us) down.
     """
-    lib = _lib_or_raise()
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+    lib = _lib if _state == "ok" else _lib_or_raise()
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
         raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
                           f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
     x = x.contiguous()
