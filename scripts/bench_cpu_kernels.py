@@ -63,6 +63,21 @@ def best_time(fn, copies: list, x: torch.Tensor, reps: int, budget_s: float = 0.
     return best
 
 
+def print_errors(names: list[str], B: int = 4) -> None:
+    """max |y - reference| / max |reference| of each product on x ~ randn, W ~ randn * 0.02."""
+    print(f"{'fmt':5} {'matrix':8} | {'ours':>8} | {'act_quant':>9} | {'torch':>8}   (max error / max |reference|, B = {B})")
+    torch.manual_seed(0)
+    for fmt in formats.FORMATS:
+        for name in names:
+            W = torch.randn(*MATRICES[name]) * 0.02
+            w = formats.quantize(W, fmt)
+            x = torch.randn(B, W.shape[1])
+            ref = formats.reference_linear(x, w)
+            err = lambda y: ((y.float() - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+            aq = f"{err(cpu.linear(x, w, act_quant=True)):9.1e}" if fmt in ("int8", "int4") else f"{'-':>9}"
+            print(f"{fmt:5} {name:8} | {err(cpu.linear(x, w)):8.1e} | {aq} | {err(torch_product(fmt, w, W)(x)):8.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,2,4,8,16")
@@ -70,9 +85,12 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(formats.FORMATS))
     ap.add_argument("--matrices", default=",".join(MATRICES))
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--errors", action="store_true", help="only print each product's error against the reference")
     args = ap.parse_args()
     if not cpu.available():
         raise SystemExit("CPU kernels unavailable (see the warning above)")
+    if args.errors:
+        return print_errors(args.matrices.split(","))
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     stream = {t: max(cpu.stream_bandwidth(threads=t) for _ in range(3)) for t in threads}
