@@ -288,33 +288,77 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
         }
 }
 
+// ---- widening W rows to fp32 once, for batches of more than one tile (B > 4): the tile loop then runs the fp32
+// tile on them from L1 instead of unpacking the same rows again for every 4 x rows.
+INLINE void widen_rows(int fmt, int R, const void *w, long K, const float *scale, float *out) {
+    for (int r = 0; r < R; r++) {
+        const char *wr = (const char *)w + r * K * (fmt == BF16 ? 2 : 1);
+        const __m256 s = _mm256_set1_ps(fmt == I8 ? scale[r] : 1.0f);
+        long k = 0;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + r * K + k, _mm256_mul_ps(load8(fmt, wr, k), s));
+        for (; k < K; k++) out[r * K + k] = load1(fmt, wr, k) * (fmt == I8 ? scale[r] : 1.0f);
+    }
+}
+
+INLINE void widen_rows_int4(int R, const uint8_t *w, long ldw, const float *sc, long ngroups, long group, long K,
+                            float *out) {
+    const __m256i lo = _mm256_set1_epi32(0x0F);
+    for (int r = 0; r < R; r++)
+        for (long g = 0; g < ngroups; g++) {
+            const __m256 s = _mm256_broadcast_ss(sc + r * ngroups + g), m8s = _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
+            for (long k = g * group; k < (g + 1) * group; k += QB)
+                for (int h = 0; h < 2; h++) {
+                    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * ldw + k / 2 + 8 * h)));
+                    _mm256_storeu_ps(out + r * K + k + 8 * h,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, lo)), s, m8s));
+                    _mm256_storeu_ps(out + r * K + k + 8 * h + 16,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), s, m8s));
+                }
+        }
+}
+
 // ---- the row loop: threads take contiguous runs of 2-row blocks; each block walks the batch 4 rows at a time.
 // TILE(R, BT) is a statement; the switch hands it compile-time R and BT so every tile is fully unrolled.
-#define FOR_TILES(N, B, threads, TILE)                                                   \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                    \
-    for (long i = 0; i < ((N) + 1) / 2; i++) {                                           \
-        const long n = 2 * i;                                                            \
-        const int R = n + 1 < (N) ? 2 : 1;                                               \
-        for (long b0 = 0; b0 < (B); b0 += 4) {                                           \
-            const int bt = (B) - b0 < 4 ? (int)((B) - b0) : 4;                           \
-            if (R == 2) switch (bt) {                                                    \
-                case 1: TILE(2, 1); break; case 2: TILE(2, 2); break;                    \
-                case 3: TILE(2, 3); break; default: TILE(2, 4); break; }                 \
-            else switch (bt) {                                                           \
-                case 1: TILE(1, 1); break; case 2: TILE(1, 2); break;                    \
-                case 3: TILE(1, 3); break; default: TILE(1, 4); break; }                 \
+// WIDEN(R, buf), when `widen` and B > 4, writes the block's R rows as fp32 into buf, and the fp32 tile runs on them.
+#define SWITCH_TILES(R, bt, TILE)                                                        \
+    if (R == 2) switch (bt) {                                                            \
+        case 1: TILE(2, 1); break; case 2: TILE(2, 2); break;                            \
+        case 3: TILE(2, 3); break; default: TILE(2, 4); break; }                         \
+    else switch (bt) {                                                                   \
+        case 1: TILE(1, 1); break; case 2: TILE(1, 2); break;                            \
+        case 3: TILE(1, 3); break; default: TILE(1, 4); break; }
+
+#define WIDE_TILE(R_, BT_) dense_tile(F32, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, 0)
+
+#define FOR_TILES(N, B, K, threads, widen, WIDEN, TILE)                                  \
+    _Pragma("omp parallel num_threads(threads)") {                                       \
+        float *wide = (widen) && (B) > 4 ? aligned_alloc(64, (2 * (K) * 4 + 63) & ~63L) : 0; \
+        _Pragma("omp for schedule(static)")                                              \
+        for (long i = 0; i < ((N) + 1) / 2; i++) {                                       \
+            const long n = 2 * i;                                                        \
+            const int R = n + 1 < (N) ? 2 : 1;                                           \
+            if (wide) { WIDEN(R, wide); }                                                \
+            for (long b0 = 0; b0 < (B); b0 += 4) {                                       \
+                const int bt = (B) - b0 < 4 ? (int)((B) - b0) : 4;                       \
+                if (wide) { SWITCH_TILES(R, bt, WIDE_TILE) }                             \
+                else { SWITCH_TILES(R, bt, TILE) }                                       \
+            }                                                                            \
         }                                                                                \
+        free(wide);                                                                      \
     }
+#define NO_WIDEN(R_, buf)
 
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
 #define T(R_, BT_) dense_tile(F32, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-    FOR_TILES(N, B, threads, T)
+    FOR_TILES(N, B, K, threads, 0, NO_WIDEN, T)
 #undef T
 }
 
 void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
 #define T(R_, BT_) dense_tile(BF16, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-    FOR_TILES(N, B, threads, T)
+#define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, 0, buf)
+    FOR_TILES(N, B, K, threads, 1, W, T)
+#undef W
 #undef T
 }
 
@@ -322,7 +366,9 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
                     int act_quant, int threads) {
     if (!act_quant) {
 #define T(R_, BT_) dense_tile(I8, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
-        FOR_TILES(N, B, threads, T)
+#define W(R_, buf) widen_rows(I8, R_, w + n * K, K, scale + n, buf)
+        FOR_TILES(N, B, K, threads, 1, W, T)
+#undef W
 #undef T
         return;
     }
@@ -332,7 +378,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
                               x + b0 * K, K, y + b0 * N + n, N)
-    FOR_TILES(N, B, threads, T)
+    FOR_TILES(N, B, K, threads, 0, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
@@ -351,7 +397,9 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
             }
 #define T(R_, BT_) int4_tile(R_, BT_, w + n * ldw, ldw, scale + n * G, G, group, x + b0 * K, x8 + b0 * G, K, \
                              y + b0 * N + n, N)
-        FOR_TILES(N, B, threads, T)
+#define W(R_, buf) widen_rows_int4(R_, w + n * ldw, ldw, scale + n * G, G, group, K, buf)
+        FOR_TILES(N, B, K, threads, 1, W, T)
+#undef W
 #undef T
         free(x8);
         return;
@@ -382,7 +430,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
         else int4q_tile(0, R_, BT_, w + n * ldw, ldw, scale + n * G, G, gidx, qx + b0 * K, sx + b0 * KB,     \
                         sx8 + b0 * KP * 8, o8 + b0 * KP * 8, sq + b0 * KB, KB, y + b0 * N + n, N);           \
     } while (0)
-    FOR_TILES(N, B, threads, T)
+    FOR_TILES(N, B, K, threads, 0, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
