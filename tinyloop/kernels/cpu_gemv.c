@@ -317,8 +317,10 @@ INLINE void widen_rows_int4(int R, const uint8_t *w, long ldw, const float *sc, 
         }
 }
 
-// ---- the row loop: threads take contiguous runs of 2-row blocks; each block walks the batch 4 rows at a time.
-// TILE(R, BT) is a statement; the switch hands it compile-time R and BT so every tile is fully unrolled.
+// ---- the row loop: threads take contiguous runs of row blocks; each block walks the batch 4 rows at a time.
+// Blocks are 1 row for B <= rows1, else 2 (x loads shared by 2 rows). One row at a time reads W as one sequential
+// stream, which the hardware prefetcher follows best: fp32 / bf16 / int8 at B <= 4 stream 15-50% faster that way
+// (Zen3, 4096x768, one thread); int4 is the exception (its tiles are bound by the unpacking, which 2 rows amortise).
 // WIDEN(R, buf), when `widen` and B > 4, writes the block's R rows as fp32 into buf, and the fp32 tile runs on them.
 #define SWITCH_TILES(R, bt, TILE)                                                        \
     if (R == 2) switch (bt) {                                                            \
@@ -330,13 +332,14 @@ INLINE void widen_rows_int4(int R, const uint8_t *w, long ldw, const float *sc, 
 
 #define WIDE_TILE(R_, BT_) dense_tile(F32, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 
-#define FOR_TILES(N, B, K, threads, widen, WIDEN, TILE)                                  \
+#define FOR_TILES(N, B, K, threads, rows1, widen, WIDEN, TILE)                           \
+    const long RB = (B) <= (rows1) ? 1 : 2;                                              \
     _Pragma("omp parallel num_threads(threads)") {                                       \
         float *wide = (widen) && (B) > 4 ? aligned_alloc(64, (2 * (K) * 4 + 63) & ~63L) : 0; \
         _Pragma("omp for schedule(static)")                                              \
-        for (long i = 0; i < ((N) + 1) / 2; i++) {                                       \
-            const long n = 2 * i;                                                        \
-            const int R = n + 1 < (N) ? 2 : 1;                                           \
+        for (long i = 0; i < ((N) + RB - 1) / RB; i++) {                                 \
+            const long n = RB * i;                                                       \
+            const int R = n + 1 < (N) && RB == 2 ? 2 : 1;                                \
             if (wide) { WIDEN(R, wide); }                                                \
             for (long b0 = 0; b0 < (B); b0 += 4) {                                       \
                 const int bt = (B) - b0 < 4 ? (int)((B) - b0) : 4;                       \
@@ -350,14 +353,14 @@ INLINE void widen_rows_int4(int R, const uint8_t *w, long ldw, const float *sc, 
 
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
 #define T(R_, BT_) dense_tile(F32, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-    FOR_TILES(N, B, K, threads, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, 4, 0, NO_WIDEN, T)
 #undef T
 }
 
 void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
 #define T(R_, BT_) dense_tile(BF16, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 #define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, 0, buf)
-    FOR_TILES(N, B, K, threads, 1, W, T)
+    FOR_TILES(N, B, K, threads, 4, 1, W, T)
 #undef W
 #undef T
 }
@@ -367,7 +370,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     if (!act_quant) {
 #define T(R_, BT_) dense_tile(I8, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
 #define W(R_, buf) widen_rows(I8, R_, w + n * K, K, scale + n, buf)
-        FOR_TILES(N, B, K, threads, 1, W, T)
+        FOR_TILES(N, B, K, threads, 4, 1, W, T)
 #undef W
 #undef T
         return;
@@ -378,7 +381,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
                               x + b0 * K, K, y + b0 * N + n, N)
-    FOR_TILES(N, B, K, threads, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, 4, 0, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
@@ -398,7 +401,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
 #define T(R_, BT_) int4_tile(R_, BT_, w + n * ldw, ldw, scale + n * G, G, group, x + b0 * K, x8 + b0 * G, K, \
                              y + b0 * N + n, N)
 #define W(R_, buf) widen_rows_int4(R_, w + n * ldw, ldw, scale + n * G, G, group, K, buf)
-        FOR_TILES(N, B, K, threads, 1, W, T)
+        FOR_TILES(N, B, K, threads, 0, 1, W, T)
 #undef W
 #undef T
         free(x8);
@@ -430,7 +433,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
         else int4q_tile(0, R_, BT_, w + n * ldw, ldw, scale + n * G, G, gidx, qx + b0 * K, sx + b0 * KB,     \
                         sx8 + b0 * KP * 8, o8 + b0 * KP * 8, sq + b0 * KB, KB, y + b0 * N + n, N);           \
     } while (0)
-    FOR_TILES(N, B, K, threads, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, 0, 0, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
