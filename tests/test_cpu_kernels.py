@@ -106,13 +106,25 @@ def test_bad_inputs_raise_config_error():
 
 
 @needs_kernels
+def test_one_openmp_runtime():
+    """The kernels run on torch's own libgomp (one thread pool), not a second copy from the system compiler."""
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+@needs_kernels
 def test_stream_bandwidth_is_positive():
     assert cpu.stream_bandwidth(8 << 20, repeats=1) > 0
 
 
-def test_switch_off(monkeypatch):
+def test_switch_off(monkeypatch, caplog):
     monkeypatch.setenv("TINYLOOP_CPU_KERNELS", "0")
-    assert not cpu.available()
+    monkeypatch.setattr(cpu, "_warned_off", False)
+    with caplog.at_level("WARNING", logger="tinyloop.kernels.cpu"):
+        assert not cpu.available()
+        assert not cpu.available()
+    assert len([r for r in caplog.records if "TINYLOOP_CPU_KERNELS=0" in r.getMessage()]) == 1
     monkeypatch.setattr(cpu, "_state", "unknown")  # not loaded yet: linear() refuses too
     with pytest.raises(ConfigError, match="not available"):
         cpu.linear(torch.randn(1, 64), torch.randn(8, 64))

@@ -42,6 +42,7 @@ MAX_ROWS = {"fp32": 16, "bf16": 32, "int8": 32, "int4": 32}
 
 _lib: ctypes.CDLL | None = None
 _state: str = "unknown"  # "unknown" -> "ok" | "off"
+_warned_off = False
 
 
 def _cache_dir() -> Path:
@@ -87,8 +88,11 @@ def _build() -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _state
+    global _lib, _state, _warned_off
     if os.environ.get("TINYLOOP_CPU_KERNELS", "").strip() == "0":
+        if not _warned_off:
+            _warned_off = True
+            log.warning("tinyloop CPU kernels disabled by TINYLOOP_CPU_KERNELS=0, using torch's products")
         return None  # read on every call so tests (and users) can switch it off at any time
     if _state != "unknown":
         return _lib
@@ -138,10 +142,11 @@ def _check(t: torch.Tensor, dtype: torch.dtype, shape: tuple, what: str) -> None
 def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False) -> torch.Tensor:
     """y [B, N] fp32 = x [B, K] @ dequantize(w).T, streaming w once in its stored format.
 
-    act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster, at
-    the cost of ~0.5% of the output scale. Without it the result is formats.reference_linear up to fp32 rounding.
-    threads 0 = torch.get_num_threads(). Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS);
-    once the library is loaded this call does not, to keep the per-call cost (a few us) down.
+    act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster at
+    batch 1-2, at the cost of a max error ~0.5% of the output scale. Without it the result is
+    formats.reference_linear up to fp32 rounding. threads 0 = torch.get_num_threads().
+    Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
+    not, to keep the per-call cost (a few us) down.
     """
     lib = _lib if _state == "ok" else _lib_or_raise()
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
