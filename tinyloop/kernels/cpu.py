@@ -8,6 +8,12 @@ The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) int
 a hash of the source, flags, compiler and CPU, and loads with ctypes (which releases the GIL during a call).
 Nothing here is required: with no compiler, a failed build, a CPU without AVX2/FMA, or TINYLOOP_CPU_KERNELS=0,
 `available()` is False (one warning is logged) and callers keep torch's products.
+
+Threads: the kernels run on torch's OpenMP pool (the .so's libgomp.so.1 resolves to the copy torch loaded). On a
+machine whose cores are busy with other processes, libgomp's default spin-waiting lets a second thread be
+descheduled for whole time slices (calls of 4-8 ms instead of 50 us were measured); OMP_WAIT_POLICY=PASSIVE, set
+before torch is imported, trades ~10-40 us of wake-up for no such stalls. Several worker processes on one machine
+should split the cores (threads = cores / workers) rather than each use them all.
 """
 from __future__ import annotations
 
