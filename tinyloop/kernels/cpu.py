@@ -40,8 +40,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # Largest batch B for which cpu_gemv beats torch's product of the same format (the ones named in
 # scripts/bench_cpu_kernels.py), measured on a 2-core AMD EPYC Zen3 VM, torch 2.13.0 CPU, d768 matrices,
 # B = 1, 2, 4, 8, 16, 32, best of many calls on a shared machine (2026-11-30):
-#   fp32  F.linear (oneDNN/MKL sgemm) catches up at B = 16 on one thread (ours/torch 0.99-1.13) and passes
-#         it at B = 32 (0.88-1.0): both are FMA-bound there.
+#   fp32  F.linear (oneDNN/MKL sgemm) catches up at B = 16 on one thread (ours/torch 0.99-1.13; 1.6-2.1 on two)
+#         and passes it at B = 32 on one thread (0.88-1.04): both are FMA-bound there.
 #   bf16, int8, int4: torch's products are 4x (bf16) to 25-100x (int8pack, int4pack) slower at every B up to
 #         32, the largest measured; 32 is a lower bound.
 MAX_ROWS = {"fp32": 16, "bf16": 32, "int8": 32, "int4": 32}
