@@ -7,6 +7,8 @@
   dispatch.py   Triton on CUDA, torch on CPU; TINYLOOP_TRITON=1 forces Triton (interpreted on CPU)
   step.py       the cached step: the model forward's context over the paged KV cache (torch or Triton,
                 weight layouts, read-ahead, CUDA graph on CUDA)
+  cpu.py        CPU products x @ W^T for every weight format (fp32 / bf16 / int8 / int4) at decode batch sizes:
+                cpu_gemv.c (AVX2 + FMA, OpenMP), compiled with the system C compiler at first use
 
 The kernel modules import triton; `import tinyloop` imports only dispatch and step (which load them lazily).
 """

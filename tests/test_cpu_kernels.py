@@ -1,0 +1,152 @@
+"""tinyloop/kernels/cpu.py: the compiled CPU products against formats.reference_linear, for every format."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyloop import formats
+from tinyloop.errors import ConfigError
+from tinyloop.kernels import cpu
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="CPU kernels unavailable (no compiler or no AVX2)")
+
+# (N, K, group): odd N (a one-row tile at the end), K = 100 / 200 (not a multiple of 8 / 64: the tails),
+# K = 96 (an odd number of 32-blocks: the unpaired int4 block), groups 32 and 64.
+SHAPES = {
+    "fp32": [(37, 100, 32), (64, 768, 32)],
+    "bf16": [(37, 100, 32), (64, 200, 32)],
+    "int8": [(37, 100, 32), (64, 200, 32), (33, 768, 32)],
+    "int4": [(37, 96, 32), (64, 768, 64), (33, 192, 64)],
+}
+CASES = [(fmt, *shape) for fmt, shapes in SHAPES.items() for shape in shapes]
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max error relative to the output scale (what fp32 rounding of a K-term sum is proportional to)."""
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+def make(fmt, N, K, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return formats.quantize(torch.randn(N, K, generator=g) * 0.02, fmt, group)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,N,K,group", CASES)
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_matches_reference(fmt, N, K, group, B):
+    w = make(fmt, N, K, group)
+    x = torch.randn(B, K, generator=torch.Generator().manual_seed(1))
+    ref = formats.reference_linear(x, w)
+    y = cpu.linear(x, w)
+    assert y.shape == (B, N) and y.dtype == torch.float32
+    assert rel_err(y, ref) < 1e-5
+    if fmt in ("int8", "int4"):  # quantised activations: ~1/254 per x value, averaged over K terms
+        assert rel_err(cpu.linear(x, w, act_quant=True), ref) < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_act_quant_is_close_not_exact(fmt):
+    """act_quant really quantises x (a different, close result) for int8 / int4; fp32 / bf16 ignore it."""
+    w = make(fmt, 64, 256, 32)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
+    ref, y = formats.reference_linear(x, w), cpu.linear(x, w, act_quant=True)
+    err = rel_err(y, ref)
+    if fmt in ("int8", "int4"):
+        assert 1e-5 < err < 2e-2
+    else:
+        assert err < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_row_view(fmt):
+    """QMatrix.rows(a, b) (the k|v rows of a fused qkv) multiplies as the rows it stands for."""
+    w = make(fmt, 96, 256, 32)
+    part = w[40:71] if fmt == "fp32" else w.rows(40, 71)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    assert rel_err(cpu.linear(x, part), formats.reference_linear(x, w)[:, 40:71]) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_threads_agree(fmt, act_quant):
+    """Rows are split across threads, never the K sum, so the thread count cannot change a single bit."""
+    w = make(fmt, 101, 256, 32)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(cpu.linear(x, w, threads=1, act_quant=act_quant),
+                       cpu.linear(x, w, threads=2, act_quant=act_quant))
+
+
+@needs_kernels
+def test_strided_x_is_made_contiguous():
+    w = make("int8", 16, 64, 32)
+    xt = torch.randn(64, 3).t()  # [3, 64], not contiguous
+    assert rel_err(cpu.linear(xt, w), formats.reference_linear(xt.contiguous(), w)) < 1e-5
+
+
+@needs_kernels
+def test_bad_inputs_raise_config_error():
+    w = make("int4", 16, 64, 32)
+    with pytest.raises(ConfigError, match="width"):
+        cpu.linear(torch.randn(2, 32), w)
+    with pytest.raises(ConfigError, match="float32"):
+        cpu.linear(torch.randn(2, 64, dtype=torch.float64), w)
+    with pytest.raises(ConfigError, match="float32"):
+        cpu.linear(torch.randn(64), w)
+    bad = formats.QMatrix("int4", w.data, w.scale[:, :1].contiguous(), 32)
+    with pytest.raises(ConfigError, match="scale"):
+        cpu.linear(torch.randn(2, 64), bad)
+    with pytest.raises(ConfigError, match="strided"):
+        cpu.linear(torch.randn(2, 16), torch.randn(16, 16).t())
+    with pytest.raises(ConfigError):
+        cpu.max_rows("int2")
+
+
+@needs_kernels
+def test_one_openmp_runtime():
+    """The kernels run on torch's own libgomp (one thread pool), not a second copy from the system compiler."""
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+@needs_kernels
+def test_stream_bandwidth_is_positive():
+    assert cpu.stream_bandwidth(8 << 20, repeats=1) > 0
+
+
+def test_switch_off(monkeypatch, caplog):
+    monkeypatch.setenv("TINYLOOP_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu, "_warned_off", False)
+    with caplog.at_level("WARNING", logger="tinyloop.kernels.cpu"):
+        assert not cpu.available()
+        assert not cpu.available()
+    assert len([r for r in caplog.records if "TINYLOOP_CPU_KERNELS=0" in r.getMessage()]) == 1
+    monkeypatch.setattr(cpu, "_state", "unknown")  # not loaded yet: linear() refuses too
+    with pytest.raises(ConfigError, match="not available"):
+        cpu.linear(torch.randn(1, 64), torch.randn(8, 64))
+
+
+def test_failed_build_logs_one_warning_and_reports_unavailable(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu, "_state", "unknown")
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setenv("TINYLOOP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-tinyloop")
+    with caplog.at_level("WARNING", logger="tinyloop.kernels.cpu"):
+        assert not cpu.available()
+        assert not cpu.available()
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+
+
+def test_build_is_cached_by_content(monkeypatch, tmp_path):
+    """A fresh cache dir compiles once (atomically renamed into place); a second build finds the same file."""
+    if not cpu.available():
+        pytest.skip("no working compiler")
+    monkeypatch.setenv("TINYLOOP_CACHE_DIR", str(tmp_path))
+    first = cpu._build()
+    assert first.parent == tmp_path and first.exists()
+    assert cpu._build() == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp file left behind

@@ -1,0 +1,213 @@
+"""Fast CPU products y = x @ W^T for every weight format (cpu_gemv.c), built with the system C compiler.
+
+Decode at batch 1 is bound by reading weight bytes, and torch's CPU products stream the small matrices of a
+decode step well below the machine's read bandwidth (int8 and int4 worst). cpu_gemv.c streams W once for any
+batch, in its stored format, split over threads by rows.
+
+The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) into a cache directory, keyed by
+a hash of the source, flags, compiler and CPU, and loads with ctypes (which releases the GIL during a call).
+Nothing here is required: with no compiler, a failed build, a CPU without AVX2/FMA, or TINYLOOP_CPU_KERNELS=0,
+`available()` is False (one warning is logged) and callers keep torch's products.
+
+Threads: the kernels run on torch's OpenMP pool (the .so's libgomp.so.1 resolves to the copy torch loaded). On a
+machine whose cores are busy with other processes, libgomp's default spin-waiting lets a second thread be
+descheduled for whole time slices (calls of 4-8 ms instead of 50 us were measured); OMP_WAIT_POLICY=PASSIVE, set
+before torch is imported, trades ~10-40 us of wake-up for no such stalls. Several worker processes on one machine
+should split the cores (threads = cores / workers) rather than each use them all.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..formats import INT4_BLOCK, Matrix, QMatrix
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+# Largest batch B for which cpu_gemv beats torch's product of the same format (the ones named in
+# scripts/bench_cpu_kernels.py), measured on a 2-core AMD EPYC Zen3 VM, torch 2.13.0 CPU, d768 matrices,
+# B = 1, 2, 4, 8, 16, 32, best of many calls on a shared machine (2026-11-30):
+#   fp32  F.linear (oneDNN/MKL sgemm) catches up at B = 16 on one thread (ours/torch 0.99-1.13; 1.6-2.1 on two)
+#         and passes it at B = 32 on one thread (0.88-1.04): both are FMA-bound there.
+#   bf16, int8, int4: torch's products are 4x (bf16) to 25-100x (int8pack, int4pack) slower at every B up to
+#         32, the largest measured; 32 is a lower bound.
+MAX_ROWS = {"fp32": 16, "bf16": 32, "int8": 32, "int4": 32}
+
+_lib: ctypes.CDLL | None = None
+_state: str = "unknown"  # "unknown" -> "ok" | "off"
+_warned_off = False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("TINYLOOP_CACHE_DIR"):
+        return Path(os.environ["TINYLOOP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tinyloop"
+
+
+def _cpu_signature() -> str:
+    """-march=native differs per CPU, so a cache shared by machines keys the build by the CPU too."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return ""
+
+
+def _build() -> Path:
+    """The compiled library's path, compiling it once per (source, flags, compiler, CPU)."""
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, version, _cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_gemv-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several worker processes may build at once: each writes its own temp file, and rename is atomic.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _state, _warned_off
+    if os.environ.get("TINYLOOP_CPU_KERNELS", "").strip() == "0":
+        if not _warned_off:
+            _warned_off = True
+            log.warning("tinyloop CPU kernels disabled by TINYLOOP_CPU_KERNELS=0, using torch's products")
+        return None  # read on every call so tests (and users) can switch it off at any time
+    if _state != "unknown":
+        return _lib
+    try:
+        # torch is imported (above), so its libgomp.so.1 is loaded; the dynamic loader resolves our
+        # libgomp.so.1 dependency to that same library: one OpenMP runtime, one thread pool.
+        lib = ctypes.CDLL(str(_build()))
+        if not lib.tl_cpu_ok():
+            raise RuntimeError("the CPU lacks AVX2/FMA")
+    except Exception as e:  # noqa: BLE001 - any failure means "use torch", never a crash
+        _state = "off"
+        log.warning("tinyloop CPU kernels unavailable, using torch's products: %s", e)
+        return None
+    p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.tl_linear_f32.argtypes = [p, p, p, L, L, L, i]
+    lib.tl_linear_bf16.argtypes = [p, p, p, L, L, L, i]
+    lib.tl_linear_int8.argtypes = [p, p, p, p, L, L, L, i, i]
+    lib.tl_linear_int4.argtypes = [p, p, p, p, L, L, L, L, i, i]
+    lib.tl_stream_read.argtypes = [p, L, i]
+    lib.tl_stream_read.restype = ctypes.c_double
+    for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):
+        f.restype = None
+    _lib, _state = lib, "ok"
+    return lib
+
+
+def available() -> bool:
+    """True when the compiled kernels can run here (the dispatcher falls back to torch otherwise)."""
+    return _load() is not None
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise ConfigError("the tinyloop CPU kernels are not available (see the logged warning, "
+                          "or TINYLOOP_CPU_KERNELS=0)")
+    return lib
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, shape: tuple, what: str) -> None:
+    if t.dtype is dtype and t.shape == shape and t.is_cpu and t.is_contiguous():
+        return  # the common case first: this runs up to 3 times per product
+    raise ConfigError(f"{what} must be a contiguous CPU {dtype} tensor of shape {list(shape)}, got "
+                      f"{t.dtype} {list(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
+
+
+def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False) -> torch.Tensor:
+    """y [B, N] fp32 = x [B, K] @ dequantize(w).T, streaming w once in its stored format.
+
+    act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster at
+    batch 1-2, at the cost of a max error ~0.5% of the output scale. Without it the result is
+    formats.reference_linear up to fp32 rounding. threads 0 = torch.get_num_threads().
+    Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
+    not, to keep the per-call cost (a few us) down.
+    """
+    lib = _lib if _state == "ok" else _lib_or_raise()
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
+        raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
+                          f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
+    x = x.contiguous()
+    B, K = x.shape
+    fmt = "fp32" if isinstance(w, torch.Tensor) else w.fmt
+    N, Kw = w.shape
+    if K != Kw:
+        raise ConfigError(f"x width {K} does not match the {fmt} weight's width {Kw} (weight {N}x{Kw})")
+    t = threads or torch.get_num_threads()
+    y = torch.empty(B, N, dtype=torch.float32)
+    if B == 0 or N == 0:
+        return y.zero_()
+    if fmt == "fp32":
+        _check(w, torch.float32, (N, K), "fp32 weight")
+        lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
+    elif fmt == "bf16":
+        _check(w.data, torch.bfloat16, (N, K), "bf16 weight data")
+        lib.tl_linear_bf16(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), B, N, K, t)
+    elif fmt == "int8":
+        _check(w.data, torch.int8, (N, K), "int8 weight data")
+        _check(w.scale, torch.float32, (N,), "int8 weight scale")
+        lib.tl_linear_int8(x.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
+                           int(act_quant), t)
+    elif fmt == "int4":
+        if w.group <= 0 or w.group % INT4_BLOCK or K % w.group:
+            raise ConfigError(f"int4 group {w.group} must be a positive multiple of {INT4_BLOCK} dividing K={K}")
+        _check(w.data, torch.uint8, (N, K // 2), "int4 weight data")
+        _check(w.scale, torch.float32, (N, K // w.group), "int4 weight scale")
+        lib.tl_linear_int4(x.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
+                           int(act_quant), t)
+    else:
+        raise ConfigError(f"weight format {fmt!r} has no CPU kernel")
+    return y
+
+
+def max_rows(fmt: str) -> int:
+    """Largest batch for which linear() beats torch's best product of this format here (measured, see MAX_ROWS)."""
+    if fmt not in MAX_ROWS:
+        raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(MAX_ROWS)}")
+    return MAX_ROWS[fmt]
+
+
+def stream_bandwidth(nbytes: int = 512 << 20, threads: int = 0, repeats: int = 5) -> float:
+    """GB/s of a streaming read of nbytes (much larger than the caches), best of `repeats`: the roofline the
+    products are measured against."""
+    lib = _lib_or_raise()
+    a = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    t = threads or torch.get_num_threads()
+    lib.tl_stream_read(a.data_ptr(), a.numel(), t)  # warm: pages touched, threads started
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        lib.tl_stream_read(a.data_ptr(), a.numel(), t)
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best / 1e9
