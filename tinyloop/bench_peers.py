@@ -14,6 +14,7 @@ rounds. Greedy tokens of each row are compared with TinyLoop's fp32 row at the s
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 import tempfile
@@ -210,7 +211,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         checks["transformers_version"] = transformers.__version__
         echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
              f"forward on 2 prompts: {diff:.2e}")
-        twin_bf16 = hf_twin(model.net, loops).requires_grad_(False).to(torch.bfloat16)
+        twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)  # a copy: the fp32 twin shares TinyLoop's tensors
         for B in BATCHES:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
             runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
@@ -319,9 +320,12 @@ def bench_peers(model_path: str | None, quick: bool):
     if rat:
         lines.append("")
         lines.append("ratios, TinyLoop tok/s over the peer's (same config, same batch, same run):")
-        for r in rat:
-            lines.append(f"  {r['config']:<7} batch {r['batch']:>2}  {r['tinyloop']:<12} / {r['peer']:<22} "
-                         f"{r['ratio']:>6.2f}x")
+        peers = list(dict.fromkeys(r["peer"] for r in rat))
+        lines.append(f"  {'config':<7} {'batch':>5}  {'TinyLoop':<9}" + "".join(f"{p:>20}" for p in peers))
+        for key in dict.fromkeys((r["config"], r["batch"], r["tinyloop"]) for r in rat):
+            got = {r["peer"]: r["ratio"] for r in rat if (r["config"], r["batch"], r["tinyloop"]) == key}
+            lines.append(f"  {key[0]:<7} {key[1]:>5}  {key[2]:<9}" +
+                         "".join(f"{got[p]:>19.2f}x" if p in got else f"{'-':>20}" for p in peers))
     lines.append("(weights GB/s: weights read per step x steps per second, a step reading each weight once for all "
                  "its lanes; KV-cache reads not counted. Timings on a shared machine are noisy: compare rows of one run.)")
     data = {"threads": threads, "bandwidth_Bps": bandwidth, "configs": configs, "rows": rows, "ratios": rat,
