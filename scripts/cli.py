@@ -198,9 +198,22 @@ def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
 @click.option("--json", "json_path", default=None, help="Write every section's lines and measurements here as JSON.")
 @click.option("--plot", "plot_path", default=None, help="Draw decode tok/s per format and batch against the peers "
               "(PNG; needs matplotlib).")
-def bench(model_path, sections, quick, peers, json_path, plot_path) -> None:
+@click.option("--weights", default=None, metavar="FORMAT",
+              help="Weight format of the model the sections load: fp32, bf16, int8, int4 or int4:GROUP (the "
+                   "kernels and peers sections compare every format anyway).")
+def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> None:
     """Benchmarks: ratios measured side by side in one run."""
+    import os
+
     from tinyloop.bench import SECTIONS, run_bench
+    from tinyloop.formats import parse_spec
+
+    if weights:
+        try:
+            parse_spec(weights)
+        except ValueError as e:
+            fail(e)
+        os.environ["TINYLOOP_WEIGHTS"] = weights  # every section's load_model reads it
 
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:

@@ -8,6 +8,7 @@ TINYLOOP_MEMORY_BUDGET  bytes (512MiB, 2GB, ...)  default load_model memory_budg
 TINYLOOP_PREFILL_CHUNK int >= 0                 prompt tokens per prefill forward (Model.prefill_chunk; 0 = a prompt
                                                   in one forward; default 256)
 TINYLOOP_PREFIX_CACHE   on | off                 default load_model prefix_caching (automatic prefix caching)
+TINYLOOP_WEIGHTS        fp32 | bf16 | int8 | int4[:group]  default load_model weights (the artifact's own format)
 TINYLOOP_SPECULATIVE    draft:verify:ahead[:width]  default SpeculativeConfig of generate_speculative / choose_speculative
                                                   (read by tinyloop.speculative.speculative_from_env; e.g. 2:8:4)
 """

@@ -14,7 +14,7 @@ from .hf import is_hf_dir, load_hf, with_init_scale
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
 from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
-from .formats import DEFAULT_GROUP, check_format
+from .formats import DEFAULT_GROUP, check_format, parse_spec
 from .memory import available_bytes, blocks_for, release_freed_memory, weight_bytes_of, workspace_bytes
 from .model import LoopedLM, quantize_weights, release_linears, weight_bytes, weight_format
 from .prefix_tree import PrefixTree
@@ -206,8 +206,11 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
 
 def weight_format_for(info: ArtifactInfo, weights: str | None, group: int | None) -> tuple[str, int]:
     """load_model's weight format and int4 group: asked for, else TINYLOOP_WEIGHTS, else the artifact's own."""
-    if weights is None:
-        weights = os.environ.get("TINYLOOP_WEIGHTS", "").strip() or info.weights
+    spec = os.environ.get("TINYLOOP_WEIGHTS", "").strip()
+    if weights is None and spec:
+        weights, env_group = parse_spec(spec)
+        group = group or env_group
+    weights = weights or info.weights
     group = group or info.group or DEFAULT_GROUP
     check_format(weights, group)
     if info.weights != "fp32" and (weights != info.weights or group != (info.group or group)):

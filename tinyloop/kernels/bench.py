@@ -147,7 +147,7 @@ def torch_threads(n: int):
 
 def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
     n_tokens, rounds = (8, 2) if quick else (32, 3)
-    model = load_model(model_path, 512, device="cpu", cache_mode="fp16")
+    model = load_model(model_path, 512, device="cpu", cache_mode="fp16", weights="fp32")
     net, cfg, loops = model.net, model.cfg, model.cfg.default_loops
     ids = torch.tensor([model.encode_prompt(PROMPT)])
     prompts = {B: ids.expand(B, -1).contiguous() for B in (1, 16)}
