@@ -454,6 +454,10 @@ class Broker:
                 worker.prefixes, worker.recent = frozenset(msg["prefixes"]), set()
         elif msg.type == "token":
             self.on_worker_token(worker, msg)
+        elif msg.type == "tokens":
+            for request_id, token, pos, text in msg["items"]:
+                self.on_worker_token(worker, protocol.Message("token", {"id": request_id, "token": token, "pos": pos,
+                                                                        "text": text}))
         elif msg.type in ("done", "error"):
             self.on_worker_final(worker, msg)
         elif msg.type == "goodbye":

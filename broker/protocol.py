@@ -149,6 +149,24 @@ def token_list(max_len: int, min_len: int = 0) -> Callable[[Any], str | None]:
     return check
 
 
+def token_items(max_len: int) -> Callable[[Any], str | None]:
+    """A list of streamed tokens, each [id, token, pos, text] (the fields of a "token" message, in that order)."""
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return f"must be a list, got {type(value).__name__}"
+        if not 1 <= len(value) <= max_len:
+            return f"length must be in [1, {max_len}], got {len(value)}"
+        for item in value:
+            if not isinstance(item, list) or len(item) != 4:
+                return "items must be [id, token, pos, text]"
+            for (name, spec), part in zip(TOKEN_FIELDS.items(), item):
+                error = spec.check(part)
+                if error:
+                    return f"item {name} {error}"
+        return None
+    return check
+
+
 def one_of(*checks: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         errors = [c(value) for c in checks]
@@ -293,6 +311,9 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "prefixes": Field(list_of(int_in(0, DIGEST_MAX), MAX_ANNOUNCED_PREFIXES), required=False),
         },
         "token": TOKEN_FIELDS,
+        # The tokens one step of a worker's batch produced, one per request ([id, token, pos, text] each): one
+        # message per step instead of one per token (streaming cost per token: docs/engine.md).
+        "tokens": {"items": Field(token_items(4096))},
         "done": DONE_FIELDS,
         "error": {
             "id": REQUEST_ID,
