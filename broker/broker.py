@@ -454,6 +454,15 @@ class Broker:
                 worker.prefixes, worker.recent = frozenset(msg["prefixes"]), set()
         elif msg.type == "token":
             self.on_worker_token(worker, msg)
+        elif msg.type == "tokens":  # one step of a worker's batch: each client gets its share in one message
+            batches: dict[bytes, list[list]] = {}
+            for token in protocol.unbatch(msg):
+                self.on_worker_token(worker, token, batches)
+            for client, items in batches.items():
+                if len(items) == 1:
+                    self.send_client(client, "token", **dict(zip(protocol.TOKEN_FIELDS, items[0])))
+                else:
+                    self.send_client(client, "tokens", items=items)
         elif msg.type in ("done", "error"):
             self.on_worker_final(worker, msg)
         elif msg.type == "goodbye":
@@ -500,7 +509,9 @@ class Broker:
             return None
         return req
 
-    def on_worker_token(self, worker: Worker, msg: protocol.Message) -> None:
+    def on_worker_token(self, worker: Worker, msg: protocol.Message, batches: dict[bytes, list] | None = None) -> None:
+        """Forward a streamed token to its client; with `batches`, a client that reads "tokens" messages gets it
+        appended there instead ([id, token, pos, text]), to be sent with the step's other tokens."""
         req = self.current_request(worker, msg["id"])
         if req is None:
             # Work nobody waits for here (an earlier attempt, or a previous broker's request): stop it.
@@ -516,7 +527,11 @@ class Broker:
             self.metrics.ttft.observe(now - req.arrived)
         req.delivered.append(msg["token"])
         req.texts.append(msg["text"])
-        if req.stream:
+        if not req.stream:
+            return
+        if batches is not None and req.client.startswith(protocol.TOKENS_CLIENT):
+            batches.setdefault(req.client, []).append([req.client_id, msg["token"], msg["pos"], msg["text"]])
+        else:
             self.send_client(req.client, "token", id=req.client_id, token=msg["token"], pos=msg["pos"], text=msg["text"])
 
     def on_worker_final(self, worker: Worker, msg: protocol.Message) -> None:

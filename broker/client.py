@@ -237,7 +237,8 @@ def _close(sock: zmq.Socket, monitor: zmq.Socket, linger: int) -> None:
 
 
 def new_identity() -> bytes:
-    return b"c-" + os.urandom(8).hex().encode()
+    # TOKENS_CLIENT: this client reads "tokens" messages (a worker step's tokens of its requests in one message)
+    return protocol.TOKENS_CLIENT + os.urandom(8).hex().encode()
 
 
 @dataclass
@@ -430,6 +431,10 @@ class Client:
             msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
         except ProtocolError:
             return  # nothing sensible to do with a garbled reply; the request will time out
+        for one in protocol.unbatch(msg):
+            self._file_one(one)
+
+    def _file_one(self, msg: protocol.Message) -> None:
         request_id = msg.get("id")
         outgoing = self.open.get(request_id)
         if outgoing is None or request_id not in self.inbox:
@@ -627,6 +632,10 @@ class AsyncClient:
             msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
         except ProtocolError:
             return
+        for one in protocol.unbatch(msg):
+            self._file_one(one)
+
+    def _file_one(self, msg: protocol.Message) -> None:
         request_id = msg.get("id")
         outgoing, queue = self.open.get(request_id), self.queues.get(request_id)
         if outgoing is None or queue is None:

@@ -1,8 +1,9 @@
 """`tinyloop loadtest --batching`: what continuous batching in the workers buys, side by side in one run.
 
 1. Throughput, closed loop at concurrency 16 with 2 workers, against one in-process `generate_batch` of 16 lanes on
-   the same prompts and against the service of an older revision (`--before REV`, default 517ca22: one request at a
-   time per worker), run from `git archive REV` in a temporary directory.
+   the same prompts (without prefix caching, the in-process default, and with it, as every worker runs) and against
+   the service of an older revision (`--before REV`, default 517ca22: one request at a time per worker), run from
+   `git archive REV` in a temporary directory. The runs take turns, best of 2 rounds each.
 2. TTFT and TPOT p50/p99 under open-loop (Poisson) load at 50 % and 90 % of the measured capacity, prompts of 16 and
    1024 tokens mixed (3 : 1), with prompts prefilled in chunks (the default 256 tokens) and without (`--prefill-chunk 0`).
 3. Mixed depth, in process: 8 prompts at 4 loops and 8 at 16 loops in one `generate_batch` against the two groups one
@@ -41,30 +42,19 @@ def old_tree(rev: str) -> Path:
     return out
 
 
-def in_process_batches(prompts: list, max_tokens: int, lanes: int, threads: int) -> float:
-    """Output tokens per second of generate_batch over the prompts, `lanes` at a time (after a warm-up)."""
+def in_process_batches(model, prompts: list, max_tokens: int, lanes: int, threads: int) -> dict:
+    """Output tokens per second of generate_batch over the prompts, `lanes` at a time, with `threads` torch threads;
+    `tokens`: how many it generated (the services must generate as many)."""
     import torch
 
     import tinyloop
 
     torch.set_num_threads(threads)
-    model = tinyloop.load_model(None, 512)
     cfg = tinyloop.GenerateConfig(max_tokens=max_tokens)
-    tinyloop.generate_batch(model, prompts[:2], tinyloop.GenerateConfig(max_tokens=2))  # warm up
     t, tokens = time.perf_counter(), 0
     for i in range(0, len(prompts), lanes):
         tokens += sum(r.stats.generated_tokens for r in tinyloop.generate_batch(model, prompts[i:i + lanes], cfg))
-    elapsed = time.perf_counter() - t
-    tinyloop.free_model(model)
-    return tokens / elapsed
-
-
-def service_throughput(args: list[str], root: Path, n_requests: int, max_tokens: int, concurrency: int) -> dict:
-    with LocalService(2, args, root=root) as svc:
-        run_load(svc.frontend, mode="closed", concurrency=2, n_requests=4, max_tokens=2)  # warm up
-        return max((run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=n_requests,
-                             prompts=PROMPTS_16, max_tokens=max_tokens) for _ in range(2)),
-                   key=lambda r: r["output_tokens_per_s"])
+    return {"tok_s": tokens / (time.perf_counter() - t), "tokens": tokens}
 
 
 def token_prompts(lengths: list[int]) -> list[list[int]]:
@@ -141,24 +131,58 @@ def batching_side_by_side(*, before: str = "517ca22", n_requests: int = 64, max_
 
 
 def throughput_part(results: dict, before: str, args: list[str], n_requests: int, max_tokens: int, concurrency: int,
-                    cores: int, echo: Callable[[str], None]) -> None:
+                    cores: int, echo: Callable[[str], None], rounds: int = 2) -> None:
+    """The services (before and now, both started first) and the in-process batches (2 and 1 threads, without and with
+    prefix caching, which every worker runs with) take turns, `rounds` times, and each keeps its best: a load change on
+    the machine hits all alike."""
+    import torch
+
+    import tinyloop
+
     echo(f"[1/3] throughput: closed loop, concurrency {concurrency}, 2 workers x {args[-1]} thread(s), "
-         f"{n_requests} requests x {max_tokens} tokens; in-process generate_batch of 16 lanes, {cores} threads")
-    old = old_tree(before)
-    tput = {"before": service_throughput(args, old, n_requests, max_tokens, concurrency),
-            "service": service_throughput(args + ["--max-lanes", "16"], REPO_ROOT, n_requests, max_tokens, concurrency)}
+         f"{n_requests} requests x {max_tokens} tokens; in-process generate_batch of 16 lanes, {cores} and 1 threads, "
+         f"best of {rounds} alternating rounds")
     prompts = [PROMPTS_16[i % len(PROMPTS_16)] for i in range(n_requests)]
-    # torch's threads (all cores) and one thread: on a busy machine spinning threads can cost 10x, so the better counts
-    by_threads = {n: in_process_batches(prompts, max_tokens, 16, n) for n in dict.fromkeys((cores, 1))}
-    inproc = max(by_threads.values())
-    results["throughput"] = {"before_tok_s": tput["before"]["output_tokens_per_s"],
-                             "service_tok_s": tput["service"]["output_tokens_per_s"], "generate_batch_tok_s": inproc,
-                             "generate_batch_by_threads": by_threads}
-    t = results["throughput"]
-    echo(f"      service before ({before}): {t['before_tok_s']:.1f} tok/s   service now: {t['service_tok_s']:.1f} tok/s   "
-         "in-process generate_batch: " + ", ".join(f"{v:.1f} tok/s ({n} thread(s))" for n, v in by_threads.items()))
-    echo(f"      service now / generate_batch = {t['service_tok_s'] / inproc:.2f}x   "
-         f"service now / before = {t['service_tok_s'] / t['before_tok_s']:.2f}x")
+    threads = torch.get_num_threads()
+    models = {"": tinyloop.load_model(None, 512), " + prefix cache": tinyloop.load_model(None, 512, prefix_caching=True)}
+    for model in models.values():  # warm up
+        tinyloop.generate_batch(model, prompts[:2], tinyloop.GenerateConfig(max_tokens=2))
+    best: dict[str, dict] = {}
+
+    def keep(name: str, r: dict) -> None:
+        if name not in best or r["tok_s"] > best[name]["tok_s"]:
+            best[name] = r
+
+    with LocalService(2, args, root=old_tree(before)) as old, LocalService(2, args + ["--max-lanes", "16"]) as new:
+        for svc in (old, new):
+            run_load(svc.frontend, mode="closed", concurrency=2, n_requests=4, max_tokens=2)  # warm up
+        for _ in range(rounds):
+            for name, svc in ((f"service before ({before})", old), ("service now", new)):
+                r = run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=n_requests,
+                             prompts=PROMPTS_16, max_tokens=max_tokens)
+                keep(name, {"tok_s": r["output_tokens_per_s"], "tokens": r["output_tokens"]})
+            # torch's threads (all cores) and one: on a busy machine spinning threads can cost 10x, so the better counts
+            for n in dict.fromkeys((cores, 1)):
+                for label, model in models.items():
+                    keep(f"generate_batch {n} thread(s){label}", in_process_batches(model, prompts, max_tokens, 16, n))
+    torch.set_num_threads(threads)
+    for model in models.values():
+        tinyloop.free_model(model)
+    service, old_tok_s = best["service now"]["tok_s"], best[f"service before ({before})"]["tok_s"]
+    plain = {n: best[f"generate_batch {n} thread(s)"]["tok_s"] for n in dict.fromkeys((cores, 1))}
+    cached = {n: best[f"generate_batch {n} thread(s) + prefix cache"]["tok_s"] for n in dict.fromkeys((cores, 1))}
+    inproc = max(plain.values())
+    results["throughput"] = {"before_tok_s": old_tok_s, "service_tok_s": service, "generate_batch_tok_s": inproc,
+                             "generate_batch_by_threads": plain, "generate_batch_prefix_cache_by_threads": cached,
+                             "runs": best}
+    for name, r in best.items():
+        echo(f"      {name:<42} {r['tok_s']:>7.1f} tok/s   ({r['tokens']} tokens)")
+    # the same work on every side: the same prompts, max_tokens and loops (the model's default) give as many tokens
+    if len({r["tokens"] for r in best.values()}) > 1:
+        echo("      the sides generated different numbers of tokens: they did not do the same work")
+    echo(f"      service now / generate_batch = {service / inproc:.2f}x   "
+         f"(/ generate_batch with prefix caching: {service / max(cached.values()):.2f}x)   "
+         f"service now / before = {service / old_tok_s:.2f}x")
 
 
 def latency_part(results: dict, per_worker: int, open_requests: int, max_tokens: int, concurrency: int,

@@ -149,6 +149,24 @@ def token_list(max_len: int, min_len: int = 0) -> Callable[[Any], str | None]:
     return check
 
 
+def token_items(max_len: int) -> Callable[[Any], str | None]:
+    """A list of streamed tokens, each [id, token, pos, text] (the fields of a "token" message, in that order)."""
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return f"must be a list, got {type(value).__name__}"
+        if not 1 <= len(value) <= max_len:
+            return f"length must be in [1, {max_len}], got {len(value)}"
+        for item in value:
+            if not isinstance(item, list) or len(item) != 4:
+                return "items must be [id, token, pos, text]"
+            for (name, spec), part in zip(TOKEN_FIELDS.items(), item):
+                error = spec.check(part)
+                if error:
+                    return f"item {name} {error}"
+        return None
+    return check
+
+
 def one_of(*checks: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         errors = [c(value) for c in checks]
@@ -233,6 +251,11 @@ def prefix_digests(prompt: str | list[int], limit: int | None = None) -> list[in
 
 REQUEST_ID = Field(text(128, min_len=1))
 MAX_TIMEOUT_S = 24 * 3600.0
+# A client socket whose ZeroMQ identity starts with this reads "tokens" messages (this library's clients): the
+# broker then sends it the tokens a worker's step streamed for its requests in one message. Carried by the identity,
+# so neither an older broker nor an older client sees a field or message it does not know.
+TOKENS_CLIENT = b"cb-"
+
 # A streamed token and a final result look the same on both legs (worker -> broker -> client).
 TOKEN_FIELDS = {
     "id": REQUEST_ID,
@@ -263,6 +286,9 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
     },
     BROKER_TO_CLIENT: {
         "token": TOKEN_FIELDS,
+        # Streamed tokens of several requests, [id, token, pos, text] each, sent only to a client whose socket
+        # identity starts with TOKENS_CLIENT (it says the client reads them; others get one "token" each).
+        "tokens": {"items": Field(token_items(4096))},
         "done": DONE_FIELDS,
         "error": {
             "id": Field(optional(text(128)), required=False),
@@ -293,6 +319,9 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "prefixes": Field(list_of(int_in(0, DIGEST_MAX), MAX_ANNOUNCED_PREFIXES), required=False),
         },
         "token": TOKEN_FIELDS,
+        # The tokens one step of a worker's batch produced, one per request ([id, token, pos, text] each): one
+        # message per step instead of one per token (streaming cost per token: docs/engine.md).
+        "tokens": {"items": Field(token_items(4096))},
         "done": DONE_FIELDS,
         "error": {
             "id": REQUEST_ID,
@@ -435,6 +464,13 @@ class Message:
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
+
+
+def unbatch(msg: Message) -> list[Message]:
+    """A "tokens" message as the "token" messages it carries; any other message as itself."""
+    if msg.type != "tokens":
+        return [msg]
+    return [Message("token", dict(zip(TOKEN_FIELDS, item))) for item in msg["items"]]
 
 
 def validate(direction: str, msg_type: str, fields: dict, request_id: str | None = None) -> dict:

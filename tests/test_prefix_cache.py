@@ -89,6 +89,29 @@ def test_batch_lanes_and_beams_reuse_and_equal_generate(make_artifact):
     assert out.stats.prefix_hit_tokens == 32 and out.tokens == tinyloop.generate(plain, scaffold + [5, 6], beam).tokens
 
 
+def test_a_prompt_cached_but_its_last_token_joins_the_decode_rows(make_artifact, caplog):
+    """A prompt the cache holds all but the last token of feeds that token as a row of the running lanes' decode
+    forward instead of a forward of its own (engine/runner.py); the output stays generate's, beside a lane mid-decode."""
+    cached, plain = pair(make_artifact)
+    cfg = G(max_tokens=8, loops=4)
+    prompts = [ids(n, 20 + n) for n in (10, 17, 30, 45)]  # + 7 answer tokens kept: whole blocks cover n - 1
+    tinyloop.generate_batch(cached, prompts, cfg)
+    sched = tinyloop.Scheduler(cached, lanes=5)
+    fresh = sched.submit(ids(12, 3), cfg)
+    sched.step(), sched.step()
+    seqs = [sched.submit(p, cfg) for p in prompts]
+    with caplog.at_level("DEBUG", logger="tinyloop.scheduler"):
+        while not sched.idle():
+            sched.step()
+    assert fresh.result().tokens == tinyloop.generate(plain, ids(12, 3), cfg).tokens
+    for p, seq in zip(prompts, seqs):
+        out = seq.result()
+        assert out.tokens == tinyloop.generate(plain, p, cfg).tokens
+        assert out.stats.prefix_hit_tokens == len(p) - 1
+    assert caplog.text.count("joins the decode rows") == len(prompts)
+    assert "prefill #" not in caplog.text  # none of them ran a forward of its own
+
+
 def test_registered_scaffold_ending_in_whitespace_hits_its_continuation(make_artifact, tiny_codec):
     """The boundary miss: a scaffold registered as text and a request continuing it tokenize differently at the seam;
     every token before it is reused, in the pool and in a PrefixCache, and the output is generate's on the text."""

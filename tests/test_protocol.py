@@ -47,11 +47,13 @@ SAMPLES = [
     (CLIENT_TO_BROKER, "cancel", dict(id="r1")),
     (CLIENT_TO_BROKER, "status", dict(id="s")),
     (BROKER_TO_CLIENT, "token", dict(id="r1", token=17, pos=0, text="de")),
+    (BROKER_TO_CLIENT, "tokens", dict(items=[["r1", 17, 0, "de"], ["r2", 5, 3, ""]])),
     (BROKER_TO_CLIENT, "done", dict(id="r1", result={"tokens": [1], "text": "a", "stats": {"stop_reason": "eos"}})),
     (BROKER_TO_CLIENT, "error", dict(id=None, code="bad_frame", message="no")),
     (WORKER_TO_BROKER, "ready", dict(name="w1", pid=12, ops=["generate", "ping"], plan_bytes=10, max_handles=2,
                                      device="cpu", model="bundled")),
     (WORKER_TO_BROKER, "heartbeat", dict(handles=0)),
+    (WORKER_TO_BROKER, "tokens", dict(items=[["r1.0", 17, 0, "de"], ["r2.0", 5, 3, ""]])),
     (WORKER_TO_BROKER, "goodbye", {}),
     (BROKER_TO_WORKER, "request", dict(id="9", op="ping", params={}, stream=False, timeout_s=None)),
     (BROKER_TO_WORKER, "refused", dict(reason="too big")),
@@ -97,6 +99,31 @@ def test_invalid_generate_fields_are_named(params, needle):
     assert err.value.code == Codes.INVALID_FIELD
     assert needle in err.value.message
     assert err.value.request_id == "a"  # so the error reply can name the request
+
+
+@pytest.mark.parametrize("items,needle", [
+    ([], "length"),  # a step with no tokens sends no message
+    ([["r1", 17, 0]], "[id, token, pos, text]"),
+    ([["r1", 17, 0, "de", 1]], "[id, token, pos, text]"),
+    ([["r1", -1, 0, "de"]], "token"),
+    ([["r1", 17, 0, 5]], "text"),
+    ([["", 17, 0, "de"]], "id"),
+    ({"r1": [17, 0, "de"]}, "list"),
+])
+def test_tokens_items_are_checked_like_token_messages(items, needle):
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode(WORKER_TO_BROKER, frames_of("tokens", items=items))
+    assert err.value.code == Codes.INVALID_FIELD
+    assert needle in err.value.message
+
+
+def test_unbatch_reads_tokens_as_token_messages():
+    frames = protocol.encode(BROKER_TO_CLIENT, "tokens", items=[["r1", 17, 0, "de"], ["r2", 5, 3, ""]])
+    msgs = protocol.unbatch(protocol.decode(BROKER_TO_CLIENT, frames))
+    assert [(m.type, m.fields) for m in msgs] == [("token", {"id": "r1", "token": 17, "pos": 0, "text": "de"}),
+                                                 ("token", {"id": "r2", "token": 5, "pos": 3, "text": ""})]
+    done = protocol.decode(BROKER_TO_CLIENT, protocol.encode(BROKER_TO_CLIENT, "done", id="r1", result={}))
+    assert protocol.unbatch(done) == [done]
 
 
 def test_frame_level_errors():

@@ -118,3 +118,47 @@ def test_client_generate_batch_feeds_many_prompts(service, model):
     with Client(service.frontend, timeout=300) as client:
         replies = client.generate_batch(prompts, window=12, max_tokens=6)
     assert [r.tokens for r in replies] == [direct(model, p, max_tokens=6).tokens for p in prompts]
+
+
+def raw_streams(frontend: str, identity: bytes, prompts: list[str], max_tokens: int) -> tuple[list, dict, dict]:
+    """Streaming requests from a bare DEALER socket under `identity`, all sent at once: (the types of the messages it
+    got, the tokens streamed per request, the final message per request)."""
+    import zmq
+
+    from broker import protocol
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(frontend)
+    try:
+        for i, prompt in enumerate(prompts):
+            sock.send_multipart(protocol.encode(protocol.CLIENT_TO_BROKER, "request", id=f"r{i}", op="generate",
+                                                params={"prompt": prompt, "max_tokens": max_tokens}, stream=True))
+        types, streamed, final = [], {f"r{i}": [] for i in range(len(prompts))}, {}
+        while len(final) < len(prompts):
+            assert sock.poll(120_000), "no reply from the service"
+            msg = protocol.decode(protocol.BROKER_TO_CLIENT, sock.recv_multipart())
+            types.append(msg.type)
+            for one in protocol.unbatch(msg):
+                if one.type == "token":
+                    streamed[one["id"]].append(one["token"])
+                else:
+                    final[one["id"]] = one
+    finally:
+        sock.close(linger=0)
+    return types, streamed, final
+
+
+def test_a_step_streams_its_tokens_in_one_message_to_clients_that_read_them(service):
+    """A worker sends a step's tokens in one message; the broker passes a client its share in one `tokens` message
+    when its identity says it reads them (this library's clients), else one `token` message each (older clients).
+    Either way each request streams exactly its final tokens, in order."""
+    for identity, batched in ((b"cb-test-reads-tokens", True), (b"c-test-older-client", False)):
+        types, streamed, final = raw_streams(service.frontend, identity, PROMPTS[:3], 12)
+        for request_id, msg in final.items():
+            assert msg.type == "done" and streamed[request_id] == msg["result"]["tokens"]
+        assert ("tokens" in types) == batched, types
+    with Client(service.frontend, timeout=120) as client:  # the library's client reads them
+        pending = [client.submit("generate", {"prompt": p, "max_tokens": 12}, stream=True) for p in PROMPTS[:3]]
+        for p in pending:
+            assert [event.token for event in p] == p.result().tokens

@@ -40,6 +40,7 @@ class Sequence:
         # the scheduler's view (engine/runner.py): its lane, prompt tokens in the lane, fresh logits to sample from
         self.lane: int | None = None
         self.cached, self.first, self.logits, self.arrival = 0, None, None, 0
+        self.prompt_row = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
     # --- sampling -----------------------------------------------------------------------------------------
