@@ -399,12 +399,26 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="--side-by-side: torch threads per model (default: cores for one model, cores/2 for each of two).")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
+@click.option("--weights", default=None, metavar="FORMAT",
+              help="Weight format of the models the load test starts, in its workers and in-process: fp32, bf16, "
+                   "int8, int4 or int4:GROUP.")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
                      plot_path, soak, side_by_side, batching, before, prefix_routing, model_path, threads,
-                     curve_dir) -> None:
+                     curve_dir, weights) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
+    import os
+
     from broker import loadtest
     from scripts.cli import write_results
+
+    if weights:  # the workers inherit the environment; in-process models read it in load_model
+        from tinyloop.formats import parse_spec
+
+        try:
+            parse_spec(weights)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--weights")
+        os.environ["TINYLOOP_WEIGHTS"] = weights
 
     try:
         levels = [int(c) for c in str(concurrency).split(",")]
