@@ -35,16 +35,16 @@ from ..formats import INT4_BLOCK, Matrix, QMatrix
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# -ffp-contract=off: the scalar K tails stay mul-then-add, as written (batch invariance, see cpu_gemv.c).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
-# Largest batch B for which cpu_gemv beats torch's product of the same format (the ones named in
-# scripts/bench_cpu_kernels.py), measured on a 2-core AMD EPYC Zen3 VM, torch 2.13.0 CPU, d768 matrices,
-# B = 1, 2, 4, 8, 16, 32, best of many calls on a shared machine (2026-11-30):
-#   fp32  F.linear (oneDNN/MKL sgemm) catches up at B = 16 on one thread (ours/torch 0.99-1.13; 1.6-2.1 on two)
-#         and passes it at B = 32 on one thread (0.88-1.04): both are FMA-bound there.
-#   bf16, int8, int4: torch's products are 4x (bf16) to 25-100x (int8pack, int4pack) slower at every B up to
-#         32, the largest measured; 32 is a lower bound.
-MAX_ROWS = {"fp32": 16, "bf16": 32, "int8": 32, "int4": 32}
+# Largest batch B that linear() takes (the dispatcher, kernels/linear.py, uses torch above it). 32 for every
+# format: it is the engine's lane cap, and a decode step of any batch up to it must run these kernels, whose
+# per-element summation does not depend on B (cpu_gemv.c), so a request's output is the same alone or batched;
+# torch's products sum differently per batch shape. Above 32 rows (prefill chunks) torch may run.
+# Speed at 32 (2-core Zen3, torch 2.13 CPU, d768 matrices, 2026-11-30): fp32 is within ~10-30% of F.linear
+# (oneDNN sgemm, both FMA-bound); bf16 / int8 / int4 beat torch's products of the same format several times over.
+MAX_ROWS = {"fp32": 32, "bf16": 32, "int8": 32, "int4": 32}
 
 _lib: ctypes.CDLL | None = None
 _state: str = "unknown"  # "unknown" -> "ok" | "off"
@@ -150,7 +150,8 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
 
     act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster at
     batch 1-2, at the cost of a max error ~0.5% of the output scale. Without it the result is
-    formats.reference_linear up to fp32 rounding. threads 0 = torch.get_num_threads().
+    formats.reference_linear up to fp32 rounding. Either way a row's result is bitwise the same whatever the batch
+    it is multiplied in and whatever the thread count (batch invariance: one summation order per element). threads 0 = torch.get_num_threads().
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
     """
@@ -192,7 +193,7 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
 
 
 def max_rows(fmt: str) -> int:
-    """Largest batch for which linear() beats torch's best product of this format here (measured, see MAX_ROWS)."""
+    """Largest batch the dispatcher sends to linear() for this format: the engine's 32 lanes (see MAX_ROWS)."""
     if fmt not in MAX_ROWS:
         raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(MAX_ROWS)}")
     return MAX_ROWS[fmt]
