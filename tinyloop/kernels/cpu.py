@@ -151,7 +151,8 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
     act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster at
     batch 1-2, at the cost of a max error ~0.5% of the output scale. Without it the result is
     formats.reference_linear up to fp32 rounding. Either way a row's result is bitwise the same whatever the batch
-    it is multiplied in and whatever the thread count (batch invariance: one summation order per element). threads 0 = torch.get_num_threads().
+    it is multiplied in and whatever the thread count (batch invariance: one summation order per element).
+    threads 0 = torch.get_num_threads().
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
     """
@@ -159,33 +160,42 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
         raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
                           f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     B, K = x.shape
-    fmt = "fp32" if isinstance(w, torch.Tensor) else w.fmt
-    N, Kw = w.shape
+    t = threads or torch.get_num_threads()
+    # Checks read the tensors' own attributes once (QMatrix.shape is a Python property): ~80 calls per decode step.
+    if isinstance(w, torch.Tensor):
+        N, Kw = w.shape
+        if K != Kw:
+            raise ConfigError(f"x width {K} does not match the fp32 weight's width {Kw} (weight {N}x{Kw})")
+        y = torch.empty(B, N, dtype=torch.float32)
+        if B and N:
+            _check(w, torch.float32, (N, K), "fp32 weight")
+            lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
+        return y
+    fmt, data = w.fmt, w.data
+    N = data.shape[0]
+    Kw = w.width if fmt == "int4" else data.shape[1]
     if K != Kw:
         raise ConfigError(f"x width {K} does not match the {fmt} weight's width {Kw} (weight {N}x{Kw})")
-    t = threads or torch.get_num_threads()
     y = torch.empty(B, N, dtype=torch.float32)
     if B == 0 or N == 0:
-        return y.zero_()
-    if fmt == "fp32":
-        _check(w, torch.float32, (N, K), "fp32 weight")
-        lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
-    elif fmt == "bf16":
-        _check(w.data, torch.bfloat16, (N, K), "bf16 weight data")
-        lib.tl_linear_bf16(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), B, N, K, t)
+        return y
+    if fmt == "bf16":
+        _check(data, torch.bfloat16, (N, K), "bf16 weight data")
+        lib.tl_linear_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), B, N, K, t)
     elif fmt == "int8":
-        _check(w.data, torch.int8, (N, K), "int8 weight data")
+        _check(data, torch.int8, (N, K), "int8 weight data")
         _check(w.scale, torch.float32, (N,), "int8 weight scale")
-        lib.tl_linear_int8(x.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
+        lib.tl_linear_int8(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
                            int(act_quant), t)
     elif fmt == "int4":
         if w.group <= 0 or w.group % INT4_BLOCK or K % w.group:
             raise ConfigError(f"int4 group {w.group} must be a positive multiple of {INT4_BLOCK} dividing K={K}")
-        _check(w.data, torch.uint8, (N, K // 2), "int4 weight data")
+        _check(data, torch.uint8, (N, K // 2), "int4 weight data")
         _check(w.scale, torch.float32, (N, K // w.group), "int4 weight scale")
-        lib.tl_linear_int4(x.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
+        lib.tl_linear_int4(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
                            int(act_quant), t)
     else:
         raise ConfigError(f"weight format {fmt!r} has no CPU kernel")

@@ -20,8 +20,12 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+// Weight rows per block at B = 1 and at B = 2..4 (see the row loop).
+#ifndef RB1_F32
+#define RB1_F32 1
+#endif
 #ifndef RB1_BF16
-#define RB1_BF16 1  // weight rows per block at B = 1 (see the row loop)
+#define RB1_BF16 2
 #endif
 #ifndef RB1_I8
 #define RB1_I8 2
@@ -29,9 +33,28 @@
 #ifndef RB1_I4
 #define RB1_I4 2
 #endif
+#ifndef RBS_F32
+#define RBS_F32 1
+#endif
+#ifndef RBS_BF16
+#define RBS_BF16 2
+#endif
+#ifndef RBS_I8
+#define RBS_I8 2
+#endif
+#ifndef RBS_I4
+#define RBS_I4 2
+#endif
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 
 enum { F32, BF16, I8 };
+
+// v, loaded into a register once: gcc would otherwise fold a load used by several fmas into each of them (one
+// load per fma), which makes loads the limit of a 2 x 3 tile. Changes no value.
+INLINE __m256 in_reg(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -93,13 +116,16 @@ INLINE void dense_tile(int fmt, int R, int BT, const void *w, long ldw, const fl
         for (int b = 0; b < BT; b++) acc[0][r][b] = acc[1][r][b] = _mm256_setzero_ps();
     }
     long k = 0;
+    // R weight vectors and one x vector at a time in registers: R + BT loads per R * BT fmas.
     for (; k + 16 <= K; k += 16)
-        for (int u = 0; u < 2; u++)
-            for (int r = 0; r < R; r++) {
-                __m256 wv = load8(fmt, wr[r], k + 8 * u);
-                for (int b = 0; b < BT; b++)
-                    acc[u][r][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k + 8 * u), acc[u][r][b]);
+        for (int u = 0; u < 2; u++) {
+            __m256 wv[4];
+            for (int r = 0; r < R; r++) wv[r] = in_reg(load8(fmt, wr[r], k + 8 * u));
+            for (int b = 0; b < BT; b++) {
+                __m256 xv = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * u));
+                for (int r = 0; r < R; r++) acc[u][r][b] = _mm256_fmadd_ps(wv[r], xv, acc[u][r][b]);
             }
+        }
     if (k + 8 <= K) {
         for (int r = 0; r < R; r++) {
             __m256 wv = load8(fmt, wr[r], k);
@@ -134,16 +160,16 @@ INLINE void int4_tile(int R, int BT, const uint8_t *w, long ldw, const float *sc
             m8s[r] = _mm256_mul_ps(s[r], _mm256_set1_ps(-8.0f));
         }
         for (long k = g * group; k < (g + 1) * group; k += QB)
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < R; r++) {
-                    __m256 wl, wh;
-                    int4_w16(w + r * ldw + k / 2 + 8 * h, s[r], m8s[r], &wl, &wh);
-                    for (int b = 0; b < BT; b++) {
-                        const float *xb = x + b * K + k + 8 * h;
-                        acc[h][r][b] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xb), acc[h][r][b]);
-                        acc[h][r][b] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xb + 16), acc[h][r][b]);
-                    }
+            for (int h = 0; h < 2; h++) {
+                __m256 wl[4], wh[4];
+                for (int r = 0; r < R; r++) int4_w16(w + r * ldw + k / 2 + 8 * h, s[r], m8s[r], &wl[r], &wh[r]);
+                for (int b = 0; b < BT; b++) {
+                    const __m256 xl = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * h));
+                    const __m256 xh = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * h + 16));
+                    for (int r = 0; r < R; r++) acc[h][r][b] = _mm256_fmadd_ps(wl[r], xl, acc[h][r][b]);
+                    for (int r = 0; r < R; r++) acc[h][r][b] = _mm256_fmadd_ps(wh[r], xh, acc[h][r][b]);
                 }
+            }
     }
     for (int r = 0; r < R; r++)
         for (int b = 0; b < BT; b++) out[b * ldy + r] = hsum(_mm256_add_ps(acc[0][r][b], acc[1][r][b]));
@@ -314,13 +340,14 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 }
 
 // ---- the row loop: threads take contiguous runs of blocks of RB weight rows; each block walks the batch in
-// tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone:
-//   B = 1: bandwidth-bound; a tile of R rows has 2R fma chains, and 2 chains of 4-cycle latency cap a core at
-//          0.5 fma/cycle, enough for fp32 but not for int8 / int4 (more weights per byte), which take R = rb1.
-//   B > 1: R = 2 rows x BT = 3 x rows (12 accumulators, 10 loads per 12 fmas): fma throughput is the limit;
-//          B % 3 leaves a tile of 1 or 2 (or two of 2 for B % 3 == 1, so no lone single-row tile).
-// widen (bf16 / int8 / int4, B >= WIDEN_B): the block's rows are widened to fp32 once, into a per-thread buffer.
-#define WIDEN_B 4
+// tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3):
+//   B = 1: bandwidth-bound, but a tile of R rows has only 2R fma chains (4-cycle latency): R = 1 caps a core at
+//          0.5 fma/cycle, enough for fp32; bf16 / int8 / int4 carry more weights per byte and take R = 2.
+//   B = 2..4: fp32 one row (one sequential stream for the prefetcher, BT = B), the others two rows.
+//   B > 4: R = 2 rows x BT = 3 x rows, 12 accumulators, 5 loads per 6 fmas: fma throughput is the limit;
+//          B % 3 leaves a tile of 1 or 2 (two of 2 for B % 3 == 1).
+// widen: from this B on (bf16 / int8 8, int4 4; 0 never) a block's rows are widened to fp32 once, into a
+// per-thread buffer, and the fp32 tile runs on them (measured in L2: 10-40% faster from there).
 
 // Tile heights in order for a batch of B rows and R weight rows: fills bt[], returns how many.
 static int plan_tiles(long B, int R, int *bt) {
@@ -371,11 +398,20 @@ static float *wide_buffer(long n) {
         }                                                                                \
     } while (0)
 
-#define FOR_TILES(N, B, K, threads, rb1, widen, WIDEN, TILE)                             \
-    const long RB = (B) == 1 ? (rb1) : 2;                                                \
-    _Pragma("omp parallel num_threads(threads)") {                                       \
-        float *wide = (widen) && (B) >= WIDEN_B ? wide_buffer(RB * (K)) : 0;             \
-        _Pragma("omp for schedule(static)")                                              \
+// The rows' loop runs in an OpenMP team only for threads > 1: a team of one still costs ~1 us per call (libgomp),
+// and a decode step makes ~80 calls. Outside a team the `omp for` is one thread's whole loop.
+#define FOR_TILES(N, B, K, threads, rb1, rbs, widen, WIDEN, TILE)                        \
+    const long RB = (B) == 1 ? (rb1) : (B) <= 4 ? (rbs) : 2;                             \
+    if ((threads) > 1) {                                                                 \
+        _Pragma("omp parallel num_threads(threads)")                                     \
+        ROWS(N, B, K, RB, widen, WIDEN, TILE)                                            \
+    } else                                                                               \
+        ROWS(N, B, K, RB, widen, WIDEN, TILE)
+
+#define ROWS(N, B, K, RB, widen, WIDEN, TILE)                                            \
+    {                                                                                    \
+        float *wide = (widen) && (B) >= (widen) ? wide_buffer(RB * (K)) : 0;             \
+        _Pragma("omp for schedule(static) nowait")                                       \
         for (long i = 0; i < ((N) + RB - 1) / RB; i++) {                                 \
             const long n0 = RB * i;                                                      \
             if (n0 + RB <= (N)) {                                                        \
@@ -392,7 +428,7 @@ static float *wide_buffer(long n) {
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(F32, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-    FOR_TILES(N, B, K, threads, 1, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, RB1_F32, RBS_F32, 0, NO_WIDEN, T)
 #undef T
     (void)wscale;
 }
@@ -401,7 +437,7 @@ void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N,
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(BF16, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 #define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, buf)
-    FOR_TILES(N, B, K, threads, RB1_BF16, 1, W, T)
+    FOR_TILES(N, B, K, threads, RB1_BF16, RBS_BF16, 8, W, T)
 #undef W
 #undef T
     (void)wscale;
@@ -413,7 +449,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
 #define wscale (scale + n)
 #define T(R_, BT_) dense_tile(I8, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
 #define W(R_, buf) widen_rows(I8, R_, w + n * K, K, buf)
-        FOR_TILES(N, B, K, threads, RB1_I8, 1, W, T)
+        FOR_TILES(N, B, K, threads, RB1_I8, RBS_I8, 8, W, T)
 #undef W
 #undef T
 #undef wscale
@@ -427,7 +463,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
                               x + b0 * K, K, y + b0 * N + n, N)
-    FOR_TILES(N, B, K, threads, 2, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, 2, 2, 0, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
@@ -441,7 +477,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
     if (!act_quant) {
 #define T(R_, BT_) int4_tile(R_, BT_, w + n * ldw, ldw, scale + n * G, G, group, x + b0 * K, K, y + b0 * N + n, N)
 #define W(R_, buf) widen_rows_int4(R_, w + n * ldw, ldw, scale + n * G, G, group, K, buf)
-        FOR_TILES(N, B, K, threads, RB1_I4, 1, W, T)
+        FOR_TILES(N, B, K, threads, RB1_I4, RBS_I4, 4, W, T)
 #undef W
 #undef T
         return;
@@ -472,7 +508,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
         else int4q_tile(0, R_, BT_, w + n * ldw, ldw, scale + n * G, G, gidx, qx + b0 * K, sx + b0 * KB,     \
                         sx8 + b0 * KP * 8, o8 + b0 * KP * 8, sq + b0 * KB, KB, y + b0 * N + n, N);           \
     } while (0)
-    FOR_TILES(N, B, K, threads, 2, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, 2, 2, 0, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
