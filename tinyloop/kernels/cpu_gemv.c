@@ -20,31 +20,14 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
-// Weight rows per block at B = 1 and at B = 2..4 (see the row loop).
-#ifndef RB1_F32
-#define RB1_F32 1
+// Weight rows per block at B = 1, 2 and 3..4, and the B from which rows are widened (see the row loop).
+#ifndef TUNE
+#define TUNE_BF16 2, 2, 1, 16
+#define TUNE_I8 2, 2, 1, 16
+#define TUNE_I4 2, 2, 2, 4
 #endif
-#ifndef RB1_BF16
-#define RB1_BF16 2
-#endif
-#ifndef RB1_I8
-#define RB1_I8 2
-#endif
-#ifndef RB1_I4
-#define RB1_I4 2
-#endif
-#ifndef RBS_F32
-#define RBS_F32 1
-#endif
-#ifndef RBS_BF16
-#define RBS_BF16 2
-#endif
-#ifndef RBS_I8
-#define RBS_I8 2
-#endif
-#ifndef RBS_I4
-#define RBS_I4 2
-#endif
+#define TUNE_F32 1, 1, 1, 0  // no widening: already fp32
+#define TUNE_AQ 2, 2, 2, 0   // act_quant
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 
 enum { F32, BF16, I8 };
@@ -340,14 +323,17 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 }
 
 // ---- the row loop: threads take contiguous runs of blocks of RB weight rows; each block walks the batch in
-// tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3):
+// tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3,
+// best of many calls, TUNE_* at the top):
 //   B = 1: bandwidth-bound, but a tile of R rows has only 2R fma chains (4-cycle latency): R = 1 caps a core at
-//          0.5 fma/cycle, enough for fp32; bf16 / int8 / int4 carry more weights per byte and take R = 2.
-//   B = 2..4: fp32 one row (one sequential stream for the prefetcher, BT = B), the others two rows.
+//          0.5 fma/cycle, enough for fp32 (and one sequential stream suits the prefetcher); bf16 / int8 / int4
+//          carry more weights per byte and take R = 2.
+//   B = 2..4: fp32 one row (BT = B); bf16 / int8 two rows at B = 2, one at 3..4 (in-register widening of two
+//          rows next to 2 x 3 accumulators was 30% slower); int4 two rows (its unpacking is the cost).
 //   B > 4: R = 2 rows x BT = 3 x rows, 12 accumulators, 5 loads per 6 fmas: fma throughput is the limit;
 //          B % 3 leaves a tile of 1 or 2 (two of 2 for B % 3 == 1).
-// widen: from this B on (bf16 / int8 8, int4 4; 0 never) a block's rows are widened to fp32 once, into a
-// per-thread buffer, and the fp32 tile runs on them (measured in L2: 10-40% faster from there).
+// widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
+// buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
 // Tile heights in order for a batch of B rows and R weight rows: fills bt[], returns how many.
 static int plan_tiles(long B, int R, int *bt) {
@@ -400,8 +386,9 @@ static float *wide_buffer(long n) {
 
 // The rows' loop runs in an OpenMP team only for threads > 1: a team of one still costs ~1 us per call (libgomp),
 // and a decode step makes ~80 calls. Outside a team the `omp for` is one thread's whole loop.
-#define FOR_TILES(N, B, K, threads, rb1, rbs, widen, WIDEN, TILE)                        \
-    const long RB = (B) == 1 ? (rb1) : (B) <= 4 ? (rbs) : 2;                             \
+#define FOR_TILES(N, B, K, threads, TUNE_, WIDEN, TILE) FOR_TILES_(N, B, K, threads, TUNE_, WIDEN, TILE)
+#define FOR_TILES_(N, B, K, threads, rb1, rb2, rb34, widen, WIDEN, TILE)                 \
+    const long RB = (B) == 1 ? (rb1) : (B) == 2 ? (rb2) : (B) <= 4 ? (rb34) : 2;           \
     if ((threads) > 1) {                                                                 \
         _Pragma("omp parallel num_threads(threads)")                                     \
         ROWS(N, B, K, RB, widen, WIDEN, TILE)                                            \
@@ -428,7 +415,7 @@ static float *wide_buffer(long n) {
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(F32, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-    FOR_TILES(N, B, K, threads, RB1_F32, RBS_F32, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, TUNE_F32, NO_WIDEN, T)
 #undef T
     (void)wscale;
 }
@@ -437,7 +424,7 @@ void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N,
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(BF16, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 #define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, buf)
-    FOR_TILES(N, B, K, threads, RB1_BF16, RBS_BF16, 8, W, T)
+    FOR_TILES(N, B, K, threads, TUNE_BF16, W, T)
 #undef W
 #undef T
     (void)wscale;
@@ -449,7 +436,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
 #define wscale (scale + n)
 #define T(R_, BT_) dense_tile(I8, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
 #define W(R_, buf) widen_rows(I8, R_, w + n * K, K, buf)
-        FOR_TILES(N, B, K, threads, RB1_I8, RBS_I8, 8, W, T)
+        FOR_TILES(N, B, K, threads, TUNE_I8, W, T)
 #undef W
 #undef T
 #undef wscale
@@ -463,7 +450,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
                               x + b0 * K, K, y + b0 * N + n, N)
-    FOR_TILES(N, B, K, threads, 2, 2, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, TUNE_AQ, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
@@ -477,7 +464,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
     if (!act_quant) {
 #define T(R_, BT_) int4_tile(R_, BT_, w + n * ldw, ldw, scale + n * G, G, group, x + b0 * K, K, y + b0 * N + n, N)
 #define W(R_, buf) widen_rows_int4(R_, w + n * ldw, ldw, scale + n * G, G, group, K, buf)
-        FOR_TILES(N, B, K, threads, RB1_I4, RBS_I4, 4, W, T)
+        FOR_TILES(N, B, K, threads, TUNE_I4, W, T)
 #undef W
 #undef T
         return;
@@ -508,7 +495,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
         else int4q_tile(0, R_, BT_, w + n * ldw, ldw, scale + n * G, G, gidx, qx + b0 * K, sx + b0 * KB,     \
                         sx8 + b0 * KP * 8, o8 + b0 * KP * 8, sq + b0 * KB, KB, y + b0 * N + n, N);           \
     } while (0)
-    FOR_TILES(N, B, K, threads, 2, 2, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, TUNE_AQ, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
