@@ -112,6 +112,19 @@ def test_batch_invariant(fmt, N, K, group, view, act_quant):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_batch_invariant_beyond_the_lane_cap(fmt):
+    """cpu.linear itself takes any B (the dispatcher stops at 32): the rows of a 77-row product are still the
+    rows multiplied alone."""
+    w = make(fmt, 23, 128, 32)
+    x = torch.randn(77, 128, generator=torch.Generator().manual_seed(6))
+    y = cpu.linear(x, w)
+    for i in (0, 40, 76):
+        assert torch.equal(y[i:i + 1], cpu.linear(x[i:i + 1], w))
+    assert rel_err(y, formats.reference_linear(x, w)) < 1e-5
+
+
+@needs_kernels
 def test_strided_x_is_made_contiguous():
     w = make("int8", 16, 64, 32)
     xt = torch.randn(64, 3).t()  # [3, 64], not contiguous

@@ -23,7 +23,7 @@
 // Weight rows per block at B = 1, 2 and 3..4, and the B from which rows are widened (see the row loop).
 #ifndef TUNE
 #define TUNE_BF16 2, 2, 1, 16
-#define TUNE_I8 2, 2, 1, 16
+#define TUNE_I8 2, 1, 1, 16
 #define TUNE_I4 2, 2, 2, 4
 #endif
 #define TUNE_F32 1, 1, 1, 0  // no widening: already fp32
@@ -328,25 +328,18 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 //   B = 1: bandwidth-bound, but a tile of R rows has only 2R fma chains (4-cycle latency): R = 1 caps a core at
 //          0.5 fma/cycle, enough for fp32 (and one sequential stream suits the prefetcher); bf16 / int8 / int4
 //          carry more weights per byte and take R = 2.
-//   B = 2..4: fp32 one row (BT = B); bf16 / int8 two rows at B = 2, one at 3..4 (in-register widening of two
+//   B = 2..4: fp32 / int8 one row (BT = B); bf16 two rows at B = 2, one at 3..4 (in-register widening of two
 //          rows next to 2 x 3 accumulators was 30% slower); int4 two rows (its unpacking is the cost).
 //   B > 4: R = 2 rows x BT = 3 x rows, 12 accumulators, 5 loads per 6 fmas: fma throughput is the limit;
 //          B % 3 leaves a tile of 1 or 2 (two of 2 for B % 3 == 1).
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
-// Tile heights in order for a batch of B rows and R weight rows: fills bt[], returns how many.
-static int plan_tiles(long B, int R, int *bt) {
-    int n = 0;
-    long left = B;
+// The height of the next tile, with `left` x rows still to do, for R weight rows.
+INLINE int next_tile(long left, int R) {
     const int cap = R == 1 ? 4 : R == 2 ? 3 : 1;
-    while (left > 0) {
-        int t = left < cap ? (int)left : cap;
-        if (R == 2 && left == 4) t = 2;
-        bt[n++] = t;
-        left -= t;
-    }
-    return n;
+    if (R == 2 && left == 4) return 2;
+    return left < cap ? (int)left : cap;
 }
 
 // R (1, 2, 4) and BT (1..4, R * BT <= 6) as compile-time constants, so that the tiles keep acc in registers.
@@ -375,10 +368,9 @@ static float *wide_buffer(long n) {
 // One block: n..n+R-1 rows of W, all B rows of x.
 #define BLOCK(R_, WIDEN, TILE)                                                           \
     do {                                                                                 \
-        int bts[40], nt = plan_tiles(B, R_, bts);                                        \
         if (wide) { WIDEN(R_, wide); }                                                   \
-        for (int ti = 0, b0 = 0; ti < nt; b0 += bts[ti++]) {                             \
-            const int bt = bts[ti];                                                      \
+        for (long b0 = 0, bt; b0 < (B); b0 += bt) {                                      \
+            bt = next_tile((B) - b0, R_);                                                \
             if (wide) { SWITCH_TILES(R_, bt, WIDE_TILE) }                                \
             else { SWITCH_TILES(R_, bt, TILE) }                                          \
         }                                                                                \
