@@ -42,8 +42,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 # format: it is the engine's lane cap, and a decode step of any batch up to it must run these kernels, whose
 # per-element summation does not depend on B (cpu_gemv.c), so a request's output is the same alone or batched;
 # torch's products sum differently per batch shape. Above 32 rows (prefill chunks) torch may run.
-# Speed at 32 (2-core Zen3, torch 2.13 CPU, d768 matrices, 2026-11-30): fp32 is within ~10-30% of F.linear
-# (oneDNN sgemm, both FMA-bound); bf16 / int8 / int4 beat torch's products of the same format several times over.
+# Speed (2-core Zen3, 2 threads, torch 2.13 CPU, d768 qkv / gate|up / down, best of 3 runs, 2026-11-30): fp32
+# ours / F.linear (oneDNN sgemm, both FMA-bound there) 1.4-1.6 at B = 16 and 1.1-1.3 at B = 32; bf16 / int8 /
+# int4 beat torch's products of the same format 4-70x at every B up to 32.
 MAX_ROWS = {"fp32": 32, "bf16": 32, "int8": 32, "int4": 32}
 
 _lib: ctypes.CDLL | None = None

@@ -26,8 +26,8 @@
 #define TUNE_BF16 2, 2, 1, 16
 #define TUNE_I8 2, 1, 1, 16
 #define TUNE_I4 2, 2, 2, 4
-#endif
 #define TUNE_F32 1, 1, 1, 0  // no widening: already fp32
+#endif
 #define TUNE_AQ 2, 2, 2, 0   // act_quant
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 
