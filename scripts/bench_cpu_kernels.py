@@ -14,6 +14,7 @@ torch._weight_int8pack_mm; int4 torch._weight_int4pack_mm_for_cpu on its own pac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -45,7 +46,7 @@ def torch_product(fmt: str, w: formats.Matrix, W: torch.Tensor):
 def clone(w: formats.Matrix) -> formats.Matrix:
     if isinstance(w, torch.Tensor):
         return w.clone()
-    return formats.QMatrix(w.fmt, w.data.clone(), None if w.scale is None else w.scale.clone(), w.group)
+    return dataclasses.replace(w, data=w.data.clone(), scale=None if w.scale is None else w.scale.clone())
 
 
 def best_time(fn, copies: list, x: torch.Tensor, reps: int, budget_s: float = 0.25) -> float:

@@ -80,6 +80,50 @@ def test_threads_agree(fmt, act_quant):
                        cpu.linear(x, w, threads=2, act_quant=act_quant))
 
 
+# Batch invariance: (format, N, K, group, view) with K not a multiple of 16 / 8 where the format allows it
+# (fp32 / bf16 / int8 tails), int4 groups 32 and 64 (K = 96: an odd number of 32-blocks), odd N (a lone last
+# weight row) and a QMatrix.rows view (rows of a fused matrix, its own strides).
+INVARIANCE = [("fp32", 37, 100, 32, False), ("fp32", 20, 776, 32, True), ("bf16", 37, 200, 32, False),
+              ("bf16", 21, 104, 32, True), ("int8", 37, 100, 32, False), ("int8", 21, 776, 32, True),
+              ("int4", 37, 96, 32, False), ("int4", 21, 192, 64, True), ("int4", 19, 320, 32, True)]
+BATCHES = (1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,N,K,group,view", INVARIANCE)
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_batch_invariant(fmt, N, K, group, view, act_quant):
+    """Every row of a B-row product has the bits of the same row multiplied alone, for every B up to the engine's
+    32 lanes, whichever tile and thread it lands on (continuous batching must not change a request's tokens)."""
+    if act_quant and fmt not in ("int8", "int4"):
+        pytest.skip("act_quant is for int8 / int4 weights")
+    w = make(fmt, N + 7 if view else N, K, group)
+    if view:
+        w = w[3:3 + N] if fmt == "fp32" else w.rows(3, 3 + N)
+    x = torch.randn(32, K, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([cpu.linear(x[i:i + 1], w, threads=1, act_quant=act_quant) for i in range(32)])
+    if not act_quant:
+        assert rel_err(alone, formats.reference_linear(x, w)) < 1e-5
+    for B in BATCHES:
+        for t in (1, 2):
+            for start in (0, 32 - B):  # the same rows at the front and at the back of a batch
+                y = cpu.linear(x[start:start + B], w, threads=t, act_quant=act_quant)
+                assert torch.equal(y, alone[start:start + B]), (B, t, start)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_batch_invariant_beyond_the_lane_cap(fmt):
+    """cpu.linear itself takes any B (the dispatcher stops at 32): the rows of a 77-row product are still the
+    rows multiplied alone."""
+    w = make(fmt, 23, 128, 32)
+    x = torch.randn(77, 128, generator=torch.Generator().manual_seed(6))
+    y = cpu.linear(x, w)
+    for i in (0, 40, 76):
+        assert torch.equal(y[i:i + 1], cpu.linear(x[i:i + 1], w))
+    assert rel_err(y, formats.reference_linear(x, w)) < 1e-5
+
+
 @needs_kernels
 def test_strided_x_is_made_contiguous():
     w = make("int8", 16, 64, 32)
@@ -96,7 +140,7 @@ def test_bad_inputs_raise_config_error():
         cpu.linear(torch.randn(2, 64, dtype=torch.float64), w)
     with pytest.raises(ConfigError, match="float32"):
         cpu.linear(torch.randn(64), w)
-    bad = formats.QMatrix("int4", w.data, w.scale[:, :1].contiguous(), 32)
+    bad = formats.QMatrix("int4", w.data, w.scale[:, :1].contiguous(), 32, 64)
     with pytest.raises(ConfigError, match="scale"):
         cpu.linear(torch.randn(2, 64), bad)
     with pytest.raises(ConfigError, match="strided"):

@@ -35,16 +35,17 @@ from ..formats import INT4_BLOCK, Matrix, QMatrix
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# -ffp-contract=off: the scalar K tails stay mul-then-add, as written (batch invariance, see cpu_gemv.c).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
-# Largest batch B for which cpu_gemv beats torch's product of the same format (the ones named in
-# scripts/bench_cpu_kernels.py), measured on a 2-core AMD EPYC Zen3 VM, torch 2.13.0 CPU, d768 matrices,
-# B = 1, 2, 4, 8, 16, 32, best of many calls on a shared machine (2026-11-30):
-#   fp32  F.linear (oneDNN/MKL sgemm) catches up at B = 16 on one thread (ours/torch 0.99-1.13; 1.6-2.1 on two)
-#         and passes it at B = 32 on one thread (0.88-1.04): both are FMA-bound there.
-#   bf16, int8, int4: torch's products are 4x (bf16) to 25-100x (int8pack, int4pack) slower at every B up to
-#         32, the largest measured; 32 is a lower bound.
-MAX_ROWS = {"fp32": 16, "bf16": 32, "int8": 32, "int4": 32}
+# Largest batch B that linear() takes (the dispatcher, kernels/linear.py, uses torch above it). 32 for every
+# format: it is the engine's lane cap, and a decode step of any batch up to it must run these kernels, whose
+# per-element summation does not depend on B (cpu_gemv.c), so a request's output is the same alone or batched;
+# torch's products sum differently per batch shape. Above 32 rows (prefill chunks) torch may run.
+# Speed (2-core Zen3, 2 threads, torch 2.13 CPU, d768 qkv / gate|up / down, best of 3 runs, 2026-11-30): fp32
+# ours / F.linear (oneDNN sgemm, both FMA-bound there) 1.4-1.6 at B = 16 and 1.1-1.3 at B = 32; bf16 / int8 /
+# int4 beat torch's products of the same format 4-70x at every B up to 32.
+MAX_ROWS = {"fp32": 32, "bf16": 32, "int8": 32, "int4": 32}
 
 _lib: ctypes.CDLL | None = None
 _state: str = "unknown"  # "unknown" -> "ok" | "off"
@@ -150,7 +151,9 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
 
     act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster at
     batch 1-2, at the cost of a max error ~0.5% of the output scale. Without it the result is
-    formats.reference_linear up to fp32 rounding. threads 0 = torch.get_num_threads().
+    formats.reference_linear up to fp32 rounding. Either way a row's result is bitwise the same whatever the batch
+    it is multiplied in and whatever the thread count (batch invariance: one summation order per element).
+    threads 0 = torch.get_num_threads().
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
     """
@@ -158,33 +161,42 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
         raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
                           f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     B, K = x.shape
-    fmt = "fp32" if isinstance(w, torch.Tensor) else w.fmt
-    N, Kw = w.shape
+    t = threads or torch.get_num_threads()
+    # Checks read the tensors' own attributes once (QMatrix.shape is a Python property): ~80 calls per decode step.
+    if isinstance(w, torch.Tensor):
+        N, Kw = w.shape
+        if K != Kw:
+            raise ConfigError(f"x width {K} does not match the fp32 weight's width {Kw} (weight {N}x{Kw})")
+        y = torch.empty(B, N, dtype=torch.float32)
+        if B and N:
+            _check(w, torch.float32, (N, K), "fp32 weight")
+            lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
+        return y
+    fmt, data = w.fmt, w.data
+    N = data.shape[0]
+    Kw = w.width if fmt == "int4" else data.shape[1]
     if K != Kw:
         raise ConfigError(f"x width {K} does not match the {fmt} weight's width {Kw} (weight {N}x{Kw})")
-    t = threads or torch.get_num_threads()
     y = torch.empty(B, N, dtype=torch.float32)
     if B == 0 or N == 0:
-        return y.zero_()
-    if fmt == "fp32":
-        _check(w, torch.float32, (N, K), "fp32 weight")
-        lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
-    elif fmt == "bf16":
-        _check(w.data, torch.bfloat16, (N, K), "bf16 weight data")
-        lib.tl_linear_bf16(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), B, N, K, t)
+        return y
+    if fmt == "bf16":
+        _check(data, torch.bfloat16, (N, K), "bf16 weight data")
+        lib.tl_linear_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), B, N, K, t)
     elif fmt == "int8":
-        _check(w.data, torch.int8, (N, K), "int8 weight data")
+        _check(data, torch.int8, (N, K), "int8 weight data")
         _check(w.scale, torch.float32, (N,), "int8 weight scale")
-        lib.tl_linear_int8(x.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
+        lib.tl_linear_int8(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
                            int(act_quant), t)
     elif fmt == "int4":
         if w.group <= 0 or w.group % INT4_BLOCK or K % w.group:
             raise ConfigError(f"int4 group {w.group} must be a positive multiple of {INT4_BLOCK} dividing K={K}")
-        _check(w.data, torch.uint8, (N, K // 2), "int4 weight data")
+        _check(data, torch.uint8, (N, K // 2), "int4 weight data")
         _check(w.scale, torch.float32, (N, K // w.group), "int4 weight scale")
-        lib.tl_linear_int4(x.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
+        lib.tl_linear_int4(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
                            int(act_quant), t)
     else:
         raise ConfigError(f"weight format {fmt!r} has no CPU kernel")
@@ -192,7 +204,7 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
 
 
 def max_rows(fmt: str) -> int:
-    """Largest batch for which linear() beats torch's best product of this format here (measured, see MAX_ROWS)."""
+    """Largest batch the dispatcher sends to linear() for this format: the engine's 32 lanes (see MAX_ROWS)."""
     if fmt not in MAX_ROWS:
         raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(MAX_ROWS)}")
     return MAX_ROWS[fmt]

@@ -4,25 +4,41 @@
 // by memory bandwidth: the goal is to stream W at the machine's read bandwidth, in bytes of the stored format.
 // Shape of every kernel:
 //   - threads split the N rows (contiguous chunks, so each thread streams its own part of W);
-//   - a tile is R = 1 or 2 rows of W times BT <= 4 rows of x: each weight vector loaded (and widened) once feeds
-//     BT fmas, and the next batch tile rereads the same W rows from L1 (for B > 4 widened to fp32 once), so W
-//     comes from memory once for any B;
-//   - U independent accumulators per (row, batch row) when BT is small, to cover the 4-cycle FMA latency.
+//   - a tile is R = 1, 2 (or 4) rows of W times BT <= 4 rows of x: each weight vector loaded (and widened) once
+//     feeds BT fmas, and the next batch tile rereads the same W rows from L1, so W comes from memory once for any B;
+//   - every output element is summed the same way whatever the tile, B or thread count (batch invariance, below).
 // Two ways to multiply by int8 / int4 weights:
 //   weight-only  x stays fp32, weights are widened to fp32 in registers, fp32 accumulation: this is
 //                formats.reference_linear up to fp32 rounding.
 //   act_quant    x is quantised to int8 per block of 32 values (scale = max|x| / 127) and the block dot products
 //                run on integers (maddubs + madd): fewer instructions per weight byte, at the cost of the
-//                activation rounding (~0.5% of the output scale at most, x ~ randn, K = 768..2048).
+//                activation rounding (~0.5% of the output scale at most, x ~ randn, K = 768..2048). x is quantised
+//                per row and the block sums go to 2 accumulators in a fixed alternation, so this is batch-invariant
+//                too (tested), though not the reference's result.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+// Weight rows per block at B = 1, 2 and 3..4, and the B from which rows are widened (see the row loop).
+#ifndef TUNE
+#define TUNE_BF16 2, 2, 1, 16
+#define TUNE_I8 2, 1, 1, 16
+#define TUNE_I4 2, 2, 2, 4
+#define TUNE_F32 1, 1, 1, 0  // no widening: already fp32
+#endif
+#define TUNE_AQ 2, 2, 2, 0   // act_quant
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 
 enum { F32, BF16, I8 };
+
+// v, loaded into a register once: gcc would otherwise fold a load used by several fmas into each of them (one
+// load per fma), which makes loads the limit of a 2 x 3 tile. Changes no value.
+INLINE __m256 in_reg(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -31,7 +47,17 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// ---- weight-only, formats with one value per element: fp32, bf16, int8 (its row scale is applied at the end)
+// ---- weight-only products: one summation structure per output element, whatever the batch
+//
+// Batch invariance: y[b, n] must have the same bits whether row b is multiplied alone or in a batch of 32, in any
+// tile, on any thread (greedy decoding of a request must not depend on who else is being served). So every
+// weight-only product computes every element the same way, for every format and every tile shape:
+//   acc0 += w[k .. k+8] * x[k .. k+8] and acc1 += w[k+8 .. k+16] * x[k+8 .. k+16] (fma), k = 0, 16, 32, ...;
+//   a last full chunk of 8 (K % 16 >= 8) goes into acc0; then hsum(acc0 + acc1), then the K % 8 tail in scalar
+//   order (mul, then add: built with -ffp-contract=off); int8 multiplies the sum by its row scale at the very end.
+// The weight vector is always the same fp32 values: fp32 as is, bf16 shifted, int8 float(q) (no scale), int4
+// fma(q, s, -8 s) = round((q - 8) s) (-8 s is exact). Tiles of R weight rows x BT x rows only decide which
+// elements are computed together, never how one is summed, so tile shapes can follow B freely.
 
 // 8 consecutive weights widened to fp32: bf16 is the high half of an fp32, int8 sign-extends then converts.
 INLINE __m256 load8(int fmt, const void *w, long k) {
@@ -55,100 +81,108 @@ INLINE float load1(int fmt, const void *w, long k) {
     return (float)((const int8_t *)w)[k];
 }
 
-// out[b * ldy + r] = sum_k x[b, k] * w[r, k] for r < R, b < BT; w rows are `ldw` elements apart.
+// The fixed end of every element: hsum(acc0 + acc1), then the scalar K tail from k0, then the row scale.
+INLINE float finish(int fmt, __m256 a0, __m256 a1, const void *wr, const float *xb, long k0, long K,
+                    const float *scale) {
+    float s = hsum(_mm256_add_ps(a0, a1));
+    for (long j = k0; j < K; j++) s += xb[j] * load1(fmt, wr, j);
+    return scale ? s * *scale : s;
+}
+
+// out[b * ldy + r] = sum_k x[b, k] * w[r, k] for r < R, b < BT; w rows are `ldw` elements apart, x rows K.
 INLINE void dense_tile(int fmt, int R, int BT, const void *w, long ldw, const float *x, long K, float *out,
                        long ldy, const float *scale) {
-    const int U = BT == 1 ? 4 : BT == 2 ? 2 : 1;
     const int esz = fmt == F32 ? 4 : fmt == BF16 ? 2 : 1;
-    const char *wr[2] = {(const char *)w, (const char *)w + ldw * esz};
-    __m256 acc[4][2][4];
-    for (int u = 0; u < U; u++)
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < BT; b++) acc[u][r][b] = _mm256_setzero_ps();
+    const char *wr[4];
+    __m256 acc[2][4][4];
+    for (int r = 0; r < R; r++) {
+        wr[r] = (const char *)w + r * ldw * esz;
+        for (int b = 0; b < BT; b++) acc[0][r][b] = acc[1][r][b] = _mm256_setzero_ps();
+    }
     long k = 0;
-    for (; k + 8 * U <= K; k += 8 * U)
-        for (int u = 0; u < U; u++)
-            for (int r = 0; r < R; r++) {
-                __m256 wv = load8(fmt, wr[r], k + 8 * u);
-                for (int b = 0; b < BT; b++)
-                    acc[u][r][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k + 8 * u), acc[u][r][b]);
+    // R weight vectors and one x vector at a time in registers: R + BT loads per R * BT fmas.
+    for (; k + 16 <= K; k += 16)
+        for (int u = 0; u < 2; u++) {
+            __m256 wv[4];
+            for (int r = 0; r < R; r++) wv[r] = in_reg(load8(fmt, wr[r], k + 8 * u));
+            for (int b = 0; b < BT; b++) {
+                __m256 xv = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * u));
+                for (int r = 0; r < R; r++) acc[u][r][b] = _mm256_fmadd_ps(wv[r], xv, acc[u][r][b]);
             }
-    for (; k + 8 <= K; k += 8)
+        }
+    if (k + 8 <= K) {
         for (int r = 0; r < R; r++) {
             __m256 wv = load8(fmt, wr[r], k);
             for (int b = 0; b < BT; b++)
                 acc[0][r][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k), acc[0][r][b]);
         }
+        k += 8;
+    }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < BT; b++) {
-            __m256 a = acc[0][r][b];
-            for (int u = 1; u < U; u++) a = _mm256_add_ps(a, acc[u][r][b]);
-            float s = hsum(a);
-            for (long j = k; j < K; j++) s += x[b * K + j] * load1(fmt, wr[r], j);  // K tail
-            out[b * ldy + r] = scale ? s * scale[r] : s;
-        }
+        for (int b = 0; b < BT; b++)
+            out[b * ldy + r] = finish(fmt, acc[0][r][b], acc[1][r][b], wr[r], x + b * K, k, K, scale ? scale + r : 0);
 }
 
-// ---- weight-only int4: 16 bytes = 32 values; byte j holds value j (low nibble) and j + 16 (high nibble).
-// Unpacking: 8 bytes zero-extended to 8 dwords; & 15 gives values 8h.., >> 4 values 16 + 8h.. (3 ops / 16 values).
-
-INLINE float dot(const float *a, const float *b, long n) {
-    __m256 acc = _mm256_setzero_ps();
-    long k = 0;
-    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    float s = hsum(acc);
-    for (; k < n; k++) s += a[k] * b[k];
-    return s;
+// int4: 16 bytes = 32 values; byte j holds value j (low nibble) and j + 16 (high nibble). Bytes 8h..8h+7 give
+// the chunks k + 8h (low) and k + 16 + 8h (high): both go to acc_h, in that order, as in dense_tile (K is a
+// multiple of 32, so there is no tail). Unpacking: 8 bytes zero-extended to 8 dwords, & 15 and >> 4.
+INLINE void int4_w16(const uint8_t *p, __m256 s, __m256 m8s, __m256 *wl, __m256 *wh) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))), s, m8s);
+    *wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), s, m8s);
 }
 
-// out = sum_k x[b, k] * (q[r, k] - 8) * s[r, k / group].
-// One x row (BT = 1): the scale is applied per group to the partial sum of x * q and the offset comes off at the
-//   end with the group sums of x (x8[g] = 8 sum x_g): sum_g s_g (sum x q) - sum_g s_g x8[g]. 2 fewer ops per 16.
-// Several rows: each weight vector is dequantised once (w = q s - 8 s, one fma) and feeds BT fmas.
 INLINE void int4_tile(int R, int BT, const uint8_t *w, long ldw, const float *sc, long ngroups, long group,
-                      const float *x, const float *x8, long K, float *out, long ldy) {
-    const int U = BT == 1 ? 2 : BT == 2 ? 2 : 1;
-    const __m256i lo = _mm256_set1_epi32(0x0F);
-    __m256 acc[2][2][4];
-    for (int u = 0; u < U; u++)
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < BT; b++) acc[u][r][b] = _mm256_setzero_ps();
+                      const float *x, long K, float *out, long ldy) {
+    __m256 acc[2][4][4];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < BT; b++) acc[0][r][b] = acc[1][r][b] = _mm256_setzero_ps();
     for (long g = 0; g < ngroups; g++) {
-        __m256 s[2], m8s[2], t[2][2];
+        __m256 s[4], m8s[4];
         for (int r = 0; r < R; r++) {
             s[r] = _mm256_broadcast_ss(sc + r * ngroups + g);
             m8s[r] = _mm256_mul_ps(s[r], _mm256_set1_ps(-8.0f));
-            t[r][0] = t[r][1] = _mm256_setzero_ps();
         }
         for (long k = g * group; k < (g + 1) * group; k += QB)
-            for (int h = 0; h < 2; h++)  // bytes 8h..8h+7: values 8h.. (low nibbles) and 16 + 8h.. (high)
-                for (int r = 0; r < R; r++) {
-                    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * ldw + k / 2 + 8 * h)));
-                    __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(q, lo));
-                    __m256 qh = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
-                    if (BT == 1) {
-                        t[r][0] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(x + k + 8 * h), t[r][0]);
-                        t[r][1] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(x + k + 8 * h + 16), t[r][1]);
-                        continue;
-                    }
-                    __m256 wl = _mm256_fmadd_ps(ql, s[r], m8s[r]), wh = _mm256_fmadd_ps(qh, s[r], m8s[r]);
-                    for (int b = 0; b < BT; b++) {
-                        const float *xb = x + b * K + k + 8 * h;
-                        acc[0][r][b] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xb), acc[0][r][b]);
-                        acc[U - 1][r][b] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xb + 16), acc[U - 1][r][b]);
-                    }
+            for (int h = 0; h < 2; h++) {
+                __m256 wl[4], wh[4];
+                for (int r = 0; r < R; r++) int4_w16(w + r * ldw + k / 2 + 8 * h, s[r], m8s[r], &wl[r], &wh[r]);
+                for (int b = 0; b < BT; b++) {
+                    const __m256 xl = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * h));
+                    const __m256 xh = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * h + 16));
+                    for (int r = 0; r < R; r++) acc[h][r][b] = _mm256_fmadd_ps(wl[r], xl, acc[h][r][b]);
+                    for (int r = 0; r < R; r++) acc[h][r][b] = _mm256_fmadd_ps(wh[r], xh, acc[h][r][b]);
                 }
-        if (BT == 1)
-            for (int r = 0; r < R; r++) {
-                acc[0][r][0] = _mm256_fmadd_ps(t[r][0], s[r], acc[0][r][0]);
-                acc[1][r][0] = _mm256_fmadd_ps(t[r][1], s[r], acc[1][r][0]);
             }
     }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < BT; b++) {
-            __m256 a = acc[0][r][b];
-            for (int u = 1; u < U; u++) a = _mm256_add_ps(a, acc[u][r][b]);
-            out[b * ldy + r] = hsum(a) - (BT == 1 ? dot(sc + r * ngroups, x8, ngroups) : 0.0f);
+        for (int b = 0; b < BT; b++) out[b * ldy + r] = hsum(_mm256_add_ps(acc[0][r][b], acc[1][r][b]));
+}
+
+// Widening R rows to fp32 once, for batches of several tiles: the fp32 tile then rereads them from L1 instead of
+// unpacking the same rows for every tile. Same values as the registers get (int8 without its scale, which the
+// tile applies at the end), so the same bits come out.
+INLINE void widen_rows(int fmt, int R, const void *w, long K, float *out) {
+    for (int r = 0; r < R; r++) {
+        const char *wr = (const char *)w + r * K * (fmt == BF16 ? 2 : 1);
+        long k = 0;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + r * K + k, load8(fmt, wr, k));
+        for (; k < K; k++) out[r * K + k] = load1(fmt, wr, k);
+    }
+}
+
+INLINE void widen_rows_int4(int R, const uint8_t *w, long ldw, const float *sc, long ngroups, long group, long K,
+                            float *out) {
+    for (int r = 0; r < R; r++)
+        for (long g = 0; g < ngroups; g++) {
+            const __m256 s = _mm256_broadcast_ss(sc + r * ngroups + g), m8s = _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
+            for (long k = g * group; k < (g + 1) * group; k += QB)
+                for (int h = 0; h < 2; h++) {
+                    __m256 wl, wh;
+                    int4_w16(w + r * ldw + k / 2 + 8 * h, s, m8s, &wl, &wh);
+                    _mm256_storeu_ps(out + r * K + k + 8 * h, wl);
+                    _mm256_storeu_ps(out + r * K + k + 8 * h + 16, wh);
+                }
         }
 }
 
@@ -191,9 +225,9 @@ static void quant_x(const float *x, long B, long K, long KB, int8_t *qx, float *
 // int8 W x int8 x: maddubs needs an unsigned operand, so |w| times x carrying w's sign (sign_epi8).
 INLINE void int8q_tile(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *qx,
                        const float *sx, long KB, const float *x, long K, float *out, long ldy) {
-    const int U = BT == 1 ? 2 : 1;
+    const int U = 2;  // fixed, as in the weight-only tiles: the same bits for any batch tile
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[2][2][4];
+    __m256 acc[2][4][4];
     for (int u = 0; u < U; u++)
         for (int r = 0; r < R; r++)
             for (int b = 0; b < BT; b++) acc[u][r][b] = _mm256_setzero_ps();
@@ -235,11 +269,11 @@ INLINE void int8q_tile(int R, int BT, const int8_t *w, long ldw, const float *sc
 INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const float *sc, long ngroups,
                        const int *gidx, const int8_t *qx, const float *sx, const float *sx8, const int32_t *o8,
                        const float *sq, long KB, float *out, long ldy) {
-    const int U = BT == 1 ? 2 : 1;
+    const int U = 2;  // fixed, as in the weight-only tiles: the same bits for any batch tile
     const __m256i ones = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(0x0F);
     const long KP = KB / 2;  // block pairs
     const __m256i pairlanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    __m256 acc[2][2][4];
+    __m256 acc[2][4][4];
     for (int u = 0; u < U; u++)
         for (int r = 0; r < R; r++)
             for (int b = 0; b < BT; b++) acc[u][r][b] = _mm256_setzero_ps();
@@ -289,100 +323,127 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
         }
 }
 
-// ---- widening W rows to fp32 once, for batches of more than one tile (B > 4): the tile loop then runs the fp32
-// tile on them from L1 instead of unpacking the same rows again for every 4 x rows.
-INLINE void widen_rows(int fmt, int R, const void *w, long K, const float *scale, float *out) {
-    for (int r = 0; r < R; r++) {
-        const char *wr = (const char *)w + r * K * (fmt == BF16 ? 2 : 1);
-        const __m256 s = _mm256_set1_ps(fmt == I8 ? scale[r] : 1.0f);
-        long k = 0;
-        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + r * K + k, _mm256_mul_ps(load8(fmt, wr, k), s));
-        for (; k < K; k++) out[r * K + k] = load1(fmt, wr, k) * (fmt == I8 ? scale[r] : 1.0f);
-    }
+// ---- the row loop: threads take contiguous runs of blocks of RB weight rows; each block walks the batch in
+// tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3,
+// best of many calls, TUNE_* at the top):
+//   B = 1: bandwidth-bound, but a tile of R rows has only 2R fma chains (4-cycle latency): R = 1 caps a core at
+//          0.5 fma/cycle, enough for fp32 (and one sequential stream suits the prefetcher); bf16 / int8 / int4
+//          carry more weights per byte and take R = 2.
+//   B = 2..4: fp32 / int8 one row (BT = B); bf16 two rows at B = 2, one at 3..4 (in-register widening of two
+//          rows next to 2 x 3 accumulators was 30% slower); int4 two rows (its unpacking is the cost).
+//   B > 4: R = 2 rows x BT = 3 x rows, 12 accumulators, 5 loads per 6 fmas: fma throughput is the limit;
+//          B % 3 leaves a tile of 1 or 2 (two of 2 for B % 3 == 1).
+// widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
+// buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
+
+// The height of the next tile, with `left` x rows still to do, for R weight rows.
+INLINE int next_tile(long left, int R) {
+    const int cap = R == 1 ? 4 : R == 2 ? 3 : 1;
+    if (R == 2 && left == 4) return 2;
+    return left < cap ? (int)left : cap;
 }
 
-INLINE void widen_rows_int4(int R, const uint8_t *w, long ldw, const float *sc, long ngroups, long group, long K,
-                            float *out) {
-    const __m256i lo = _mm256_set1_epi32(0x0F);
-    for (int r = 0; r < R; r++)
-        for (long g = 0; g < ngroups; g++) {
-            const __m256 s = _mm256_broadcast_ss(sc + r * ngroups + g), m8s = _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
-            for (long k = g * group; k < (g + 1) * group; k += QB)
-                for (int h = 0; h < 2; h++) {
-                    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * ldw + k / 2 + 8 * h)));
-                    _mm256_storeu_ps(out + r * K + k + 8 * h,
-                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, lo)), s, m8s));
-                    _mm256_storeu_ps(out + r * K + k + 8 * h + 16,
-                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), s, m8s));
-                }
-        }
-}
-
-// ---- the row loop: threads take contiguous runs of row blocks; each block walks the batch 4 rows at a time.
-// Blocks are 1 row for B <= rows1, else 2 (x loads shared by 2 rows). One row at a time reads W as one sequential
-// stream, which the hardware prefetcher follows best: fp32 / bf16 / int8 at B <= 4 stream 15-50% faster that way
-// (Zen3, 4096x768, one thread); int4 is the exception (its tiles are bound by the unpacking, which 2 rows amortise).
-// WIDEN(R, buf), when `widen` and B > 4, writes the block's R rows as fp32 into buf, and the fp32 tile runs on them.
+// R (1, 2, 4) and BT (1..4, R * BT <= 6) as compile-time constants, so that the tiles keep acc in registers.
 #define SWITCH_TILES(R, bt, TILE)                                                        \
-    if (R == 2) switch (bt) {                                                            \
-        case 1: TILE(2, 1); break; case 2: TILE(2, 2); break;                            \
-        case 3: TILE(2, 3); break; default: TILE(2, 4); break; }                         \
+    if (R == 4) { TILE(4, 1); }                                                          \
+    else if (R == 2) switch (bt) {                                                       \
+        case 1: TILE(2, 1); break; case 2: TILE(2, 2); break; default: TILE(2, 3); break; } \
     else switch (bt) {                                                                   \
         case 1: TILE(1, 1); break; case 2: TILE(1, 2); break;                            \
         case 3: TILE(1, 3); break; default: TILE(1, 4); break; }
 
-#define WIDE_TILE(R_, BT_) dense_tile(F32, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, 0)
+#define WIDE_TILE(R_, BT_) dense_tile(F32, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, wscale)
 
-#define FOR_TILES(N, B, K, threads, rows1, widen, WIDEN, TILE)                           \
-    const long RB = (B) <= (rows1) ? 1 : 2;                                              \
-    _Pragma("omp parallel num_threads(threads)") {                                       \
-        float *wide = (widen) && (B) > 4 ? aligned_alloc(64, (2 * (K) * 4 + 63) & ~63L) : 0; \
-        _Pragma("omp for schedule(static)")                                              \
-        for (long i = 0; i < ((N) + RB - 1) / RB; i++) {                                 \
-            const long n = RB * i;                                                       \
-            const int R = n + 1 < (N) && RB == 2 ? 2 : 1;                                \
-            if (wide) { WIDEN(R, wide); }                                                \
-            for (long b0 = 0; b0 < (B); b0 += 4) {                                       \
-                const int bt = (B) - b0 < 4 ? (int)((B) - b0) : 4;                       \
-                if (wide) { SWITCH_TILES(R, bt, WIDE_TILE) }                             \
-                else { SWITCH_TILES(R, bt, TILE) }                                       \
-            }                                                                            \
+// A per-thread buffer for widened rows, kept between calls (no allocation per product).
+static __thread float *tl_wide;
+static __thread long tl_wide_n;
+static float *wide_buffer(long n) {
+    if (n > tl_wide_n) {
+        free(tl_wide);
+        tl_wide = aligned_alloc(64, (n * 4 + 63) & ~63L);
+        tl_wide_n = n;
+    }
+    return tl_wide;
+}
+
+// One block: n..n+R-1 rows of W, all B rows of x.
+#define BLOCK(R_, WIDEN, TILE)                                                           \
+    do {                                                                                 \
+        if (wide) { WIDEN(R_, wide); }                                                   \
+        for (long b0 = 0, bt; b0 < (B); b0 += bt) {                                      \
+            bt = next_tile((B) - b0, R_);                                                \
+            if (wide) { SWITCH_TILES(R_, bt, WIDE_TILE) }                                \
+            else { SWITCH_TILES(R_, bt, TILE) }                                          \
         }                                                                                \
-        free(wide);                                                                      \
+    } while (0)
+
+// The rows' loop runs in an OpenMP team only for threads > 1: a team of one still costs ~1 us per call (libgomp),
+// and a decode step makes ~80 calls. Outside a team the `omp for` is one thread's whole loop.
+#define FOR_TILES(N, B, K, threads, TUNE_, WIDEN, TILE) FOR_TILES_(N, B, K, threads, TUNE_, WIDEN, TILE)
+#define FOR_TILES_(N, B, K, threads, rb1, rb2, rb34, widen, WIDEN, TILE)                 \
+    const long RB = (B) == 1 ? (rb1) : (B) == 2 ? (rb2) : (B) <= 4 ? (rb34) : 2;           \
+    if ((threads) > 1) {                                                                 \
+        _Pragma("omp parallel num_threads(threads)")                                     \
+        ROWS(N, B, K, RB, widen, WIDEN, TILE)                                            \
+    } else                                                                               \
+        ROWS(N, B, K, RB, widen, WIDEN, TILE)
+
+#define ROWS(N, B, K, RB, widen, WIDEN, TILE)                                            \
+    {                                                                                    \
+        float *wide = (widen) && (B) >= (widen) ? wide_buffer(RB * (K)) : 0;             \
+        _Pragma("omp for schedule(static) nowait")                                       \
+        for (long i = 0; i < ((N) + RB - 1) / RB; i++) {                                 \
+            const long n0 = RB * i;                                                      \
+            if (n0 + RB <= (N)) {                                                        \
+                const long n = n0;                                                       \
+                if (RB == 4) BLOCK(4, WIDEN, TILE);                                      \
+                else if (RB == 2) BLOCK(2, WIDEN, TILE);                                 \
+                else BLOCK(1, WIDEN, TILE);                                              \
+            } else                                                                       \
+                for (long n = n0; n < (N); n++) BLOCK(1, WIDEN, TILE);                   \
+        }                                                                                \
     }
 #define NO_WIDEN(R_, buf)
 
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
+    const float *wscale = 0;
 #define T(R_, BT_) dense_tile(F32, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-    FOR_TILES(N, B, K, threads, 4, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, TUNE_F32, NO_WIDEN, T)
 #undef T
+    (void)wscale;
 }
 
 void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
+    const float *wscale = 0;
 #define T(R_, BT_) dense_tile(BF16, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
-#define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, 0, buf)
-    FOR_TILES(N, B, K, threads, 4, 1, W, T)
+#define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, buf)
+    FOR_TILES(N, B, K, threads, TUNE_BF16, W, T)
 #undef W
 #undef T
+    (void)wscale;
 }
 
 void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *y, long B, long N, long K,
                     int act_quant, int threads) {
     if (!act_quant) {
+#define wscale (scale + n)
 #define T(R_, BT_) dense_tile(I8, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
-#define W(R_, buf) widen_rows(I8, R_, w + n * K, K, scale + n, buf)
-        FOR_TILES(N, B, K, threads, 4, 1, W, T)
+#define W(R_, buf) widen_rows(I8, R_, w + n * K, K, buf)
+        FOR_TILES(N, B, K, threads, TUNE_I8, W, T)
 #undef W
 #undef T
+#undef wscale
         return;
     }
+    const float *wscale = 0;
+    (void)wscale;
     const long KB = K / QB;
     int8_t *qx = aligned_alloc(64, (B * KB * QB + 64) & ~63L);
     float *sx = malloc((B * KB + 1) * sizeof(float));
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
                               x + b0 * K, K, y + b0 * N + n, N)
-    FOR_TILES(N, B, K, threads, 4, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, TUNE_AQ, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);
@@ -391,21 +452,14 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
 void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float *y, long B, long N, long K,
                     long group, int act_quant, int threads) {
     const long G = K / group, ldw = K / 2;
+    const float *wscale = 0;
+    (void)wscale;
     if (!act_quant) {
-        float *x8 = malloc(B * G * sizeof(float));  // 8 * the sum of each group of x (the offset, for BT = 1)
-        for (long b = 0; b < B; b++)
-            for (long g = 0; g < G; g++) {
-                float t = 0.0f;
-                for (long k = g * group; k < (g + 1) * group; k++) t += x[b * K + k];
-                x8[b * G + g] = 8.0f * t;
-            }
-#define T(R_, BT_) int4_tile(R_, BT_, w + n * ldw, ldw, scale + n * G, G, group, x + b0 * K, x8 + b0 * G, K, \
-                             y + b0 * N + n, N)
+#define T(R_, BT_) int4_tile(R_, BT_, w + n * ldw, ldw, scale + n * G, G, group, x + b0 * K, K, y + b0 * N + n, N)
 #define W(R_, buf) widen_rows_int4(R_, w + n * ldw, ldw, scale + n * G, G, group, K, buf)
-        FOR_TILES(N, B, K, threads, 0, 1, W, T)
+        FOR_TILES(N, B, K, threads, TUNE_I4, W, T)
 #undef W
 #undef T
-        free(x8);
         return;
     }
     const long KB = K / QB, KP = KB / 2, bpg = group / QB;
@@ -434,7 +488,7 @@ void tl_linear_int4(const float *x, const uint8_t *w, const float *scale, float 
         else int4q_tile(0, R_, BT_, w + n * ldw, ldw, scale + n * G, G, gidx, qx + b0 * K, sx + b0 * KB,     \
                         sx8 + b0 * KP * 8, o8 + b0 * KP * 8, sq + b0 * KB, KB, y + b0 * N + n, N);           \
     } while (0)
-    FOR_TILES(N, B, K, threads, 0, 0, NO_WIDEN, T)
+    FOR_TILES(N, B, K, threads, TUNE_AQ, NO_WIDEN, T)
 #undef T
     free(qx);
     free(sx);

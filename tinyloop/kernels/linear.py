@@ -3,7 +3,8 @@
 Which implementation runs (the weights are held once, in their format's layout, tinyloop/formats.py):
   CUDA, Triton on    bf16/int8/int4: tinyloop/kernels/wlinear.py; fp32: cuBLAS (F.linear)
   CPU, few rows      tinyloop/kernels/cpu.py's kernels (weights streamed once for all rows, both cores), up to
-                     cpu.max_rows(format) rows, where they beat torch's products on this machine
+                     cpu.max_rows(format) = 32 rows, the engine's lane cap: their result for a row does not depend
+                     on the batch it is in, so a decode step gives a request the same bits alone or batched
   CPU, more rows     fp32: MKL (F.linear); int8: torch's int8 weight-only GEMM; bf16/int4: widened to fp32 per
                      product, then MKL (a batch of many rows is compute-bound, so the widening is paid once for all)
 """
