@@ -28,7 +28,7 @@ from broker.client import AsyncClient, Client, ServiceError
 
 REPO = Path(__file__).resolve().parent.parent
 N_REQUESTS = 32
-MAX_TOKENS = 72
+MAX_TOKENS = 160  # enough work that the run outlasts its kills (restarts take seconds)
 MAX_SEQ_LEN = 256
 WORKER_KILLS = 3
 HEARTBEAT = 0.3

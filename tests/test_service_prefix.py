@@ -6,6 +6,7 @@ busy."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -53,7 +54,13 @@ def test_registered_scaffold_continuations_hit_and_equal_generate(service, model
                 expected = direct(model, SCAFFOLD + suffix, max_tokens=6)
                 assert reply.tokens == expected.tokens and reply.text == expected.text, (op, suffix)
                 assert reply.stats["prefix_hit_tokens"] >= seam - 2, (op, suffix)  # all but the merged seam
-        status = client.status()
+        # workers report their blocks and prefixes with their heartbeats (every second): wait for one of each
+        deadline = time.monotonic() + 10
+        while True:
+            status = client.status()
+            if all(w["free_blocks"] is not None for w in status["workers"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     for worker in status["workers"]:
         assert worker["free_blocks"] > 0 and worker["cached_prefixes"] > 0 and worker["handles"] == 1  # the scaffold
 

@@ -47,10 +47,11 @@ def test_kill_worker_under_load_restart_clean_shutdown_and_plan_check(tmp):
         pids = {w["name"]: w["pid"] for w in status["workers"]}
         plan_bytes = status["workers"][0]["plan_bytes"]
         with Client(f"ipc://{tmp}/f", timeout=60) as client:
-            streamed = [client.submit("generate", {"prompt": f"def f{i}(x):\n", "max_tokens": 24}, stream=True)
+            streamed = [client.submit("generate", {"prompt": f"def f{i}(x):\n", "max_tokens": 128}, stream=True)
                         for i in range(4)]
-            plain = [client.submit("generate", {"prompt": f"class C{i}:\n", "max_tokens": 24}) for i in range(6)]
-            # Kill w1 once it is busy with a request that has already streamed.
+            plain = [client.submit("generate", {"prompt": f"class C{i}:\n", "max_tokens": 128}) for i in range(6)]
+            # Kill w1 once it is busy with a request that has already streamed (128 tokens a request keep it busy for
+            # seconds, so the kill lands mid-request).
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 busy = {w["name"]: w["state"] for w in client.status()["workers"]}

@@ -128,6 +128,8 @@ class BlockWeights:
     mlp_out_norm: torch.Tensor | None
     bqkv: torch.Tensor | None = None  # qk_bias: biases of the q|k|v rows (v's part zero)
     on_sum: bool = False              # sandwich_residual: the out-norms normalise the residual sums
+    # what the CPU block kernel (tinyloop/kernels/cpu_block.py) knows of these weights, built at its first use
+    native: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -249,7 +251,7 @@ def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GRO
             out = []
             for i, w in enumerate(getattr(W, part)):
                 qkv = mats[f"{part}.{i}.wqkv"]
-                out.append(dataclasses.replace(w, wqkv=qkv, wkv=qkv.rows(q_rows, qkv.shape[0]), wo=mats[f"{part}.{i}.wo"],
+                out.append(dataclasses.replace(w, native=None, wqkv=qkv, wkv=qkv.rows(q_rows, qkv.shape[0]), wo=mats[f"{part}.{i}.wo"],
                                                wgu=mats[f"{part}.{i}.wgu"], w_down=mats[f"{part}.{i}.w_down"]))
             return out
 
@@ -297,6 +299,8 @@ def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) ->
     """One pre-norm block over the chunk's token rows x [B*T, d]. The context `ctx` says where the chunk sits
     (ctx.B lanes of ctx.T tokens), rotates q and k (ctx.rope) and attends (ctx.attend: within the chunk, or
     over the paged cache of layer slot `slot`); ctx.weights brings the products and norms."""
+    if ctx.native is not None:  # the cached step's decode rows: this block as one C call (kernels/cpu_block.py)
+        return ctx.native.block(w, x, slot)
     lin, norm, eps = ctx.weights.linear, ctx.weights.norm, cfg.norm_eps
     B, T, H, KV, hd = ctx.B, ctx.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = norm(x, w.attn_norm, eps)
@@ -321,6 +325,8 @@ def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) ->
 class Dense:
     """The context of a forward without a cache (training, full recompute): causal attention within the chunk,
     or within a sliding window when step.window is set (the reference for the ring buffer)."""
+
+    native = None  # no C block kernel: that is for the cached step's decode rows
 
     def __init__(self, weights: Weights, step: Step):
         self.weights, self.step = weights, step

@@ -217,6 +217,9 @@ class ModelEngine:
         return [self.answer(*self.batch.pop(id(seq))[:3]) for seq in done]
 
     def answer(self, key: str, seq: Any, params: dict) -> tuple[str, dict | EngineError]:
+        # announce the prompt's prefixes again now that its blocks are surely cached (at join they may not be yet):
+        # a heartbeat sent after this answer must list them, since the broker forgets its own note of them then
+        self.remember(params["prompt"], seq.loops)
         if seq.error is not None:
             return key, EngineError(Codes.BUDGET, str(seq.error))
         try:

@@ -34,7 +34,8 @@ from ..formats import INT4_BLOCK, Matrix, QMatrix
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.c")
+# The products (cpu_gemv.c) and a decode step's whole block in one call (cpu_block.c), built into one library.
+SOURCES = [Path(__file__).with_name("cpu_gemv.c"), Path(__file__).with_name("cpu_block.c")]
 # -ffp-contract=off: the scalar K tails stay mul-then-add, as written (batch invariance, see cpu_gemv.c).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
@@ -74,7 +75,7 @@ def _build() -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, version, _cpu_signature()])
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), cc, version, _cpu_signature()])
                          .encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_gemv-{key}.so"
     if out.exists():
@@ -84,7 +85,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
         if r.returncode:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -120,6 +121,11 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_linear_int4.argtypes = [p, p, p, p, L, L, L, L, i, i]
     lib.tl_stream_read.argtypes = [p, L, i]
     lib.tl_stream_read.restype = ctypes.c_double
+    lib.tl_block_rows.argtypes = [p, p, p, p, p]
+    lib.tl_block_rows.restype = None
+    lib.tl_block_scratch.argtypes = [L] * 6
+    lib.tl_block_scratch.restype = L
+    lib.tl_block_ok.argtypes = [L, L, L]
     for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):
         f.restype = None
     _lib, _state = lib, "ok"

@@ -30,6 +30,9 @@
 #endif
 #define TUNE_AQ 2, 2, 2, 0   // act_quant
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
+#ifndef PF_DIST
+#define PF_DIST 4096  // bytes ahead in a weight row that the tiles prefetch (see `ahead`)
+#endif
 
 enum { F32, BF16, I8 };
 
@@ -89,6 +92,13 @@ INLINE float finish(int fmt, __m256 a0, __m256 a1, const void *wr, const float *
     return scale ? s * *scale : s;
 }
 
+// Software prefetch of the weight stream, PF_DIST bytes ahead of the byte being read, once per cache line. The
+// narrow formats carry many instructions per cache line (widening, fmas), so the out-of-order window reaches few
+// lines ahead and the hardware prefetcher alone kept int8 at ~6 GB/s per core against fp32's 13 from memory.
+INLINE void ahead(const void *p, long byte) {
+    if ((byte & 63) == 0) _mm_prefetch((const char *)p + byte + PF_DIST, _MM_HINT_T0);
+}
+
 // out[b * ldy + r] = sum_k x[b, k] * w[r, k] for r < R, b < BT; w rows are `ldw` elements apart, x rows K.
 INLINE void dense_tile(int fmt, int R, int BT, const void *w, long ldw, const float *x, long K, float *out,
                        long ldy, const float *scale) {
@@ -103,6 +113,8 @@ INLINE void dense_tile(int fmt, int R, int BT, const void *w, long ldw, const fl
     // R weight vectors and one x vector at a time in registers: R + BT loads per R * BT fmas.
     for (; k + 16 <= K; k += 16)
         for (int u = 0; u < 2; u++) {
+            if (BT == 1)
+                for (int r = 0; r < R; r++) ahead(wr[r], (k + 8 * u) * esz);
             __m256 wv[4];
             for (int r = 0; r < R; r++) wv[r] = in_reg(load8(fmt, wr[r], k + 8 * u));
             for (int b = 0; b < BT; b++) {
@@ -145,6 +157,8 @@ INLINE void int4_tile(int R, int BT, const uint8_t *w, long ldw, const float *sc
         }
         for (long k = g * group; k < (g + 1) * group; k += QB)
             for (int h = 0; h < 2; h++) {
+                if (BT == 1)
+                    for (int r = 0; r < R; r++) ahead(w + r * ldw, k / 2 + 8 * h);
                 __m256 wl[4], wh[4];
                 for (int r = 0; r < R; r++) int4_w16(w + r * ldw + k / 2 + 8 * h, s[r], m8s[r], &wl[r], &wh[r]);
                 for (int b = 0; b < BT; b++) {

@@ -29,6 +29,7 @@ from ..cache import KVCache, decode_entries, encode_entries
 from ..errors import ConfigError
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights, rope_factors, rotate
+from . import cpu_block
 from .dispatch import use_triton
 from .linear import linear
 
@@ -61,6 +62,11 @@ class Cached:
         self.one = int(self.cells) if B == 1 and T == 1 else None  # batch-1 decode: plain integer indexing
         self.buf_row = None  # read_ahead
         self.mask = None
+        self.native = None
+        if not triton and T == 1 and not tree and step.mask is None and _native_blocks(net, cache, B, weights):
+            cache.changed()  # the C blocks write the cache themselves (a kept read-ahead buffer is stale)
+            self.native = cpu_block.Rows(net.cfg, cache, self.cells, self.cos, self.sin, 0)
+            return
         if triton or W:  # Triton takes positions and block tables; a ring's cells carry their own positions
             return
         kpos = torch.arange(step.end, device=dev)
@@ -176,7 +182,7 @@ class Cached:
         tensor). The buffer is a copy of what the step reads (plus room to grow), so it is only used while that fits
         in READ_AHEAD_BYTES; beyond, each layer gathers its own slot."""
         cache, B = self.cache, self.B
-        if self.triton or cache.window or self.T != 1 or self.step.cells is not None:
+        if self.native or self.triton or cache.window or self.T != 1 or self.step.cells is not None:
             return
         bt, nb = cache.bt, -(-self.end // cache.bt)
         room = min(nb + READ_AHEAD_GROWTH, -(-cache.cells // bt))  # blocks the buffer holds per lane and slot
@@ -239,6 +245,12 @@ def context(net: LoopedLM, step: Step, cache: KVCache) -> Cached:
     if triton:  # (the int4 store-h kernel recomputes K and V from h by fp32 wk and wv)
         weights = dataclasses.replace(weights, norm=_triton_norm)
     return Cached(net, cache, step, weights, triton)
+
+
+def _native_blocks(net: LoopedLM, cache: KVCache, B: int, weights: Weights) -> bool:
+    """Whether a decode step of B lanes runs its blocks as C calls (kernels/cpu_block.py)."""
+    return cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype) and all(
+        cpu_block.weights_struct(w) is not None for part in (weights.prelude, weights.core, weights.coda) for w in part)
 
 
 def triton_supports(cfg) -> bool:

@@ -1,0 +1,265 @@
+// One transformer block of a decode step in one call: tinyloop/model.py's `block` for B lanes of one token each,
+// attending over the paged KV cache (mode "fp16" holding fp32 entries), on the CPU (AVX2 + FMA, OpenMP).
+//
+// Why: at batch 1 the products of a block stream its weights at about the memory bandwidth (cpu_gemv.c), and what
+// is left of a step is the ~30 small torch operations around them per block (norms, RoPE, the cache write,
+// attention, SiLU, residuals), each a few microseconds of dispatch. Here a block is one call and one OpenMP team:
+// the steps below are separated by barriers, and the team's threads share every step.
+//
+//   h = norm(x) ; qkv = h W_qkv^T (+ bias) ; rotate q, k ; store k, v at the lane's cell
+//   att = softmax(q k^T / sqrt(hd)) v over cells 0..cell (grouped-query: H / KV query heads per kv head)
+//   x' = x + att W_o^T (or the sandwich variants) ; x' += down(silu(gate) * up) of norm(x')
+//
+// Products go through cpu_gemv.c's kernels (any weight format), called with threads = 1 inside this team: their
+// `omp for` then shares the rows among the team's threads. Every output element is computed the same way for any
+// B and any thread count (a lane's attention is one thread's, over its own cells), so the block is batch-invariant
+// like the products. RoPE is mul, mul, add as torch computes it (-ffp-contract=off), so it has torch's bits; the
+// norm, softmax and SiLU agree with torch to fp32 rounding, not bitwise.
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads);
+void tl_linear_bf16(const float *x, const void *w, float *y, long B, long N, long K, int threads);
+void tl_linear_int8(const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
+                    int act_quant, int threads);
+void tl_linear_int4(const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
+                    long group, int act_quant, int threads);
+
+// A matrix in its weight format (tinyloop/formats.py): 0 fp32, 1 bf16, 2 int8, 3 int4.
+typedef struct {
+    long fmt, group, rows, cols;
+    const void *data;
+    const float *scale;
+} tl_mat;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    const float *attn_out_norm, *mlp_out_norm, *bqkv;  // NULL when the model has none
+    long on_sum;  // the out-norms normalise the residual sums (Huginn) instead of the branch outputs
+    tl_mat qkv, wo, gu, down;
+} tl_block_weights;
+
+typedef struct {
+    long B, d, H, KV, hd, ffn, bt, threads;
+    double eps;
+    const float *cos2, *sin2;   // [B, hd]: rotate-half RoPE as x * cos2 + swap_halves(x) * sin2
+    const long *cells;          // [B]: the cell each lane writes; it attends over its cells 0..cell
+    float *k_store, *v_store;   // [blocks, bt, KV, hd]
+    long table_stride;          // elements between two lanes' rows of a slot's block table
+    float *scratch;             // tl_block_scratch(...) floats
+} tl_block_rows_t;
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// e^x, |x| < 87: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact to fp32), e^r by its Taylor
+// polynomial to degree 7 (relative error < 1e-8), 2^n from the exponent bits.
+INLINE __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+INLINE float exp1(float x) {
+    float v[8] = {x};
+    _mm256_storeu_ps(v, exp_ps(_mm256_loadu_ps(v)));
+    return v[0];
+}
+
+static void product(const tl_mat *m, const float *x, float *y, long B) {
+    switch (m->fmt) {
+        case 0: tl_linear_f32(x, m->data, y, B, m->rows, m->cols, 1); break;
+        case 1: tl_linear_bf16(x, m->data, y, B, m->rows, m->cols, 1); break;
+        case 2: tl_linear_int8(x, m->data, m->scale, y, B, m->rows, m->cols, 0, 1); break;
+        default: tl_linear_int4(x, m->data, m->scale, y, B, m->rows, m->cols, m->group, 0, 1); break;
+    }
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w
+static void rms_norm(const float *x, const float *w, double eps, long d, float *y) {
+    __m256 acc = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 <= d; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum(acc);
+    for (; k < d; k++) ss += x[k] * x[k];
+    const float r = 1.0f / sqrtf(ss / (float)d + (float)eps);
+    for (k = 0; k < d; k++) y[k] = x[k] * r * w[k];
+}
+
+// x <- x + a, with the optional out-norm: on_sum: norm(x + a); else x + norm(a).
+static void residual(float *x, float *a, const float *out_norm, long on_sum, double eps, long d) {
+    if (out_norm && !on_sum) rms_norm(a, out_norm, eps, d, a);
+    for (long k = 0; k < d; k++) x[k] += a[k];
+    if (out_norm && on_sum) rms_norm(x, out_norm, eps, d, x);
+}
+
+// q, k heads of one row rotated in place: y[i] = x[i] cos2[i] + x[i +- hd/2] sin2[i], as mul, mul, add.
+static void rotate(float *x, long heads, long hd, const float *cos2, const float *sin2) {
+    const long half = hd / 2;
+    float t[512];
+    for (long h = 0; h < heads; h++, x += hd) {
+        for (long i = 0; i < hd; i++) t[i] = x[i];
+        for (long i = 0; i < hd; i++) {
+            const float a = t[i] * cos2[i], b = t[i < half ? i + half : i - half] * sin2[i];
+            x[i] = a + b;
+        }
+    }
+}
+
+// Per-thread scores of the query heads of one kv head, grown as needed (no allocation per call).
+static __thread float *tl_scores;
+static __thread long tl_scores_n;
+static float *scores_buffer(long n) {
+    if (n > tl_scores_n) {
+        free(tl_scores);
+        tl_scores = aligned_alloc(64, (n * 4 + 63) & ~63L);
+        tl_scores_n = n;
+    }
+    return tl_scores;
+}
+
+// Attention of the G query heads q [G, hd] sharing kv head `g` of one lane, over its cells 0..n-1: out [G, hd].
+static void attend(const float *q, long G, long g, long n, const long *table, const tl_block_rows_t *r, float *out) {
+    const long hd = r->hd, bt = r->bt, stride = r->KV * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *s = scores_buffer(G * n);
+    for (long c0 = 0; c0 < n; c0 += bt) {  // scores, one block of cells at a time
+        const float *kb = r->k_store + table[c0 / bt] * bt * stride + g * hd;
+        const long m = n - c0 < bt ? n - c0 : bt;
+        for (long c = 0; c < m; c++) {
+            const float *kc = kb + c * stride;
+            for (long j = 0; j < G; j++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (long i = 0; i < hd; i += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * hd + i), _mm256_loadu_ps(kc + i), acc);
+                s[j * n + c0 + c] = hsum(acc) * scale;
+            }
+        }
+    }
+    for (long j = 0; j < G; j++) {  // softmax
+        float *sj = s + j * n, mx = -INFINITY, sum = 0.0f;
+        for (long c = 0; c < n; c++) mx = sj[c] > mx ? sj[c] : mx;
+        long c = 0;
+        __m256 vsum = _mm256_setzero_ps();
+        for (; c + 8 <= n; c += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sj + c), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(sj + c, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        for (; c < n; c++) sum += (sj[c] = exp1(sj[c] - mx));
+        const float inv = 1.0f / (hsum(vsum) + sum);
+        for (c = 0; c < n; c++) sj[c] *= inv;
+    }
+    __m256 acc[16];  // hd <= 128
+    for (long j = 0; j < G; j++) {
+        for (long i = 0; i < hd / 8; i++) acc[i] = _mm256_setzero_ps();
+        for (long c0 = 0; c0 < n; c0 += bt) {
+            const float *vb = r->v_store + table[c0 / bt] * bt * stride + g * hd;
+            const long m = n - c0 < bt ? n - c0 : bt;
+            for (long c = 0; c < m; c++) {
+                const __m256 p = _mm256_set1_ps(s[j * n + c0 + c]);
+                for (long i = 0; i < hd / 8; i++)
+                    acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + c * stride + 8 * i), acc[i]);
+            }
+        }
+        for (long i = 0; i < hd / 8; i++) _mm256_storeu_ps(out + j * hd + 8 * i, acc[i]);
+    }
+}
+
+// Floats of scratch a call needs.
+long tl_block_scratch(long B, long d, long H, long KV, long hd, long ffn) {
+    return B * (2 * d + (H + 2 * KV) * hd + H * hd + 3 * ffn);
+}
+
+// 1 when tl_block_rows takes these sizes (otherwise the caller runs the block through torch).
+int tl_block_ok(long H, long KV, long hd) {
+    return hd % 16 == 0 && hd <= 128 && KV > 0 && H % KV == 0;
+}
+
+// x_out [B, d] = block(x [B, d]) for lanes writing cell cells[b] of the slot whose block table is `table`.
+void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const long *table, const float *x,
+                   float *x_out) {
+    const long B = r->B, d = r->d, H = r->H, KV = r->KV, hd = r->hd, F = r->ffn, G = H / KV;
+    const long NQKV = (H + 2 * KV) * hd;
+    float *h = r->scratch, *qkv = h + B * d, *att = qkv + B * NQKV, *o = att + B * H * hd, *gu = o + B * d,
+          *m = gu + 2 * B * F;
+    const double eps = r->eps;
+#pragma omp parallel num_threads(r->threads) if (r->threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) rms_norm(x + b * d, w->attn_norm, eps, d, h + b * d);
+        product(&w->qkv, h, qkv, B);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {  // bias, RoPE, the token's k and v into its cell
+            float *row = qkv + b * NQKV;
+            if (w->bqkv)
+                for (long i = 0; i < NQKV; i++) row[i] += w->bqkv[i];
+            rotate(row, H + KV, hd, r->cos2 + b * hd, r->sin2 + b * hd);
+            const long cell = r->cells[b], blk = table[b * r->table_stride + cell / r->bt];
+            float *kd = r->k_store + (blk * r->bt + cell % r->bt) * KV * hd;
+            float *vd = r->v_store + (blk * r->bt + cell % r->bt) * KV * hd;
+            for (long i = 0; i < KV * hd; i++) {
+                kd[i] = row[H * hd + i];
+                vd[i] = row[(H + KV) * hd + i];
+            }
+        }
+#pragma omp for schedule(static)
+        for (long i = 0; i < B * KV; i++) {
+            const long b = i / KV, g = i % KV;
+            attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, table + b * r->table_stride, r,
+                   att + b * H * hd + g * G * hd);
+        }
+        product(&w->wo, att, o, B);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {
+            float *xo = x_out + b * d;
+            for (long k = 0; k < d; k++) xo[k] = x[b * d + k];
+            residual(xo, o + b * d, w->attn_out_norm, w->on_sum, eps, d);
+            rms_norm(xo, w->mlp_norm, eps, d, h + b * d);
+        }
+        product(&w->gu, h, gu, B);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {  // silu(gate) * up, gate / (1 + e^-gate) as torch's silu
+            const float *g = gu + b * 2 * F, *u = g + F;
+            float *mb = m + b * F;
+            long i = 0;
+            for (; i + 8 <= F; i += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + i);
+                const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+                _mm256_storeu_ps(mb + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+            }
+            for (; i < F; i++) mb[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+        }
+        product(&w->down, m, o, B);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) residual(x_out + b * d, o + b * d, w->mlp_out_norm, w->on_sum, eps, d);
+    }
+}

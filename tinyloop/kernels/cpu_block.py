@@ -1,0 +1,109 @@
+"""A decode step's blocks as one C call each (cpu_block.c): tinyloop/model.py's `block` for lanes of one token,
+over the paged KV cache, on the CPU.
+
+The cached step (kernels/step.py) takes this path for decode rows when `supported` says the call can run them:
+CPU, the CPU kernels built, fp32 activations, cache mode "fp16" holding fp32, no sliding window, no speculative
+tree, at most 32 lanes, and head sizes the kernel takes. Everything else (prefill chunks, int8 / int4 caches,
+bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switches this off with the products.
+
+`weights_struct` describes a block's weights to C once (kept on the BlockWeights); `Rows` describes a step's
+lanes (cells, RoPE factors, the cache) once per step; `Rows.block` then runs one block.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..formats import QMatrix
+from . import cpu
+
+_FMT = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+MAX_LANES = 32
+_p, _L = ctypes.c_void_p, ctypes.c_long
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("fmt", _L), ("group", _L), ("rows", _L), ("cols", _L), ("data", _p), ("scale", _p)]
+
+
+class _Weights(ctypes.Structure):
+    _fields_ = [("attn_norm", _p), ("mlp_norm", _p), ("attn_out_norm", _p), ("mlp_out_norm", _p), ("bqkv", _p),
+                ("on_sum", _L), ("qkv", _Mat), ("wo", _Mat), ("gu", _Mat), ("down", _Mat)]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [("B", _L), ("d", _L), ("H", _L), ("KV", _L), ("hd", _L), ("ffn", _L), ("bt", _L), ("threads", _L),
+                ("eps", ctypes.c_double), ("cos2", _p), ("sin2", _p), ("cells", _p), ("k_store", _p),
+                ("v_store", _p), ("table_stride", _L), ("scratch", _p)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _mat(m) -> _Mat | None:
+    """A matrix as C reads it, or None when the kernel cannot (a strided view, an int4 matrix held padded)."""
+    if isinstance(m, QMatrix):
+        if m.padded_width != m.width and m.fmt == "int4" or not m.data.is_contiguous():
+            return None
+        scale = None if m.scale is None else m.scale
+        if scale is not None and not scale.is_contiguous():
+            return None
+        return _Mat(_FMT[m.fmt], m.group, m.shape[0], m.shape[1], m.data.data_ptr(), _ptr(scale))
+    if m.dtype != torch.float32 or not m.is_contiguous():
+        return None
+    return _Mat(0, 0, m.shape[0], m.shape[1], m.data_ptr(), None)
+
+
+def weights_struct(w) -> _Weights | None:
+    """The C description of a BlockWeights (built once and kept on it), or None when the kernel cannot use it."""
+    if w.native is None:
+        mats = [_mat(m) for m in (w.wqkv, w.wo, w.wgu, w.w_down)]
+        vectors = [w.attn_norm, w.mlp_norm, w.attn_out_norm, w.mlp_out_norm, w.bqkv]
+        if any(m is None for m in mats) or any(v is not None and (v.dtype != torch.float32 or not v.is_contiguous())
+                                                for v in vectors):
+            w.native = False
+        else:
+            w.native = _Weights(*map(_ptr, vectors), int(w.on_sum), *mats)
+    return w.native or None
+
+
+def supported(cfg, cache, B: int, dtype: torch.dtype) -> bool:
+    """Whether decode rows of B lanes over `cache` can run as C blocks."""
+    return (B <= MAX_LANES and dtype == torch.float32 and cache.mode == "fp16" and cache.dtype == torch.float32
+            and not cache.window and cache.device.type == "cpu" and cpu.available()
+            and bool(cpu._lib.tl_block_ok(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)))
+
+
+class Rows:
+    """A decode step's lanes as the C blocks see them: one token per lane at cells `cells` [B], RoPE factors
+    cos2 / sin2 [B, hd] (model.rope_factors at the lanes' positions), the cache's store and block tables."""
+
+    def __init__(self, cfg, cache, cells: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, threads: int):
+        B = cells.shape[0]
+        self.cache = cache
+        self.cells = cells.reshape(B).contiguous()
+        self.lanes, self.at = list(range(B)), self.cells.tolist()
+        self.cos2, self.sin2 = cos2.reshape(B, -1).contiguous(), sin2.reshape(B, -1).contiguous()
+        lib = cpu._lib
+        self.scratch = torch.empty(lib.tl_block_scratch(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                                        cfg.ffn_hidden))
+        store, table = cache.store, cache.table
+        self.table, self.slot_bytes = table, table.stride(0) * table.element_size()
+        self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cache.bt,
+                            threads or torch.get_num_threads(), cfg.norm_eps, self.cos2.data_ptr(),
+                            self.sin2.data_ptr(), self.cells.data_ptr(), store["k"].data_ptr(), store["v"].data_ptr(),
+                            table.stride(1), self.scratch.data_ptr())
+        self.ref = ctypes.byref(self.struct)
+
+    def block(self, w, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """model.block of BlockWeights w (weights_struct(w) built) over token rows x [B, d], writing layer slot
+        `slot`."""
+        cache = self.cache
+        cache.prepare(slot, self.lanes, self.at, self.at)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        cpu._lib.tl_block_rows(ctypes.byref(w.native), self.ref, self.table.data_ptr() + slot * self.slot_bytes,
+                               x.data_ptr(), out.data_ptr())
+        return out
