@@ -1,0 +1,133 @@
+"""tinyloop/kernels/cpu_block.c: a decode step's blocks as one C call each, against model.block through torch (the
+same decode with the C blocks switched off), in every weight format and the model variants real checkpoints bring;
+batch and thread invariance; which steps take the path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyloop.cache import KVCache
+from tinyloop.config import ModelConfig
+from tinyloop.kernels import cpu_block
+from tinyloop.kernels import step as cached
+from tinyloop.model import LoopedLM, quantize_weights
+
+from test_cpu_kernels import needs_kernels
+
+pytestmark = needs_kernels
+
+BASE = dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_prelude=1, n_core=2, n_coda=1,
+            max_loops=3)
+VARIANTS = {
+    "plain": {},
+    "gqa4_untied": dict(n_heads=8, n_kv_heads=2, d_model=128, tie_embeddings=False, ffn_hidden=136),
+    "mha_hd32": dict(n_heads=2, n_kv_heads=2),
+    "qk_bias": dict(qk_bias=True),  # Ouro-style biases on q and k
+    "sandwich": dict(sandwich_norm=True),
+    "huginn": dict(sandwich_norm=True, sandwich_residual=True, n_kv_heads=4, injection="adapter"),
+}
+
+
+def make_net(cfg: ModelConfig, weights: str = "fp32") -> LoopedLM:
+    torch.manual_seed(0)
+    net = LoopedLM(cfg, 128).eval().requires_grad_(False)
+    with torch.no_grad():  # biases are zero at init: give them values, so a dropped bias shows
+        for name, p in net.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.1)
+    quantize_weights(net, weights, 32)
+    return net
+
+
+def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool, monkeypatch, loops: int = 3,
+           lanes: list[int] | None = None) -> tuple[torch.Tensor, list[bool]]:
+    """Per-lane prefill of random prompts, then greedy decode rows of `lanes` (default: all) for `steps` steps:
+    logits [steps, len(lanes), V], and whether each step ran the C blocks."""
+    cfg = net.cfg
+    with monkeypatch.context() as m:
+        if not native:
+            m.setattr(cpu_block, "supported", lambda *a: False)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
+        tokens = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen)
+        lanes = list(range(len(lengths))) if lanes is None else lanes
+        cache = KVCache(cfg, len(lengths), 128, "fp16")
+        took, out = [], []
+        real_context = cached.context
+        m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
+        with torch.inference_mode():
+            for lane, ids in enumerate(prompts):
+                cached.forward(net, ids, loops, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)),
+                               cache.lane_view(lane))
+            view = cache.select(lanes)
+            pos = torch.tensor([lengths[i] for i in lanes]).unsqueeze(1)
+            tok = tokens[lanes]
+            took.clear()
+            for _ in range(steps):
+                logits = cached.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), view)
+                out.append(logits[:, 0])
+                tok, pos = logits.argmax(-1), pos + 1
+    return torch.stack(out), took
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_c_blocks_match_torch_blocks(variant, monkeypatch):
+    """Ragged lanes whose keys cross blocks of 16 cells and are not a multiple of 8 (the softmax tails)."""
+    net = make_net(ModelConfig(**{**BASE, **VARIANTS[variant]}))
+    lengths = [37, 5, 20]
+    got, took = decode(net, lengths, 6, True, monkeypatch)
+    want, took_torch = decode(net, lengths, 6, False, monkeypatch)
+    assert all(took) and not any(took_torch)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("fmt", ("bf16", "int8", "int4"))
+def test_c_blocks_multiply_in_every_weight_format(fmt, monkeypatch):
+    net = make_net(ModelConfig(**{**BASE, **VARIANTS["qk_bias"]}), fmt)
+    got, took = decode(net, [9, 30], 4, True, monkeypatch)
+    want, _ = decode(net, [9, 30], 4, False, monkeypatch)
+    assert all(took)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    fp32, _ = decode(make_net(ModelConfig(**{**BASE, **VARIANTS["qk_bias"]})), [9, 30], 4, True, monkeypatch)
+    assert (got[0] - fp32[0]).abs().max() > 1e-4  # the format's matrices, not fp32 ones, were multiplied
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+def test_a_lane_gets_the_same_bits_alone_or_batched(threads, monkeypatch):
+    """Batch invariance: each lane's logits alone equal, bit for bit, its logits in a batch of lanes of other
+    lengths; and 1 or 2 threads give the same bits."""
+    net = make_net(ModelConfig(**{**BASE, **VARIANTS["gqa4_untied"]}))
+    lengths = [33, 7, 18, 2]
+    monkeypatch.setenv("TINYLOOP_DECODE_THREADS", str(threads))
+    batched, _ = decode(net, lengths, 5, True, monkeypatch)
+    for lane in range(len(lengths)):
+        alone, _ = decode(net, lengths, 5, True, monkeypatch, lanes=[lane])
+        assert torch.equal(alone[:, 0], batched[:, lane]), lane
+    monkeypatch.setenv("TINYLOOP_DECODE_THREADS", str(3 - threads))
+    other, _ = decode(net, lengths, 5, True, monkeypatch)
+    assert torch.equal(other, batched)
+
+
+def test_which_steps_take_the_c_blocks(monkeypatch):
+    """Decode rows of the fp16 cache mode in fp32 do; prefill chunks, quantised caches, rings, head sizes the kernel
+    does not take, and TINYLOOP_CPU_KERNELS=0 run torch, and still decode the same."""
+    cfg = ModelConfig(**BASE)
+    net = make_net(cfg)
+    pos, ids = torch.tensor([[0]]), torch.tensor([[3]])
+
+    def native(cache: KVCache, pos=pos, net=net) -> bool:
+        return cached.context(net, net.make_step(pos, int(pos.max()) + 1), cache).native is not None
+
+    assert native(KVCache(cfg, 1, 32, "fp16"))
+    assert not native(KVCache(cfg, 1, 32, "fp16"), torch.arange(4).unsqueeze(0))  # a prefill chunk
+    assert not native(KVCache(cfg, 1, 32, "int8"))
+    assert not native(KVCache(cfg, 1, 32, "fp16", window=8))
+    monkeypatch.setenv("TINYLOOP_CPU_KERNELS", "0")
+    assert not native(KVCache(cfg, 1, 32, "fp16"))
+    monkeypatch.delenv("TINYLOOP_CPU_KERNELS")
+    odd = ModelConfig(**{**BASE, "d_model": 48, "n_heads": 4})  # head size 12: not a multiple of 16
+    odd_net = make_net(odd)
+    assert not native(KVCache(odd, 1, 32, "fp16"), net=odd_net)
+    got, took = decode(odd_net, [5], 3, True, monkeypatch)
+    assert not any(took)
