@@ -349,10 +349,14 @@ def test_decode_through_triton_kernels_matches_torch(mode, monkeypatch):
 
 
 def test_decode_threads_policy(monkeypatch):
+    from tinyloop.kernels import cpu
     from tinyloop.kernels.step import decode_threads
     monkeypatch.delenv("TINYLOOP_DECODE_THREADS", raising=False)
     small, big = ModelConfig(d_model=256), ModelConfig(d_model=768, n_heads=12, n_kv_heads=4)
     assert decode_threads(1, small) == 1 and decode_threads(16, small) == 0 and decode_threads(1, big) == 0
+    # decode rows whose blocks run as C calls keep torch's threads (one OpenMP team per block)
+    assert decode_threads(1, small, KVCache(small, 1, 16, "fp16")) == (0 if cpu.available() else 1)
+    assert decode_threads(1, small, KVCache(small, 1, 16, "int8")) == 1
     monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "3")
     assert decode_threads(1, small) == 3
     monkeypatch.setenv("TINYLOOP_DECODE_THREADS", "many")

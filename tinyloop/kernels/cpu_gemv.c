@@ -24,14 +24,20 @@
 // Weight rows per block at B = 1, 2 and 3..4, and the B from which rows are widened (see the row loop).
 #ifndef TUNE
 #define TUNE_BF16 2, 2, 1, 16
-#define TUNE_I8 2, 1, 1, 16
+#define TUNE_I8 4, 1, 1, 16
 #define TUNE_I4 2, 2, 2, 4
 #define TUNE_F32 1, 1, 1, 0  // no widening: already fp32
 #endif
 #define TUNE_AQ 2, 2, 2, 0   // act_quant
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
-#ifndef PF_DIST
-#define PF_DIST 4096  // bytes ahead in a weight row that the tiles prefetch (see `ahead`)
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1  // into L2: 5-7 % faster than L1 for int8, the same for the others
+#endif
+#ifndef PF_F32
+#define PF_F32 2048     // bytes ahead in the weight stream that a batch-1 tile prefetches (see `ahead`): fp32
+#endif
+#ifndef PF_NARROW
+#define PF_NARROW 8192  // bf16, int8, int4
 #endif
 
 enum { F32, BF16, I8 };
@@ -92,11 +98,13 @@ INLINE float finish(int fmt, __m256 a0, __m256 a1, const void *wr, const float *
     return scale ? s * *scale : s;
 }
 
-// Software prefetch of the weight stream, PF_DIST bytes ahead of the byte being read, once per cache line. The
-// narrow formats carry many instructions per cache line (widening, fmas), so the out-of-order window reaches few
-// lines ahead and the hardware prefetcher alone kept int8 at ~6 GB/s per core against fp32's 13 from memory.
-INLINE void ahead(const void *p, long byte) {
-    if ((byte & 63) == 0) _mm_prefetch((const char *)p + byte + PF_DIST, _MM_HINT_T0);
+// Software prefetch of the weight stream at B = 1, `dist` bytes ahead of the byte being read, once per cache line.
+// The narrow formats carry many instructions per cache line (widening, fmas), so the out-of-order window reaches
+// few lines ahead and the hardware prefetcher alone kept int8 at ~6 GB/s per core against fp32's 13 from memory.
+// Hint and distances (PF_*) were chosen by alternating two builds in one process (2-core Zen3, the d768 step's
+// matrices, B = 1): without prefetch bf16 took 1.27x and int8 1.48x as long.
+INLINE void ahead(const void *p, long byte, long dist) {
+    if ((byte & 63) == 0) _mm_prefetch((const char *)p + byte + dist, PF_HINT);
 }
 
 // out[b * ldy + r] = sum_k x[b, k] * w[r, k] for r < R, b < BT; w rows are `ldw` elements apart, x rows K.
@@ -114,11 +122,12 @@ INLINE void dense_tile(int fmt, int R, int BT, const void *w, long ldw, const fl
     for (; k + 16 <= K; k += 16)
         for (int u = 0; u < 2; u++) {
             if (BT == 1)
-                for (int r = 0; r < R; r++) ahead(wr[r], (k + 8 * u) * esz);
+                for (int r = 0; r < R; r++) ahead(wr[r], (k + 8 * u) * esz, fmt == F32 ? PF_F32 : PF_NARROW);
             __m256 wv[4];
-            for (int r = 0; r < R; r++) wv[r] = in_reg(load8(fmt, wr[r], k + 8 * u));
+            // (one x row: a load folded into the fma is as good, and measured 10 % faster for fp32)
+            for (int r = 0; r < R; r++) wv[r] = BT > 1 ? in_reg(load8(fmt, wr[r], k + 8 * u)) : load8(fmt, wr[r], k + 8 * u);
             for (int b = 0; b < BT; b++) {
-                __m256 xv = in_reg(_mm256_loadu_ps(x + b * K + k + 8 * u));
+                __m256 xv = BT > 1 ? in_reg(_mm256_loadu_ps(x + b * K + k + 8 * u)) : _mm256_loadu_ps(x + b * K + k + 8 * u);
                 for (int r = 0; r < R; r++) acc[u][r][b] = _mm256_fmadd_ps(wv[r], xv, acc[u][r][b]);
             }
         }
@@ -158,7 +167,7 @@ INLINE void int4_tile(int R, int BT, const uint8_t *w, long ldw, const float *sc
         for (long k = g * group; k < (g + 1) * group; k += QB)
             for (int h = 0; h < 2; h++) {
                 if (BT == 1)
-                    for (int r = 0; r < R; r++) ahead(w + r * ldw, k / 2 + 8 * h);
+                    for (int r = 0; r < R; r++) ahead(w + r * ldw, k / 2 + 8 * h, PF_NARROW);
                 __m256 wl[4], wh[4];
                 for (int r = 0; r < R; r++) int4_w16(w + r * ldw + k / 2 + 8 * h, s[r], m8s[r], &wl[r], &wh[r]);
                 for (int b = 0; b < BT; b++) {
@@ -341,8 +350,8 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 // tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3,
 // best of many calls, TUNE_* at the top):
 //   B = 1: bandwidth-bound, but a tile of R rows has only 2R fma chains (4-cycle latency): R = 1 caps a core at
-//          0.5 fma/cycle, enough for fp32 (and one sequential stream suits the prefetcher); bf16 / int8 / int4
-//          carry more weights per byte and take R = 2.
+//          0.5 fma/cycle, enough for fp32 (and one sequential stream suits the prefetcher); bf16 / int4 carry
+//          more weights per byte and take R = 2, int8 R = 4 (11 % faster than 2 from memory; R = 1 was 2.5x slower).
 //   B = 2..4: fp32 / int8 one row (BT = B); bf16 two rows at B = 2, one at 3..4 (in-register widening of two
 //          rows next to 2 x 3 accumulators was 30% slower); int4 two rows (its unpacking is the cost).
 //   B > 4: R = 2 rows x BT = 3 x rows, 12 accumulators, 5 loads per 6 fmas: fma throughput is the limit;

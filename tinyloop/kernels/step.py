@@ -260,13 +260,15 @@ def triton_supports(cfg) -> bool:
 
 
 # --- the entry points -------------------------------------------------------------------------------------
-def decode_threads(lanes: int, cfg) -> int:
+def decode_threads(lanes: int, cfg, cache: KVCache | None = None) -> int:
     """Intra-op threads for a CPU decode step (0: leave torch's setting).
 
-    A batch-1 step of a small model is hundreds of operations of a few microseconds each; splitting them
-    over threads costs more in wake-ups than it saves, and on a busy machine spinning threads wait for
-    cores (measured in docs/kernels.md). Below ~262K multiply-adds per d x d projection (batch 1 of a model
-    up to d_model 512) one thread runs the step; at batch 16 of the shipped model two threads already win.
+    A step whose blocks run as C calls (kernels/cpu_block.py: decode rows over a cache they support) keeps torch's
+    threads: each block is one OpenMP team, so threads cost one wake-up per block, and two threads won at every
+    batch (the bundled model at batch 1: 345 against 215 tok/s). A step through torch's operations is hundreds
+    of operations of a few microseconds each; splitting them over threads costs more in wake-ups than it saves,
+    and on a busy machine spinning threads wait for cores (measured in docs/kernels.md). There, below ~262K
+    multiply-adds per d x d projection (batch 1 of a model up to d_model 512) one thread runs the step.
     TINYLOOP_DECODE_THREADS=n forces n (0 = torch's setting).
     """
     value = os.environ.get("TINYLOOP_DECODE_THREADS", "").strip()
@@ -274,6 +276,8 @@ def decode_threads(lanes: int, cfg) -> int:
         if not value.isdigit():
             raise ConfigError(f"environment TINYLOOP_DECODE_THREADS={value!r} is not an integer >= 0")
         return int(value)
+    if cache is not None and cpu_block.supported(cfg, cache, lanes, cache.dtype):
+        return 0
     return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 18 else 0
 
 
@@ -300,7 +304,7 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled() \
             and triton_supports(net.cfg) and not exit_threshold:
         return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
-    threads = decode_threads(ids.shape[0], net.cfg) if rows and ids.device.type == "cpu" else 0
+    threads = decode_threads(ids.shape[0], net.cfg, cache) if rows and ids.device.type == "cpu" else 0
     with _threads(threads):
         ctx = context(net, step, cache)
         if rows:
@@ -315,7 +319,7 @@ def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], s
                      threshold: float | list[float] = 0.0) -> tuple[torch.Tensor, list[int]]:
     """One token per lane, each lane at its own loop count, stopping early where its threshold or the model's exit
     gate says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
-    threads = decode_threads(ids.shape[0], net.cfg) if ids.device.type == "cpu" else 0
+    threads = decode_threads(ids.shape[0], net.cfg, cache) if ids.device.type == "cpu" else 0
     with _threads(threads):
         return net.forward_adaptive(ids, loops, context(net, step, cache), threshold)
 
