@@ -22,6 +22,7 @@ VARIANTS = {
     "plain": {},
     "gqa4_untied": dict(n_heads=8, n_kv_heads=2, d_model=128, tie_embeddings=False, ffn_hidden=136),
     "mha_hd32": dict(n_heads=2, n_kv_heads=2),
+    "hd8": dict(d_model=32, n_heads=4, n_kv_heads=2),  # one 8-wide vector per head
     "qk_bias": dict(qk_bias=True),  # Ouro-style biases on q and k
     "sandwich": dict(sandwich_norm=True),
     "huginn": dict(sandwich_norm=True, sandwich_residual=True, n_kv_heads=4, injection="adapter"),
@@ -111,7 +112,7 @@ def test_a_lane_gets_the_same_bits_alone_or_batched(threads, monkeypatch):
 
 def test_which_steps_take_the_c_blocks(monkeypatch):
     """Decode rows of the fp16 cache mode in fp32 do; prefill chunks, quantised caches, rings, head sizes the kernel
-    does not take, and TINYLOOP_CPU_KERNELS=0 run torch, and still decode the same."""
+    does not take (12: not a multiple of 8), and TINYLOOP_CPU_KERNELS=0 run torch, and still decode the same."""
     cfg = ModelConfig(**BASE)
     net = make_net(cfg)
     pos, ids = torch.tensor([[0]]), torch.tensor([[3]])
@@ -126,8 +127,19 @@ def test_which_steps_take_the_c_blocks(monkeypatch):
     monkeypatch.setenv("TINYLOOP_CPU_KERNELS", "0")
     assert not native(KVCache(cfg, 1, 32, "fp16"))
     monkeypatch.delenv("TINYLOOP_CPU_KERNELS")
-    odd = ModelConfig(**{**BASE, "d_model": 48, "n_heads": 4})  # head size 12: not a multiple of 16
+    odd = ModelConfig(**{**BASE, "d_model": 48, "n_heads": 4})  # head size 12: not a multiple of 8
     odd_net = make_net(odd)
     assert not native(KVCache(odd, 1, 32, "fp16"), net=odd_net)
     got, took = decode(odd_net, [5], 3, True, monkeypatch)
     assert not any(took)
+
+
+def test_int4_widths_the_group_does_not_divide(monkeypatch):
+    """An FFN of 104 in int4 groups of 32 is held zero-padded to 128 (like the bundled model's 688): the C block
+    pads its input rows to match."""
+    net = make_net(ModelConfig(**{**BASE, "ffn_hidden": 104}), "int4")
+    assert net.quantized.core[0].w_down.padded_width == 128
+    got, took = decode(net, [9, 30], 4, True, monkeypatch)
+    want, _ = decode(net, [9, 30], 4, False, monkeypatch)
+    assert all(took)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

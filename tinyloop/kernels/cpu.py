@@ -123,7 +123,7 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_stream_read.restype = ctypes.c_double
     lib.tl_block_rows.argtypes = [p, p, p, p, p]
     lib.tl_block_rows.restype = None
-    lib.tl_block_scratch.argtypes = [L] * 6
+    lib.tl_block_scratch.argtypes = [p, L]
     lib.tl_block_scratch.restype = L
     lib.tl_block_ok.argtypes = [L, L, L]
     for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):

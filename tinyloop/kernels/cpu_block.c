@@ -29,7 +29,9 @@ void tl_linear_int8(const float *x, const void *w, const float *scale, float *y,
 void tl_linear_int4(const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
                     long group, int act_quant, int threads);
 
-// A matrix in its weight format (tinyloop/formats.py): 0 fp32, 1 bf16, 2 int8, 3 int4.
+// A matrix in its weight format (tinyloop/formats.py): 0 fp32, 1 bf16, 2 int8, 3 int4. cols is the stored width:
+// an int4 matrix whose group does not divide its width holds it zero-padded, and its input rows are padded to
+// match (the scratch rows below are cols wide, their tails zero).
 typedef struct {
     long fmt, group, rows, cols;
     const void *data;
@@ -189,14 +191,14 @@ static void attend(const float *q, long G, long g, long n, const long *table, co
     }
 }
 
-// Floats of scratch a call needs.
-long tl_block_scratch(long B, long d, long H, long KV, long hd, long ffn) {
-    return B * (2 * d + (H + 2 * KV) * hd + H * hd + 3 * ffn);
+// Floats of scratch a call of B lanes needs with blocks shaped like w: rows of h, qkv, att, o, gu, m.
+long tl_block_scratch(const tl_block_weights *w, long B) {
+    return B * (w->qkv.cols + w->qkv.rows + w->wo.cols + w->wo.rows + w->gu.rows + w->down.cols);
 }
 
 // 1 when tl_block_rows takes these sizes (otherwise the caller runs the block through torch).
 int tl_block_ok(long H, long KV, long hd) {
-    return hd % 16 == 0 && hd <= 128 && KV > 0 && H % KV == 0;
+    return hd % 8 == 0 && hd <= 128 && KV > 0 && H % KV == 0;
 }
 
 // x_out [B, d] = block(x [B, d]) for lanes writing cell cells[b] of the slot whose block table is `table`.
@@ -204,13 +206,19 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
                    float *x_out) {
     const long B = r->B, d = r->d, H = r->H, KV = r->KV, hd = r->hd, F = r->ffn, G = H / KV;
     const long NQKV = (H + 2 * KV) * hd;
-    float *h = r->scratch, *qkv = h + B * d, *att = qkv + B * NQKV, *o = att + B * H * hd, *gu = o + B * d,
+    const long hs = w->qkv.cols, as = w->wo.cols, ms = w->down.cols;  // input rows, padded (gu.cols == hs)
+    float *h = r->scratch, *qkv = h + B * hs, *att = qkv + B * NQKV, *o = att + B * as, *gu = o + B * d,
           *m = gu + 2 * B * F;
+    for (long b = 0; b < B; b++) {  // the padding columns stay zero
+        for (long i = d; i < hs; i++) h[b * hs + i] = 0.0f;
+        for (long i = H * hd; i < as; i++) att[b * as + i] = 0.0f;
+        for (long i = F; i < ms; i++) m[b * ms + i] = 0.0f;
+    }
     const double eps = r->eps;
 #pragma omp parallel num_threads(r->threads) if (r->threads > 1)
     {
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) rms_norm(x + b * d, w->attn_norm, eps, d, h + b * d);
+        for (long b = 0; b < B; b++) rms_norm(x + b * d, w->attn_norm, eps, d, h + b * hs);
         product(&w->qkv, h, qkv, B);
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -231,7 +239,7 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
         for (long i = 0; i < B * KV; i++) {
             const long b = i / KV, g = i % KV;
             attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, table + b * r->table_stride, r,
-                   att + b * H * hd + g * G * hd);
+                   att + b * as + g * G * hd);
         }
         product(&w->wo, att, o, B);
 #pragma omp barrier
@@ -240,14 +248,14 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
             float *xo = x_out + b * d;
             for (long k = 0; k < d; k++) xo[k] = x[b * d + k];
             residual(xo, o + b * d, w->attn_out_norm, w->on_sum, eps, d);
-            rms_norm(xo, w->mlp_norm, eps, d, h + b * d);
+            rms_norm(xo, w->mlp_norm, eps, d, h + b * hs);
         }
         product(&w->gu, h, gu, B);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++) {  // silu(gate) * up, gate / (1 + e^-gate) as torch's silu
             const float *g = gu + b * 2 * F, *u = g + F;
-            float *mb = m + b * F;
+            float *mb = m + b * ms;
             long i = 0;
             for (; i + 8 <= F; i += 8) {
                 const __m256 gv = _mm256_loadu_ps(g + i);

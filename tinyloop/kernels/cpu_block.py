@@ -43,14 +43,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _mat(m) -> _Mat | None:
-    """A matrix as C reads it, or None when the kernel cannot (a strided view, an int4 matrix held padded)."""
+    """A matrix as C reads it (int4: at its stored, padded width), or None when the kernel cannot (a strided view)."""
     if isinstance(m, QMatrix):
-        if m.padded_width != m.width and m.fmt == "int4" or not m.data.is_contiguous():
+        if not m.data.is_contiguous() or m.scale is not None and not m.scale.is_contiguous():
             return None
-        scale = None if m.scale is None else m.scale
-        if scale is not None and not scale.is_contiguous():
-            return None
-        return _Mat(_FMT[m.fmt], m.group, m.shape[0], m.shape[1], m.data.data_ptr(), _ptr(scale))
+        return _Mat(_FMT[m.fmt], m.group, m.shape[0], m.padded_width, m.data.data_ptr(), _ptr(m.scale))
     if m.dtype != torch.float32 or not m.is_contiguous():
         return None
     return _Mat(0, 0, m.shape[0], m.shape[1], m.data_ptr(), None)
@@ -78,21 +75,21 @@ def supported(cfg, cache, B: int, dtype: torch.dtype) -> bool:
 
 class Rows:
     """A decode step's lanes as the C blocks see them: one token per lane at cells `cells` [B], RoPE factors
-    cos2 / sin2 [B, hd] (model.rope_factors at the lanes' positions), the cache's store and block tables."""
+    cos2 / sin2 [B, hd] (model.rope_factors at the lanes' positions), the cache's store and block tables, the
+    step's threads (torch's setting); `shape` is any block's C description (they all have the same shapes)."""
 
-    def __init__(self, cfg, cache, cells: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, threads: int):
+    def __init__(self, cfg, cache, cells: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, shape: _Weights):
         B = cells.shape[0]
         self.cache = cache
         self.cells = cells.reshape(B).contiguous()
         self.lanes, self.at = list(range(B)), self.cells.tolist()
         self.cos2, self.sin2 = cos2.reshape(B, -1).contiguous(), sin2.reshape(B, -1).contiguous()
         lib = cpu._lib
-        self.scratch = torch.empty(lib.tl_block_scratch(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                                        cfg.ffn_hidden))
+        self.scratch = torch.empty(lib.tl_block_scratch(ctypes.byref(shape), B))
         store, table = cache.store, cache.table
         self.table, self.slot_bytes = table, table.stride(0) * table.element_size()
         self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cache.bt,
-                            threads or torch.get_num_threads(), cfg.norm_eps, self.cos2.data_ptr(),
+                            torch.get_num_threads(), cfg.norm_eps, self.cos2.data_ptr(),
                             self.sin2.data_ptr(), self.cells.data_ptr(), store["k"].data_ptr(), store["v"].data_ptr(),
                             table.stride(1), self.scratch.data_ptr())
         self.ref = ctypes.byref(self.struct)

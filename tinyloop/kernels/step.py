@@ -7,6 +7,8 @@ What every layer of a chunk shares is computed once per chunk, not per layer: la
 the chunk writes, the mask, the rotary factors.
 
 Backends:
+  C       decode rows on CPU (one token per lane, the fp16 cache mode holding fp32, no ring, no tree): each block
+          is one call of kernels/cpu_block.c, attending over the paged cache through the block tables
   torch   SDPA over the slot's cells, gathered from the blocks (CPU; CUDA with TINYLOOP_TRITON=0). Decode rows
           that read little gather every slot once per step into one buffer (`read_ahead`).
   Triton  decode rows on CUDA (or TINYLOOP_TRITON=1): fused attention over the block tables and quantise-on-write
@@ -63,9 +65,10 @@ class Cached:
         self.buf_row = None  # read_ahead
         self.mask = None
         self.native = None
-        if not triton and T == 1 and not tree and step.mask is None and _native_blocks(net, cache, B, weights):
+        native = not triton and T == 1 and not tree and step.mask is None and _native_blocks(net, cache, B, weights)
+        if native:
             cache.changed()  # the C blocks write the cache themselves (a kept read-ahead buffer is stale)
-            self.native = cpu_block.Rows(net.cfg, cache, self.cells, self.cos, self.sin, 0)
+            self.native = cpu_block.Rows(net.cfg, cache, self.cells, self.cos, self.sin, native)
             return
         if triton or W:  # Triton takes positions and block tables; a ring's cells carry their own positions
             return
@@ -247,10 +250,13 @@ def context(net: LoopedLM, step: Step, cache: KVCache) -> Cached:
     return Cached(net, cache, step, weights, triton)
 
 
-def _native_blocks(net: LoopedLM, cache: KVCache, B: int, weights: Weights) -> bool:
-    """Whether a decode step of B lanes runs its blocks as C calls (kernels/cpu_block.py)."""
-    return cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype) and all(
-        cpu_block.weights_struct(w) is not None for part in (weights.prelude, weights.core, weights.coda) for w in part)
+def _native_blocks(net: LoopedLM, cache: KVCache, B: int, weights: Weights):
+    """When a decode step of B lanes runs its blocks as C calls (kernels/cpu_block.py): the first block's C
+    description (every block has the same shapes); else None."""
+    if not cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
+        return None
+    structs = [cpu_block.weights_struct(w) for part in (weights.prelude, weights.core, weights.coda) for w in part]
+    return None if any(s is None for s in structs) else structs[0]
 
 
 def triton_supports(cfg) -> bool:
