@@ -211,3 +211,16 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     assert first.parent == tmp_path and first.exists()
     assert cpu._build() == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp file left behind
+
+
+@needs_kernels
+def test_huge_pages_keep_the_contents(monkeypatch):
+    """Backing weights by 2 MiB pages (where Linux allows) changes no value, collapses whole huge pages only, and
+    TINYLOOP_HUGEPAGES=0 leaves memory alone."""
+    t = torch.randn(3 << 20)  # 12 MiB: at least four whole huge pages inside
+    before = t.clone()
+    done = cpu.huge_pages(t)
+    assert done % (2 << 20) == 0 and 0 <= done <= t.numel() * 4 + (4 << 20)
+    assert torch.equal(t, before)
+    monkeypatch.setenv("TINYLOOP_HUGEPAGES", "0")
+    assert cpu.huge_pages(torch.randn(3 << 20)) == 0

@@ -63,6 +63,8 @@ def weights_struct(w) -> _Weights | None:
             w.native = False
         else:
             w.native = _Weights(*map(_ptr, vectors), int(w.on_sum), *mats)
+            for m in (w.wqkv, w.wo, w.wgu, w.w_down):  # read every step: from huge pages where the OS allows
+                cpu.huge_pages(m.data if isinstance(m, QMatrix) else m)
     return w.native or None
 
 

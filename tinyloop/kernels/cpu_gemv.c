@@ -547,3 +547,25 @@ int tl_cpu_ok(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+// Back [p, p + bytes) by 2 MiB pages where the kernel allows (Linux: MADV_COLLAPSE, 6.1+): a batch-1 product
+// streams its weights faster from huge pages (d768 step's matrices, 2 threads: 28.0 against 24.5 GB/s; the
+// streaming read 32.9 against 29.4), as the hardware prefetchers stop at every 4 KiB page and TLB misses go.
+// The range is widened to whole 2 MiB pages when they are mapped (neighbouring heap memory comes along), else
+// narrowed to the pages inside it. Returns the bytes collapsed; 0 where nothing could be (no error: an
+// optimisation only).
+#include <sys/mman.h>
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+long tl_huge_pages(void *p, long bytes) {
+    const unsigned long H = 2UL << 20, a = (unsigned long)p, e = a + bytes;
+    const unsigned long out[2] = {a & ~(H - 1), (e + H - 1) & ~(H - 1)}, in[2] = {(a + H - 1) & ~(H - 1), e & ~(H - 1)};
+    for (int i = 0; i < 2; i++) {
+        const unsigned long *r = i ? in : out;
+        if (r[1] <= r[0]) continue;
+        madvise((void *)r[0], r[1] - r[0], MADV_HUGEPAGE);
+        if (madvise((void *)r[0], r[1] - r[0], MADV_COLLAPSE) == 0) return (long)(r[1] - r[0]);
+    }
+    return 0;
+}
