@@ -17,8 +17,6 @@
 // norm, softmax and SiLU agree with torch to fp32 rounding, not bitwise.
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
-#include <stdlib.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -28,6 +26,7 @@ void tl_linear_int8(const float *x, const void *w, const float *scale, float *y,
                     int act_quant, int threads);
 void tl_linear_int4(const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
                     long group, int act_quant, int threads);
+float *tl_thread_buffer(int slot, long n);
 
 // A matrix in its weight format (tinyloop/formats.py): 0 fp32, 1 bf16, 2 int8, 3 int4. cols is the stored width:
 // an int4 matrix whose group does not divide its width holds it zero-padded, and its input rows are padded to
@@ -131,23 +130,12 @@ static void rotate(float *x, long heads, long hd, const float *cos2, const float
     }
 }
 
-// Per-thread scores of the query heads of one kv head, grown as needed (no allocation per call).
-static __thread float *tl_scores;
-static __thread long tl_scores_n;
-static float *scores_buffer(long n) {
-    if (n > tl_scores_n) {
-        free(tl_scores);
-        tl_scores = aligned_alloc(64, (n * 4 + 63) & ~63L);
-        tl_scores_n = n;
-    }
-    return tl_scores;
-}
 
 // Attention of the G query heads q [G, hd] sharing kv head `g` of one lane, over its cells 0..n-1: out [G, hd].
 static void attend(const float *q, long G, long g, long n, const long *table, const tl_block_rows_t *r, float *out) {
     const long hd = r->hd, bt = r->bt, stride = r->KV * hd;
     const float scale = 1.0f / sqrtf((float)hd);
-    float *s = scores_buffer(G * n);
+    float *s = tl_thread_buffer(1, G * n);  // per-thread scores, kept between calls
     for (long c0 = 0; c0 < n; c0 += bt) {  // scores, one block of cells at a time
         const float *kb = r->k_store + table[c0 / bt] * bt * stride + g * hd;
         const long m = n - c0 < bt ? n - c0 : bt;

@@ -377,17 +377,19 @@ INLINE int next_tile(long left, int R) {
 
 #define WIDE_TILE(R_, BT_) dense_tile(F32, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, wscale)
 
-// A per-thread buffer for widened rows, kept between calls (no allocation per product).
-static __thread float *tl_wide;
-static __thread long tl_wide_n;
-static float *wide_buffer(long n) {
-    if (n > tl_wide_n) {
-        free(tl_wide);
-        tl_wide = aligned_alloc(64, (n * 4 + 63) & ~63L);
-        tl_wide_n = n;
+// Per-thread buffers of n floats, kept between calls (no allocation per product): slot 0 holds widened rows, slot 1
+// attention scores (cpu_block.c).
+float *tl_thread_buffer(int slot, long n) {
+    static __thread float *buf[2];
+    static __thread long size[2];
+    if (n > size[slot]) {
+        free(buf[slot]);
+        buf[slot] = aligned_alloc(64, (n * 4 + 63) & ~63L);
+        size[slot] = n;
     }
-    return tl_wide;
+    return buf[slot];
 }
+#define wide_buffer(n) tl_thread_buffer(0, n)
 
 // One block: n..n+R-1 rows of W, all B rows of x.
 #define BLOCK(R_, WIDEN, TILE)                                                           \
