@@ -4,8 +4,8 @@
 // by memory bandwidth: the goal is to stream W at the machine's read bandwidth, in bytes of the stored format.
 // Shape of every kernel:
 //   - threads split the N rows (contiguous chunks, so each thread streams its own part of W);
-//   - a tile is R = 1, 2 (or 4) rows of W times BT <= 4 rows of x: each weight vector loaded (and widened) once
-//     feeds BT fmas, and the next batch tile rereads the same W rows from L1, so W comes from memory once for any B;
+//   - a tile is R = 1..4 rows of W times BT <= 4 rows of x: each weight vector loaded (and widened) once feeds BT
+//     fmas, and the next batch tile rereads the same W rows from L1, so W comes from memory once for any B;
 //   - every output element is summed the same way whatever the tile, B or thread count (batch invariance, below).
 // Two ways to multiply by int8 / int4 weights:
 //   weight-only  x stays fp32, weights are widened to fp32 in registers, fp32 accumulation: this is
@@ -21,14 +21,15 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
-// Weight rows per block at B = 1, 2 and 3..4, and the B from which rows are widened (see the row loop).
+// Weight rows per block at B = 1, 2, 3..4 and > 4, the B from which rows are widened, and accumulators per output
+// element (see the row loop).
 #ifndef TUNE
-#define TUNE_BF16 2, 2, 1, 16
-#define TUNE_I8 4, 1, 1, 16
-#define TUNE_I4 2, 2, 2, 4
-#define TUNE_F32 1, 1, 1, 0  // no widening: already fp32
+#define TUNE_F32 1, 1, 1, 3, 0, 1  // no widening: already fp32
+#define TUNE_BF16 2, 2, 1, 2, 16, 2
+#define TUNE_I8 4, 1, 1, 2, 16, 2
+#define TUNE_I4 2, 2, 2, 2, 4, 2
 #endif
-#define TUNE_AQ 2, 2, 2, 0   // act_quant
+#define TUNE_AQ 2, 2, 2, 2, 0, 2   // act_quant
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1  // into L2: 5-7 % faster than L1 for int8, the same for the others
@@ -41,6 +42,7 @@
 #endif
 
 enum { F32, BF16, I8 };
+#define ESZ(fmt) ((fmt) == F32 ? 4 : (fmt) == BF16 ? 2 : 1)
 
 // v, loaded into a register once: gcc would otherwise fold a load used by several fmas into each of them (one
 // load per fma), which makes loads the limit of a 2 x 3 tile. Changes no value.
@@ -60,13 +62,20 @@ INLINE float hsum(__m256 v) {
 //
 // Batch invariance: y[b, n] must have the same bits whether row b is multiplied alone or in a batch of 32, in any
 // tile, on any thread (greedy decoding of a request must not depend on who else is being served). So every
-// weight-only product computes every element the same way, for every format and every tile shape:
-//   acc0 += w[k .. k+8] * x[k .. k+8] and acc1 += w[k+8 .. k+16] * x[k+8 .. k+16] (fma), k = 0, 16, 32, ...;
-//   a last full chunk of 8 (K % 16 >= 8) goes into acc0; then hsum(acc0 + acc1), then the K % 8 tail in scalar
-//   order (mul, then add: built with -ffp-contract=off); int8 multiplies the sum by its row scale at the very end.
+// weight-only product of a format computes every element the same way, for every tile shape, with U
+// accumulators per element (TUNE_*):
+//   U = 1 (fp32): acc += w[k .. k+8] * x[k .. k+8] (fma), k = 0, 8, 16, ... in order;
+//   U = 2 (bf16, int8, int4): acc0 takes the chunks k = 0, 16, 32, ..., acc1 the chunks k = 8, 24, ...; a last
+//         full chunk of 8 (K % 16 >= 8) goes into acc0; acc = acc0 + acc1;
+//   then hsum(acc), then the K % 8 tail in scalar order (mul, then add: built with -ffp-contract=off); int8
+//   multiplies the sum by its row scale at the very end.
 // The weight vector is always the same fp32 values: fp32 as is, bf16 shifted, int8 float(q) (no scale), int4
 // fma(q, s, -8 s) = round((q - 8) s) (-8 s is exact). Tiles of R weight rows x BT x rows only decide which
 // elements are computed together, never how one is summed, so tile shapes can follow B freely.
+// Why U differs: a tile holds R * BT * U sums in 16 vector registers. fp32 is compute-bound at large B, where
+// U = 1 fits a 3 x 4 tile (12 sums, 7 loads per 12 fmas) instead of 2 x 3 (5 loads per 6 fmas): 1.2x faster at
+// B = 16; at B = 1 its single chain per row also streams 10-15 % faster. The narrow formats at small B need the
+// extra chains (4 cycles of fma latency each) while they widen weights in registers: U = 1 was 5-30 % slower.
 
 // 8 consecutive weights widened to fp32: bf16 is the high half of an fp32, int8 sign-extends then converts.
 INLINE __m256 load8(int fmt, const void *w, long k) {
@@ -90,10 +99,9 @@ INLINE float load1(int fmt, const void *w, long k) {
     return (float)((const int8_t *)w)[k];
 }
 
-// The fixed end of every element: hsum(acc0 + acc1), then the scalar K tail from k0, then the row scale.
-INLINE float finish(int fmt, __m256 a0, __m256 a1, const void *wr, const float *xb, long k0, long K,
-                    const float *scale) {
-    float s = hsum(_mm256_add_ps(a0, a1));
+// The fixed end of every element: hsum(acc), then the scalar K tail from k0, then the row scale.
+INLINE float finish(int fmt, __m256 acc, const void *wr, const float *xb, long k0, long K, const float *scale) {
+    float s = hsum(acc);
     for (long j = k0; j < K; j++) s += xb[j] * load1(fmt, wr, j);
     return scale ? s * *scale : s;
 }
@@ -107,41 +115,46 @@ INLINE void ahead(const void *p, long byte, long dist) {
     if ((byte & 63) == 0) _mm_prefetch((const char *)p + byte + dist, PF_HINT);
 }
 
+// acc[r][b] += w[r, k .. k+8] * x[b, k .. k+8]: R weight vectors and one x vector at a time in registers, R + BT
+// loads per R * BT fmas. With one x row, a load folded into the fma is as good, and measured 10 % faster for fp32.
+INLINE void fma_chunk(int fmt, int R, int BT, const char *const *wr, const float *x, long K, long k, __m256 acc[4][4]) {
+    if (BT == 1)
+        for (int r = 0; r < R; r++) ahead(wr[r], k * ESZ(fmt), fmt == F32 ? PF_F32 : PF_NARROW);
+    __m256 wv[4];
+    for (int r = 0; r < R; r++) wv[r] = BT > 1 ? in_reg(load8(fmt, wr[r], k)) : load8(fmt, wr[r], k);
+    for (int b = 0; b < BT; b++) {
+        __m256 xv = BT > 1 ? in_reg(_mm256_loadu_ps(x + b * K + k)) : _mm256_loadu_ps(x + b * K + k);
+        for (int r = 0; r < R; r++) acc[r][b] = _mm256_fmadd_ps(wv[r], xv, acc[r][b]);
+    }
+}
+
 // out[b * ldy + r] = sum_k x[b, k] * w[r, k] for r < R, b < BT; w rows are `ldw` elements apart, x rows K.
-INLINE void dense_tile(int fmt, int R, int BT, const void *w, long ldw, const float *x, long K, float *out,
+// U (1 or 2): accumulators per element.
+INLINE void dense_tile(int fmt, int U, int R, int BT, const void *w, long ldw, const float *x, long K, float *out,
                        long ldy, const float *scale) {
-    const int esz = fmt == F32 ? 4 : fmt == BF16 ? 2 : 1;
     const char *wr[4];
-    __m256 acc[2][4][4];
+    __m256 acc0[4][4], acc1[4][4];
     for (int r = 0; r < R; r++) {
-        wr[r] = (const char *)w + r * ldw * esz;
-        for (int b = 0; b < BT; b++) acc[0][r][b] = acc[1][r][b] = _mm256_setzero_ps();
+        wr[r] = (const char *)w + r * ldw * ESZ(fmt);
+        for (int b = 0; b < BT; b++) acc0[r][b] = acc1[r][b] = _mm256_setzero_ps();
     }
     long k = 0;
-    // R weight vectors and one x vector at a time in registers: R + BT loads per R * BT fmas.
-    for (; k + 16 <= K; k += 16)
-        for (int u = 0; u < 2; u++) {
-            if (BT == 1)
-                for (int r = 0; r < R; r++) ahead(wr[r], (k + 8 * u) * esz, fmt == F32 ? PF_F32 : PF_NARROW);
-            __m256 wv[4];
-            // (one x row: a load folded into the fma is as good, and measured 10 % faster for fp32)
-            for (int r = 0; r < R; r++) wv[r] = BT > 1 ? in_reg(load8(fmt, wr[r], k + 8 * u)) : load8(fmt, wr[r], k + 8 * u);
-            for (int b = 0; b < BT; b++) {
-                __m256 xv = BT > 1 ? in_reg(_mm256_loadu_ps(x + b * K + k + 8 * u)) : _mm256_loadu_ps(x + b * K + k + 8 * u);
-                for (int r = 0; r < R; r++) acc[u][r][b] = _mm256_fmadd_ps(wv[r], xv, acc[u][r][b]);
-            }
+    if (U == 1)
+        for (; k + 8 <= K; k += 8) fma_chunk(fmt, R, BT, wr, x, K, k, acc0);
+    else {
+        for (; k + 16 <= K; k += 16) {
+            fma_chunk(fmt, R, BT, wr, x, K, k, acc0);
+            fma_chunk(fmt, R, BT, wr, x, K, k + 8, acc1);
         }
-    if (k + 8 <= K) {
-        for (int r = 0; r < R; r++) {
-            __m256 wv = load8(fmt, wr[r], k);
-            for (int b = 0; b < BT; b++)
-                acc[0][r][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k), acc[0][r][b]);
+        if (k + 8 <= K) {
+            fma_chunk(fmt, R, BT, wr, x, K, k, acc0);
+            k += 8;
         }
-        k += 8;
     }
     for (int r = 0; r < R; r++)
         for (int b = 0; b < BT; b++)
-            out[b * ldy + r] = finish(fmt, acc[0][r][b], acc[1][r][b], wr[r], x + b * K, k, K, scale ? scale + r : 0);
+            out[b * ldy + r] = finish(fmt, U == 2 ? _mm256_add_ps(acc0[r][b], acc1[r][b]) : acc0[r][b], wr[r],
+                                      x + b * K, k, K, scale ? scale + r : 0);
 }
 
 // int4: 16 bytes = 32 values; byte j holds value j (low nibble) and j + 16 (high nibble). Bytes 8h..8h+7 give
@@ -248,7 +261,7 @@ static void quant_x(const float *x, long B, long K, long KB, int8_t *qx, float *
 // int8 W x int8 x: maddubs needs an unsigned operand, so |w| times x carrying w's sign (sign_epi8).
 INLINE void int8q_tile(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *qx,
                        const float *sx, long KB, const float *x, long K, float *out, long ldy) {
-    const int U = 2;  // fixed, as in the weight-only tiles: the same bits for any batch tile
+    const int U = 2;  // fixed: the same bits for any batch tile
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2][4][4];
     for (int u = 0; u < U; u++)
@@ -292,7 +305,7 @@ INLINE void int8q_tile(int R, int BT, const int8_t *w, long ldw, const float *sc
 INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const float *sc, long ngroups,
                        const int *gidx, const int8_t *qx, const float *sx, const float *sx8, const int32_t *o8,
                        const float *sq, long KB, float *out, long ldy) {
-    const int U = 2;  // fixed, as in the weight-only tiles: the same bits for any batch tile
+    const int U = 2;  // fixed: the same bits for any batch tile
     const __m256i ones = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(0x0F);
     const long KP = KB / 2;  // block pairs
     const __m256i pairlanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -348,34 +361,34 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 
 // ---- the row loop: threads take contiguous runs of blocks of RB weight rows; each block walks the batch in
 // tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3,
-// best of many calls, TUNE_* at the top):
-//   B = 1: bandwidth-bound, but a tile of R rows has only 2R fma chains (4-cycle latency): R = 1 caps a core at
-//          0.5 fma/cycle, enough for fp32 (and one sequential stream suits the prefetcher); bf16 / int4 carry
-//          more weights per byte and take R = 2, int8 R = 4 (11 % faster than 2 from memory; R = 1 was 2.5x slower).
+// alternating builds in one process over a decode step's matrices and in whole decode steps, TUNE_* at the top):
+//   B = 1: bandwidth-bound. fp32 takes one row (one sequential stream); bf16 / int4 carry more weights per byte
+//          and take R = 2, int8 R = 4 (11 % faster than 2 from memory; R = 1 was 2.5x slower).
 //   B = 2..4: fp32 / int8 one row (BT = B); bf16 two rows at B = 2, one at 3..4 (in-register widening of two
 //          rows next to 2 x 3 accumulators was 30% slower); int4 two rows (its unpacking is the cost).
-//   B > 4: R = 2 rows x BT = 3 x rows, 12 accumulators, 5 loads per 6 fmas: fma throughput is the limit;
-//          B % 3 leaves a tile of 1 or 2 (two of 2 for B % 3 == 1).
+//   B > 4: fp32 3 rows x 4 x rows (see above); the others 2 x 3 with U = 2: fma throughput is the limit.
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
-// The height of the next tile, with `left` x rows still to do, for R weight rows.
-INLINE int next_tile(long left, int R) {
-    const int cap = R == 1 ? 4 : R == 2 ? 3 : 1;
-    if (R == 2 && left == 4) return 2;
+// The height of the next tile, with `left` x rows still to do, for R weight rows with `per` accumulators per
+// element: at most 12 accumulators (of 16 vector registers) and 4 x rows; 4 rows left of a cap of 3 go as 2 + 2.
+INLINE int next_tile(long left, int R, int per) {
+    const int fit = 12 / (R * per), cap = fit < 4 ? fit : 4;
+    if (left == 4 && cap == 3) return 2;
     return left < cap ? (int)left : cap;
 }
 
-// R (1, 2, 4) and BT (1..4, R * BT <= 6) as compile-time constants, so that the tiles keep acc in registers.
+// R and BT (1..4) as compile-time constants, so that the tiles keep acc in registers.
+#define SWITCH_BT(R_, bt, TILE)                                                          \
+    switch (bt) {                                                                        \
+        case 1: TILE(R_, 1); break; case 2: TILE(R_, 2); break;                          \
+        case 3: TILE(R_, 3); break; default: TILE(R_, 4); break; }
 #define SWITCH_TILES(R, bt, TILE)                                                        \
-    if (R == 4) { TILE(4, 1); }                                                          \
-    else if (R == 2) switch (bt) {                                                       \
-        case 1: TILE(2, 1); break; case 2: TILE(2, 2); break; default: TILE(2, 3); break; } \
-    else switch (bt) {                                                                   \
-        case 1: TILE(1, 1); break; case 2: TILE(1, 2); break;                            \
-        case 3: TILE(1, 3); break; default: TILE(1, 4); break; }
+    switch (R) {                                                                         \
+        case 1: SWITCH_BT(1, bt, TILE) break; case 2: SWITCH_BT(2, bt, TILE) break;      \
+        case 3: SWITCH_BT(3, bt, TILE) break; default: SWITCH_BT(4, bt, TILE) break; }
 
-#define WIDE_TILE(R_, BT_) dense_tile(F32, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, wscale)
+#define WIDE_TILE(R_, BT_) dense_tile(F32, per_elem, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, wscale)
 
 // Per-thread buffers of n floats, kept between calls (no allocation per product): slot 0 holds widened rows, slot 1
 // attention scores (cpu_block.c).
@@ -396,7 +409,7 @@ float *tl_thread_buffer(int slot, long n) {
     do {                                                                                 \
         if (wide) { WIDEN(R_, wide); }                                                   \
         for (long b0 = 0, bt; b0 < (B); b0 += bt) {                                      \
-            bt = next_tile((B) - b0, R_);                                                \
+            bt = next_tile((B) - b0, R_, per_elem);                                      \
             if (wide) { SWITCH_TILES(R_, bt, WIDE_TILE) }                                \
             else { SWITCH_TILES(R_, bt, TILE) }                                          \
         }                                                                                \
@@ -405,8 +418,9 @@ float *tl_thread_buffer(int slot, long n) {
 // The rows' loop runs in an OpenMP team only for threads > 1: a team of one still costs ~1 us per call (libgomp),
 // and a decode step makes ~80 calls. Outside a team the `omp for` is one thread's whole loop.
 #define FOR_TILES(N, B, K, threads, TUNE_, WIDEN, TILE) FOR_TILES_(N, B, K, threads, TUNE_, WIDEN, TILE)
-#define FOR_TILES_(N, B, K, threads, rb1, rb2, rb34, widen, WIDEN, TILE)                 \
-    const long RB = (B) == 1 ? (rb1) : (B) == 2 ? (rb2) : (B) <= 4 ? (rb34) : 2;           \
+#define FOR_TILES_(N, B, K, threads, rb1, rb2, rb34, rbB, widen, per, WIDEN, TILE)     \
+    const long RB = (B) == 1 ? (rb1) : (B) == 2 ? (rb2) : (B) <= 4 ? (rb34) : (rbB);       \
+    const int per_elem = (per);                                                          \
     if ((threads) > 1) {                                                                 \
         _Pragma("omp parallel num_threads(threads)")                                     \
         ROWS(N, B, K, RB, widen, WIDEN, TILE)                                            \
@@ -422,6 +436,7 @@ float *tl_thread_buffer(int slot, long n) {
             if (n0 + RB <= (N)) {                                                        \
                 const long n = n0;                                                       \
                 if (RB == 4) BLOCK(4, WIDEN, TILE);                                      \
+                else if (RB == 3) BLOCK(3, WIDEN, TILE);                                 \
                 else if (RB == 2) BLOCK(2, WIDEN, TILE);                                 \
                 else BLOCK(1, WIDEN, TILE);                                              \
             } else                                                                       \
@@ -432,7 +447,7 @@ float *tl_thread_buffer(int slot, long n) {
 
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
     const float *wscale = 0;
-#define T(R_, BT_) dense_tile(F32, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
+#define T(R_, BT_) dense_tile(F32, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
     FOR_TILES(N, B, K, threads, TUNE_F32, NO_WIDEN, T)
 #undef T
     (void)wscale;
@@ -440,7 +455,7 @@ void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, lon
 
 void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
     const float *wscale = 0;
-#define T(R_, BT_) dense_tile(BF16, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
+#define T(R_, BT_) dense_tile(BF16, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 #define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, buf)
     FOR_TILES(N, B, K, threads, TUNE_BF16, W, T)
 #undef W
@@ -452,7 +467,7 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
                     int act_quant, int threads) {
     if (!act_quant) {
 #define wscale (scale + n)
-#define T(R_, BT_) dense_tile(I8, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
+#define T(R_, BT_) dense_tile(I8, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, scale + n)
 #define W(R_, buf) widen_rows(I8, R_, w + n * K, K, buf)
         FOR_TILES(N, B, K, threads, TUNE_I8, W, T)
 #undef W
