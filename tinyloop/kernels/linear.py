@@ -21,24 +21,28 @@ from . import cpu
 from .dispatch import use_triton
 
 
-def linear(x: torch.Tensor, w: Matrix) -> torch.Tensor:
-    """x [..., K] @ w.T -> [..., N] in x's dtype."""
+def linear(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor:
+    """x [..., K] @ w.T -> [..., N] in x's dtype. any_rows: on the CPU, the batch-invariant kernels for any number
+    of rows, for products whose row count depends on the batch (the int4 store-h cache recomputes K and V from the
+    gathered h of all lanes: a lane's keys must not change with who else is in the batch)."""
     lead, K = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, K)
     if isinstance(w, QMatrix) and w.fmt == "int4" and w.padded_width != K:  # kernels see the zero-padded width
         rows, w = w.pad(rows), dataclasses.replace(w, width=w.padded_width)
-    return _product(rows, w).to(x.dtype).view(*lead, -1)
+    return _product(rows, w, any_rows).to(x.dtype).view(*lead, -1)
 
 
-def _product(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+def _product(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor:
     on_cpu = x.device.type == "cpu"
+    fmt = w.fmt if isinstance(w, QMatrix) else "fp32"
+    c_kernel = on_cpu and (any_rows or x.shape[0] <= cpu.max_rows(fmt)) and cpu.available()
     if isinstance(w, torch.Tensor):
-        if on_cpu and w.dtype == torch.float32 and x.shape[0] <= cpu.max_rows("fp32") and cpu.available():
+        if c_kernel and w.dtype == torch.float32:
             return cpu.linear(x.float(), w)
         return F.linear(x, w)
     if not on_cpu and use_triton(x.device):
         from .wlinear import linear_triton
         return linear_triton(x, w)
-    if on_cpu and x.shape[0] <= cpu.max_rows(w.fmt) and cpu.available():
+    if c_kernel:
         return cpu.linear(x.float(), w)
     return F.linear(x.float(), dequantize(w))

@@ -129,7 +129,7 @@ class Cached:
         """Full-precision keys and values [B, n, KV, hd] from stored entries (int4 store-h: recomputed from h)."""
         def project(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             B, n, KV, hd = self.B, h.shape[1], self.net.cfg.n_kv_heads, self.net.cfg.head_dim
-            kv = self.weights.linear(h, w.wkv)
+            kv = linear(h, w.wkv, any_rows=True)
             if w.bqkv is not None:
                 kv = kv + w.bqkv[self.net.cfg.d_model:]
             cos, sin = (self.kcos, self.ksin) if kpos is None else rope_factors(*self.step.rope_at(kpos.clamp_min(0)))
