@@ -25,7 +25,7 @@
 // element (see the row loop).
 #ifndef TUNE
 #define TUNE_F32 1, 1, 1, 3, 0, 1  // no widening: already fp32
-#define TUNE_BF16 2, 2, 1, 2, 16, 2
+#define TUNE_BF16 1, 1, 1, 2, 16, 2
 #define TUNE_I8 4, 1, 1, 2, 16, 2
 #define TUNE_I4 2, 2, 2, 2, 4, 2
 #endif
@@ -362,10 +362,10 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 // ---- the row loop: threads take contiguous runs of blocks of RB weight rows; each block walks the batch in
 // tiles. RB and the tiles only group elements (see above), so they are chosen for speed alone (2-core Zen3,
 // alternating builds in one process over a decode step's matrices and in whole decode steps, TUNE_* at the top):
-//   B = 1: bandwidth-bound. fp32 takes one row (one sequential stream); bf16 / int4 carry more weights per byte
-//          and take R = 2, int8 R = 4 (11 % faster than 2 from memory; R = 1 was 2.5x slower).
-//   B = 2..4: fp32 / int8 one row (BT = B); bf16 two rows at B = 2, one at 3..4 (in-register widening of two
-//          rows next to 2 x 3 accumulators was 30% slower); int4 two rows (its unpacking is the cost).
+//   B = 1: bandwidth-bound. fp32 and bf16 take one row (one sequential stream: bf16 16 % faster than with two
+//          rows, in whole decode steps); int4 R = 2, int8 R = 4 (11 % faster than 2, R = 1 1.3x slower).
+//   B = 2..4: fp32 / bf16 / int8 one row (BT = B; bf16 at B = 2 1.38x faster than with two rows); int4 two rows
+//          (its unpacking is the cost).
 //   B > 4: fp32 3 rows x 4 x rows (see above); the others 2 x 3 with U = 2: fma throughput is the limit.
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
