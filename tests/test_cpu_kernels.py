@@ -143,6 +143,22 @@ def test_batch_invariant_beyond_the_lane_cap(fmt):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_any_rows_keeps_a_row_the_same_in_a_large_product(fmt):
+    """kernels.linear(any_rows=True), used where the row count depends on the batch (the int4 store-h cache's K/V
+    recompute over every lane's cells): a row has its bits alone and among 80 rows, past the 32 rows where the
+    dispatcher would otherwise hand the product to torch."""
+    from tinyloop.kernels.linear import linear
+
+    w = make(fmt, 48, 96, 32)
+    x = torch.randn(80, 96, generator=torch.Generator().manual_seed(7))
+    many = linear(x, w, any_rows=True)
+    for i in (0, 33, 79):
+        assert torch.equal(many[i:i + 1], linear(x[i:i + 1], w))
+    assert rel_err(many, formats.reference_linear(x, w)) < 1e-5
+
+
+@needs_kernels
 def test_strided_x_is_made_contiguous():
     w = make("int8", 16, 64, 32)
     xt = torch.randn(64, 3).t()  # [3, 64], not contiguous
