@@ -130,7 +130,6 @@ static void rotate(float *x, long heads, long hd, const float *cos2, const float
     }
 }
 
-
 // Attention of the G query heads q [G, hd] sharing kv head `g` of one lane, over its cells 0..n-1: out [G, hd].
 static void attend(const float *q, long G, long g, long n, const long *table, const tl_block_rows_t *r, float *out) {
     const long hd = r->hd, bt = r->bt, stride = r->KV * hd;
