@@ -43,7 +43,8 @@ def fail(err: Exception) -> None:
 @click.option("--init-scale", type=float, default=None,
               help="Scale of a random initial state (Huginn's init_scale, default 1.0; 0: a zero state).")
 @click.option("--weights", default=None, metavar="FORMAT",
-              help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own).")
+              help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own). On the CPU "
+                   "int8 / int4 products quantise activations to int8 (TINYLOOP_ACT_QUANT=off: weight-only).")
 def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, top_k, top_p, repetition_penalty, seed,
              stop, cache_mode, cache_window, early_exit, beam_size, grammar, speculative, chat, system, dtype,
              init_scale, weights) -> None:

@@ -58,7 +58,8 @@ def worker_options(fn):
         click.option("--max-lanes", default=16, show_default=True,
                      help="Requests a worker batches at once (continuous batching; more wait on the broker)."),
         click.option("--weights", default=None, metavar="FORMAT",
-                     help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own)."),
+                     help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own). On the "
+                          "CPU int8 / int4 products quantise activations to int8 (TINYLOOP_ACT_QUANT=off: weight-only)."),
         click.option("--prefill-chunk", type=int, default=None,
                      help="Prompt tokens per prefill forward, interleaved with decode steps (0: a prompt in one "
                           "forward; default $TINYLOOP_PREFILL_CHUNK or 256)."),

@@ -133,7 +133,8 @@ def test_bench_peers_json_and_plot(tmp_path):
     assert data["bandwidth_Bps"] > 1e8 and data["threads"] == res["threads"]
     rows = data["rows"]
     got = {(r["system"], r["format"], r["batch"]) for r in rows if r["system"] == "tinyloop"}
-    assert got == {("tinyloop", f, b) for f in ("fp32", "bf16", "int8", "int4") for b in (1, 16)}
+    assert got == {("tinyloop", f, b) for f in ("fp32", "bf16", "int8", "int4", "int8 weight-only", "int4 weight-only")
+                   for b in (1, 16)}
     cfg = QUICK["d128"]
     for r in rows:
         assert r["tok_s"] > 0 and len(r["tokens"]) == r["batch"]
@@ -143,7 +144,7 @@ def test_bench_peers_json_and_plot(tmp_path):
     ours = {(r["format"], r["batch"]): r for r in rows if r["system"] == "tinyloop"}
     for (fmt, b), r in ours.items():  # each format's bytes per weight, on the same weights read per step
         assert r["weight_bytes_per_step"] == pytest.approx(ours["fp32", b]["weight_bytes_per_step"] / 4 *
-                                                           {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.625}[fmt])
+                                                           {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.625}[fmt.split()[0]])
     fp32 = [r for r in rows if r["system"] == "tinyloop" and r["format"] == "fp32"]
     per_step = sum(p.numel() for n, p in LoopedLM(cfg, 2).named_parameters() if "norm" not in n)  # distinct blocks
     per_block = (per_step - cfg.vocab_size * cfg.d_model) // (cfg.n_prelude + cfg.n_core + cfg.n_coda)

@@ -1,6 +1,7 @@
 """tinyloop/kernels/cpu.py: the compiled CPU products against formats.reference_linear, for every format."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -63,6 +64,10 @@ def test_matches_reference(fmt, N, K, group, B):
     assert rel_err(y, ref) < 1e-5
     if fmt in ("int8", "int4"):  # quantised activations: ~1/254 per x value, averaged over K terms
         assert rel_err(cpu.linear(x, w, act_quant=True), ref) < 2e-2
+        # an act_quant matrix: the integer product is its reference (x through quantize_activations) to rounding
+        w_aq = dataclasses.replace(w, act_quant=True)
+        ref_aq = formats.reference_linear(x, w_aq)
+        assert rel_err(cpu.linear(x, w_aq), ref_aq) < 1e-5 and rel_err(ref_aq, ref) > 1e-5
 
 
 @needs_kernels

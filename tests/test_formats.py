@@ -15,7 +15,7 @@ from broker.client import Client
 from tests.conftest import direct
 from tinyloop.artifact import DEFAULT_ARTIFACT, _data_digest, read_artifact, save_artifact
 from tinyloop.errors import ArtifactError, ConfigError
-from tinyloop.formats import QMatrix, dequantize, parse_spec, quantize, reference_linear
+from tinyloop.formats import QMatrix, dequantize, parse_spec, quantize, quantize_activations, reference_linear
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "scripts.cli"]
@@ -40,6 +40,54 @@ def test_layouts_hold_what_the_docs_say():
     assert torch.equal(dequantize(rows), dequantize(q4)[2:5])
     x = torch.randn(3, 80)
     torch.testing.assert_close(reference_linear(x, q4), x @ dequantize(q4).T)
+
+
+def test_quantize_activations_rounds_each_block_of_32_to_int8():
+    x = torch.randn(3, 100) * torch.linspace(0.1, 10, 100)  # blocks of very different scales; a tail of 4
+    x[1, 32:64] = 0.0  # an all-zero block stays zero (no division by its zero max)
+    qx = quantize_activations(x)
+    assert torch.equal(qx[:, 96:], x[:, 96:])  # the partial last block is not quantised
+    blocks, qblocks = x[:, :96].reshape(3, 3, 32), qx[:, :96].reshape(3, 3, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    q = qblocks / torch.where(step > 0, step, 1)
+    torch.testing.assert_close(q, q.round(), atol=1e-4, rtol=0)  # integers ...
+    assert q.abs().max() <= 127 + 1e-4 and torch.equal(q.abs().amax(-1)[step[..., 0] > 0].round(), torch.full((8,), 127.0))
+    assert (qblocks - blocks).abs().le(step / 2 * 1.0001).all()  # ... rounded to nearest
+    assert torch.equal(qx[1, 32:64], torch.zeros(32))
+
+
+def test_act_quant_products_quantise_their_rows_on_every_path():
+    """An act_quant matrix multiplies quantize_activations(x): the CPU kernel (few rows), the widened product
+    (many rows) and the reference agree, int4 included at a width its group does not divide (quantised as the
+    kernels see the row: zero-padded)."""
+    from tinyloop.kernels.linear import linear
+
+    torch.manual_seed(0)
+    for fmt, K in (("int8", 100), ("int4", 80)):
+        w = quantize(torch.randn(24, K) * 0.05, fmt)
+        aq = QMatrix(w.fmt, w.data, w.scale, w.group, w.width, act_quant=True)
+        for rows in (3, 40):  # the C kernel, then past its 32-row cap
+            x = torch.randn(rows, K)
+            got, want, weight_only = linear(x, aq), reference_linear(x, aq), reference_linear(x, w)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert (got - weight_only).abs().max() > 1e-5
+
+
+def test_int8_and_int4_quantise_activations_on_the_cpu_unless_told_not_to(monkeypatch):
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    for fmt in ("int8", "int4"):
+        fast, weight_only = tinyloop.load_model(weights=fmt), tinyloop.load_model(weights=fmt, act_quant=False)
+        assert fast.act_quant and not weight_only.act_quant
+        a, b = fast.net(ids, 4), weight_only.net(ids, 4)
+        assert 0 < (a - b).abs().max() < 0.05 * b.abs().max()  # a different, close product
+    monkeypatch.setenv("TINYLOOP_ACT_QUANT", "off")
+    assert not tinyloop.load_model(weights="int8").act_quant
+    assert tinyloop.load_model(weights="int8", act_quant=True).act_quant  # the argument wins over the environment
+    monkeypatch.setenv("TINYLOOP_ACT_QUANT", "sometimes")
+    with pytest.raises(ConfigError, match="TINYLOOP_ACT_QUANT"):
+        tinyloop.load_model(weights="int8")
+    monkeypatch.delenv("TINYLOOP_ACT_QUANT")
+    assert not tinyloop.load_model(weights="bf16").act_quant  # weight-only formats have nothing to quantise
 
 
 def test_bad_format_specs_name_the_problem():
@@ -72,6 +120,9 @@ def test_formats_shrink_the_model_and_keep_its_quality():
     assert abs(losses["bf16"] - losses["fp32"]) < 0.01
     assert abs(losses["int8"] - losses["fp32"]) < 0.01
     assert abs(losses["int4"] - losses["fp32"]) < 0.05 and losses["int4"] != losses["fp32"]
+    weight_only = format_losses(tokens=2048, formats=("int8", "int4"), act_quant=False)  # the CPU default quantises x
+    assert abs(weight_only["int8"] - losses["fp32"]) < 0.01 and abs(weight_only["int4"] - losses["fp32"]) < 0.05
+    assert weight_only["int8"] != losses["int8"] and weight_only["int4"] != losses["int4"]
 
 
 def test_quantize_command_writes_an_artifact_that_loads_in_its_format(tmp_path):

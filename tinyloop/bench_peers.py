@@ -3,7 +3,8 @@ run, on the same random weights, and against the machine's measured memory bandw
 
 For each config (the looped models of issue 15, or a small one with --quick) it builds a looped model with random
 weights and runs greedy decode at batch 1 and 16 through:
-  * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format (tinyloop/formats.py);
+  * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format (tinyloop/formats.py), as
+    load_model gives it (on the CPU int8 and int4 quantise activations), and int8 / int4 weight-only beside them;
   * transformers' eager `generate` of the dense twin (tinyloop/twin.py) in fp32 and bf16, when transformers is
     installed;
   * llama.cpp (llama-cpp-python) on the twin written as GGUF in F32, F16 and Q8_0, at batch 1, when
@@ -44,6 +45,10 @@ QUICK = {"d128": ModelConfig(vocab_size=4096, d_model=128, n_heads=4, n_kv_heads
                              n_core=2, n_coda=1, max_loops=2, default_loops=2, **_COMMON)}
 # bytes a step reads per weight in each format (int8: a per-row fp32 scale, negligible; int4: a scale per 32)
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
+# TinyLoop's rows: each format as load_model gives it (int8 / int4 with integer activations on the CPU), and int8 /
+# int4 weight-only beside them (load_model(act_quant=False))
+VARIANTS = {**{fmt: {"weights": fmt} for fmt in FORMATS},
+            **{f"{fmt} weight-only": {"weights": fmt, "act_quant": False} for fmt in ("int8", "int4")}}
 BATCHES = (1, 16)
 INSTALL = {
     "transformers": "pip install 'transformers==4.56.2'   (or: pip install -e '.[peers]')",
@@ -187,7 +192,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
     """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
     loops = cfg.default_loops
     art = random_artifact(cfg, tmp / f"{name}.tinyloop")
-    models = {fmt: load_model(art, prompt_len + n_tokens + 16, weights=fmt) for fmt in FORMATS}
+    models = {label: load_model(art, prompt_len + n_tokens + 16, **how) for label, how in VARIANTS.items()}
     model = models["fp32"]
     g = torch.Generator().manual_seed(1)
     first = 3 + 256  # past the control and byte tokens of the GGUF vocabulary (tokens a real prompt would hold)
@@ -238,7 +243,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         progress(f"  [{name}] round {r + 1}/{rounds} done")
     rows = []
     for (system, fmt, B), s_per_tok in best.items():
-        per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else BYTES_PER_WEIGHT[fmt]
+        per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else BYTES_PER_WEIGHT[fmt.split()[0]]
         ref = tokens["tinyloop", "fp32", B]
         rows.append({"config": name, "system": system, "format": fmt, "batch": B, "tok_s": 1.0 / s_per_tok,
                      "weight_bytes_per_step": numel * per_weight, "greedy_agreement": agreement(ref, tokens[system, fmt, B]),
@@ -262,10 +267,10 @@ def describe(name: str, f: dict) -> str:
 
 
 def table(rows: list[dict], bandwidth: float) -> list[str]:
-    lines = [f"  {'runtime':<13}{'format':<13}{'batch':>5}{'tok/s':>10}{'weights GB/s':>14}{'of bandwidth':>14}"
+    lines = [f"  {'runtime':<13}{'format':<18}{'batch':>5}{'tok/s':>10}{'weights GB/s':>14}{'of bandwidth':>14}"
              f"{'greedy = TinyLoop fp32':>30}"]
     for r in rows:
-        lines.append(f"  {r['system']:<13}{r['format']:<13}{r['batch']:>5}{r['tok_s']:>10.1f}"
+        lines.append(f"  {r['system']:<13}{r['format']:<18}{r['batch']:>5}{r['tok_s']:>10.1f}"
                      f"{r['weights_GBps']:>14.1f}{r['bandwidth_fraction']:>13.0%} {r['greedy_agreement']:>29.0%}")
     return lines
 
@@ -321,10 +326,10 @@ def bench_peers(model_path: str | None, quick: bool):
         lines.append("")
         lines.append("ratios, TinyLoop tok/s over the peer's (same config, same batch, same run):")
         peers = list(dict.fromkeys(r["peer"] for r in rat))
-        lines.append(f"  {'config':<7} {'batch':>5}  {'TinyLoop':<9}" + "".join(f"{p:>20}" for p in peers))
+        lines.append(f"  {'config':<7} {'batch':>5}  {'TinyLoop':<17}" + "".join(f"{p:>20}" for p in peers))
         for key in dict.fromkeys((r["config"], r["batch"], r["tinyloop"]) for r in rat):
             got = {r["peer"]: r["ratio"] for r in rat if (r["config"], r["batch"], r["tinyloop"]) == key}
-            lines.append(f"  {key[0]:<7} {key[1]:>5}  {key[2]:<9}" +
+            lines.append(f"  {key[0]:<7} {key[1]:>5}  {key[2]:<17}" +
                          "".join(f"{got[p]:>19.2f}x" if p in got else f"{'-':>20}" for p in peers))
     lines.append("(weights GB/s: weights read per step x steps per second, a step reading each weight once for all "
                  "its lanes; KV-cache reads not counted. Timings on a shared machine are noisy: compare rows of one run.)")

@@ -10,9 +10,13 @@
         group is a multiple of 32; a width K that group does not divide is stored zero-padded to the next multiple
         (`padded_width`), and the products pad x with zeros to match (QMatrix.pad).
 
-Weights are weight-only quantised: activations stay fp32 and every product returns fp32. `linear(x, w)` picks the
+Every product returns fp32. Activations (the product's input rows) stay fp32, except that an int8 or int4 matrix
+with `act_quant` set quantises them to int8 per block of 32 values first (`quantize_activations`), as llama.cpp does
+for its Q8_0 / Q4_0 products: the CPU kernels then multiply on integers, faster than widening every weight to fp32
+(docs/kernels.md), and the bundled model's held-out loss moves by at most 0.0002 nats. load_model sets it for int8 /
+int4 weights on the CPU (act_quant=False or TINYLOOP_ACT_QUANT=off: weight-only). `linear(x, w)` picks the
 fastest product for the weight's format and the device (tinyloop/kernels: a CPU kernel for few rows, Triton on
-CUDA); `reference_linear` is the definition they are tested against: x @ dequantize(w).T in fp32.
+CUDA); `reference_linear` is the definition they are tested against: quantize_activations(x) @ dequantize(w).T in fp32.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from .errors import ConfigError
 FORMATS = ("fp32", "bf16", "int8", "int4")
 INT4_BLOCK = 32  # values per nibble block; an int4 group is a multiple of it
 DEFAULT_GROUP = 32
+ACT_BLOCK = 32  # activation values per int8 scale (act_quant)
 
 
 @dataclass
@@ -36,6 +41,7 @@ class QMatrix:
     scale: torch.Tensor | None
     group: int = 0  # int4 only
     width: int = 0  # int4 only: the matrix's own K (data holds padded_width values per row)
+    act_quant: bool = False  # int8 / int4 only: its products quantise their input rows (quantize_activations)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,11 +65,11 @@ class QMatrix:
     def rows(self, start: int, stop: int) -> "QMatrix":
         """Rows start..stop-1 as a view (the fused q|k|v matrix gives its k|v rows this way)."""
         scale = None if self.scale is None else self.scale[start:stop]
-        return QMatrix(self.fmt, self.data[start:stop], scale, self.group, self.width)
+        return QMatrix(self.fmt, self.data[start:stop], scale, self.group, self.width, self.act_quant)
 
     def to(self, device: torch.device | str) -> "QMatrix":
         scale = None if self.scale is None else self.scale.to(device)
-        return QMatrix(self.fmt, self.data.to(device), scale, self.group, self.width)
+        return QMatrix(self.fmt, self.data.to(device), scale, self.group, self.width, self.act_quant)
 
 
 Matrix = torch.Tensor | QMatrix
@@ -122,8 +128,25 @@ def dequantize(w: Matrix) -> torch.Tensor:
     return (q * w.scale[:, :, None]).view(N, Kp)[:, :K]
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] in fp32 with each block of 32 values rounded to int8 at its own scale max|block| / 127 (the values
+    q * scale; a last partial block stays as it is): what an act_quant product multiplies. As the CPU kernel computes
+    it (cpu_gemv.c: quant_x): q = round-half-even(x * (127 / max)), an all-zero block stays zero."""
+    x = x.float()
+    K = x.shape[-1]
+    full = K - K % ACT_BLOCK
+    blocks = x[..., :full].reshape(*x.shape[:-1], full // ACT_BLOCK, ACT_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv) * (amax / 127.0)
+    return torch.cat([q.reshape(*x.shape[:-1], full), x[..., full:]], dim=-1)
+
+
 def reference_linear(x: torch.Tensor, w: Matrix) -> torch.Tensor:
-    """x [..., K] @ dequantize(w).T in fp32: the definition every kernel is tested against."""
+    """x [..., K] @ dequantize(w).T in fp32, x first through quantize_activations for an act_quant matrix: the
+    definition every kernel is tested against."""
+    if isinstance(w, QMatrix) and w.act_quant:  # int4 quantises the zero-padded row, as its kernels see it
+        x = quantize_activations(w.pad(x) if w.fmt == "int4" else x)[..., :w.shape[1]]
     return F.linear(x.float(), dequantize(w))
 
 

@@ -76,10 +76,11 @@ def inspect_text(path: str | None = None) -> str:
 
 
 def format_losses(path: str | None = None, loops: int | None = None, formats: tuple[str, ...] = FORMATS,
-                  tokens: int = 16384) -> dict[str, float]:
+                  tokens: int = 16384, act_quant: bool | None = None) -> dict[str, float]:
     """Held-out loss (nats/token, at `loops`, default the model's) with the model's matrices in each weight format,
     on the same tokens: the bundled model's held-out split (every 50th file of the Python standard library, as
-    train.py set it aside). Quantising from the artifact's own weights; a quantised artifact gives only its own."""
+    train.py set it aside). Quantising from the artifact's own weights; a quantised artifact gives only its own.
+    act_quant: load_model's (None: its default on the CPU, int8 activations for int8 / int4 weights)."""
     from .train import EVAL_SEQ_LEN, held_out_ids, evaluate
 
     first = load_model(path, EVAL_SEQ_LEN, device="cpu")
@@ -87,15 +88,19 @@ def format_losses(path: str | None = None, loops: int | None = None, formats: tu
     loops = loops or first.net.cfg.default_loops
     out = {}
     for fmt in (formats if first.weights == "fp32" else (first.weights,)):
-        model = first if fmt == first.weights else load_model(path, EVAL_SEQ_LEN, device="cpu", weights=fmt)
+        model = (first if fmt == first.weights and fmt not in ("int8", "int4")
+                 else load_model(path, EVAL_SEQ_LEN, device="cpu", weights=fmt, act_quant=act_quant))
         out[fmt] = evaluate(model.net, data, EVAL_SEQ_LEN, [loops], n_batches=len(data) // (EVAL_SEQ_LEN * 8) or 1)[loops]
     return out
 
 
 def format_loss_text(path: str | None = None) -> str:
-    losses = format_losses(path)
+    losses = format_losses(path, act_quant=True)
+    weight_only = format_losses(path, formats=("int8", "int4"), act_quant=False)
+    losses.update({f"{fmt}, weight-only": loss for fmt, loss in weight_only.items() if fmt in ("int8", "int4")})
     base = losses.get("fp32")
-    lines = ["held-out loss by weight format (nats/token at the default loops; difference to fp32):"]
+    lines = ["held-out loss by weight format (nats/token at the default loops; difference to fp32; int8 / int4 with"
+             " int8 activations, the CPU default, and weight-only):"]
     for fmt, loss in losses.items():
-        lines.append(f"  {fmt:<5} {loss:.4f}" + ("" if base is None or fmt == "fp32" else f"  {loss - base:+.4f}"))
+        lines.append(f"  {fmt:<17} {loss:.4f}" + ("" if base is None or fmt == "fp32" else f"  {loss - base:+.4f}"))
     return "\n".join(lines)

@@ -232,11 +232,12 @@ def matrices(W: Weights) -> dict[str, formats.Matrix]:
 
 
 def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GROUP,
-                     stored: dict[str, formats.QMatrix] | None = None) -> None:
+                     stored: dict[str, formats.QMatrix] | None = None, act_quant: bool = False) -> None:
     """Hold every matrix of the forward (the linear layers and the head) in weight format `fmt` and release the
     linear layers' own weights, so each matrix is held once. The embedding table stays in the model's dtype (a
     decode step reads one row of it); a tied head gets its own quantised copy. stored: an artifact's quantised
-    matrices by matrices()'s names, used instead of quantising the current weights. fp32 changes nothing."""
+    matrices by matrices()'s names, used instead of quantising the current weights. act_quant (int8 / int4): the
+    products quantise their input rows (formats.QMatrix.act_quant). fp32 changes nothing."""
     formats.check_format(fmt, group)
     if net.quantized is not None:
         raise ConfigError(f"the model already holds {net.quantized.name} weights; load the fp32 model to re-quantise")
@@ -245,6 +246,8 @@ def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GRO
     with torch.no_grad():
         W = fused_weights(net) if stored is None else _all_weights(net, rebind=False)  # norms and biases from net
         mats = stored if stored is not None else {k: formats.quantize(w, fmt, group) for k, w in matrices(W).items()}
+        if fmt in ("int8", "int4"):
+            mats = {k: dataclasses.replace(m, act_quant=act_quant) for k, m in mats.items()}
         q_rows = net.cfg.n_heads * net.cfg.head_dim
 
         def blocks(part: str) -> list[BlockWeights]:

@@ -111,6 +111,12 @@ class Model:
         """The weight format the matrices are held in (tinyloop/formats.py)."""
         return weight_format(self.net)
 
+    @property
+    def act_quant(self) -> bool:
+        """Whether the products quantise their input rows to int8 (int8 / int4 weights; load_model's act_quant)."""
+        q = self.net.quantized
+        return q is not None and getattr(q.head, "act_quant", False)
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,7 +137,8 @@ def pool_blocks_for(cfg, cache_mode: str, dtype: torch.dtype, device: torch.devi
 
 def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, device=None, dtype=None,
                cache_mode: str | None = None, memory_budget: int | None = None, prefix_caching: bool | None = None,
-               init_scale: float | None = None, weights: str | None = None, group: int | None = None) -> Model:
+               init_scale: float | None = None, weights: str | None = None, group: int | None = None,
+               act_quant: bool | None = None) -> Model:
     """Load a .tinyloop artifact (None: the bundled default model) or a Hugging Face model directory (Ouro,
     Huginn-0125; docs/hf.md). Raises ArtifactError on a bad file or directory.
 
@@ -141,6 +148,10 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     weights: the format every matrix is held and multiplied in (tinyloop/formats.py): fp32, bf16, int8 or int4
     (group: int4's group size, default 32); None: the artifact's own (fp32 unless `tinyloop quantize` wrote it;
     TINYLOOP_WEIGHTS overrides). A quantised artifact loads only in its own format.
+    act_quant: int8 / int4 products quantise their input rows to int8 per block of 32 and multiply on integers, as
+    llama.cpp does (formats.quantize_activations; faster products on the CPU, docs/kernels.md); False: weight-only, the
+    activations stay fp32. None: TINYLOOP_ACT_QUANT (on / off), else on for a CPU model, off on CUDA (its Triton
+    products are weight-only and memory-bound already).
 
     memory_budget: bytes for the weights, the KV block pool and one step's workspace together (None: TINYLOOP_MEMORY_BUDGET, else a
     pool for DEFAULT_POOL_SEQUENCES full-length sequences within half the available memory). BudgetError when the
@@ -199,7 +210,9 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     net.set_max_seq_len(max_seq_len)  # rebuilt on the final device
     stored = None if info.matrices is None else {k: m.to(device) for k, m in info.matrices.items()}
     info.matrices = None
-    quantize_weights(net, fmt, group, stored)
+    if act_quant is None:
+        act_quant = env_choice("TINYLOOP_ACT_QUANT", ("on", "off"), "on" if device.type == "cpu" else "off") == "on"
+    quantize_weights(net, fmt, group, stored, act_quant=bool(act_quant))
     release_freed_memory(device)  # the fp32 matrices just released
     return Model(net, info, cache_mode, max_seq_len, blocks, bool(prefix_caching))
 

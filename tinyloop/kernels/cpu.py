@@ -154,13 +154,14 @@ def _check(t: torch.Tensor, dtype: torch.dtype, shape: tuple, what: str) -> None
                       f"{t.dtype} {list(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
 
 
-def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None = None) -> torch.Tensor:
     """y [B, N] fp32 = x [B, K] @ dequantize(w).T, streaming w once in its stored format.
 
-    act_quant (int8 / int4 weights only): quantise x to int8 per block of 32 and multiply on integers; faster at
-    batch 1-2, at the cost of a max error ~0.5% of the output scale. Without it the result is
-    formats.reference_linear up to fp32 rounding. Either way a row's result is bitwise the same whatever the batch
-    it is multiplied in and whatever the thread count (batch invariance: one summation order per element).
+    act_quant (int8 / int4 weights only; None: the matrix's own act_quant): quantise x to int8 per block of 32 and
+    multiply on integers, faster than widening the weights (docs/kernels.md; the max difference from the weight-only
+    product is ~0.5% of the output scale). The result is formats.reference_linear of the matrix with that act_quant,
+    up to fp32 rounding; a row's result is bitwise the same whatever the batch it is multiplied in and whatever the
+    thread count (batch invariance: one summation order per element).
     threads 0 = torch.get_num_threads().
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
@@ -185,6 +186,8 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool = False
         return y
     fmt, data = w.fmt, w.data
     N = data.shape[0]
+    if act_quant is None:
+        act_quant = w.act_quant
     Kw = w.width if fmt == "int4" else data.shape[1]
     if K != Kw:
         raise ConfigError(f"x width {K} does not match the {fmt} weight's width {Kw} (weight {N}x{Kw})")

@@ -30,9 +30,9 @@ float *tl_thread_buffer(int slot, long n);
 
 // A matrix in its weight format (tinyloop/formats.py): 0 fp32, 1 bf16, 2 int8, 3 int4. cols is the stored width:
 // an int4 matrix whose group does not divide its width holds it zero-padded, and its input rows are padded to
-// match (the scratch rows below are cols wide, their tails zero).
+// match (the scratch rows below are cols wide, their tails zero). act_quant: int8 / int4 products quantise x.
 typedef struct {
-    long fmt, group, rows, cols;
+    long fmt, group, rows, cols, act_quant;
     const void *data;
     const float *scale;
 } tl_mat;
@@ -91,8 +91,8 @@ static void product(const tl_mat *m, const float *x, float *y, long B) {
     switch (m->fmt) {
         case 0: tl_linear_f32(x, m->data, y, B, m->rows, m->cols, 1); break;
         case 1: tl_linear_bf16(x, m->data, y, B, m->rows, m->cols, 1); break;
-        case 2: tl_linear_int8(x, m->data, m->scale, y, B, m->rows, m->cols, 0, 1); break;
-        default: tl_linear_int4(x, m->data, m->scale, y, B, m->rows, m->cols, m->group, 0, 1); break;
+        case 2: tl_linear_int8(x, m->data, m->scale, y, B, m->rows, m->cols, (int)m->act_quant, 1); break;
+        default: tl_linear_int4(x, m->data, m->scale, y, B, m->rows, m->cols, m->group, (int)m->act_quant, 1); break;
     }
 }
 

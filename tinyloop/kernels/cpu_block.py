@@ -24,7 +24,7 @@ _p, _L = ctypes.c_void_p, ctypes.c_long
 
 
 class _Mat(ctypes.Structure):
-    _fields_ = [("fmt", _L), ("group", _L), ("rows", _L), ("cols", _L), ("data", _p), ("scale", _p)]
+    _fields_ = [("fmt", _L), ("group", _L), ("rows", _L), ("cols", _L), ("act_quant", _L), ("data", _p), ("scale", _p)]
 
 
 class _Weights(ctypes.Structure):
@@ -47,10 +47,10 @@ def _mat(m) -> _Mat | None:
     if isinstance(m, QMatrix):
         if not m.data.is_contiguous() or m.scale is not None and not m.scale.is_contiguous():
             return None
-        return _Mat(_FMT[m.fmt], m.group, m.shape[0], m.padded_width, m.data.data_ptr(), _ptr(m.scale))
+        return _Mat(_FMT[m.fmt], m.group, m.shape[0], m.padded_width, m.act_quant, m.data.data_ptr(), _ptr(m.scale))
     if m.dtype != torch.float32 or not m.is_contiguous():
         return None
-    return _Mat(0, 0, m.shape[0], m.shape[1], m.data_ptr(), None)
+    return _Mat(0, 0, m.shape[0], m.shape[1], 0, m.data_ptr(), None)
 
 
 def weights_struct(w) -> _Weights | None:

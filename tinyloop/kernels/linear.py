@@ -7,7 +7,8 @@ Which implementation runs (the weights are held once, in their format's layout, 
                      on the batch it is in, so a decode step gives a request the same bits alone or batched
   CPU, more rows     fp32: MKL (F.linear); bf16/int8/int4: widened to fp32 per product, then MKL (a prefill chunk
                      is compute-bound, so the widening is paid once for all its rows; torch's int8 weight-only
-                     GEMM took 634 ms where this takes 16, 256 rows x a 4096 x 768 matrix)
+                     GEMM took 634 ms where this takes 16, 256 rows x a 4096 x 768 matrix); an act_quant matrix's
+                     rows are quantised first (formats.reference_linear), so every path computes the same product
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..formats import Matrix, QMatrix, dequantize
+from ..formats import Matrix, QMatrix, quantize_activations, reference_linear
 from . import cpu
 from .dispatch import use_triton
 
@@ -42,7 +43,7 @@ def _product(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor
         return F.linear(x, w)
     if not on_cpu and use_triton(x.device):
         from .wlinear import linear_triton
-        return linear_triton(x, w)
+        return linear_triton(quantize_activations(x) if w.act_quant else x, w)
     if c_kernel:
         return cpu.linear(x.float(), w)
-    return F.linear(x.float(), dequantize(w))
+    return reference_linear(x, w)
