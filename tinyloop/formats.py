@@ -13,7 +13,7 @@
 Every product returns fp32. Activations (the product's input rows) stay fp32, except that an int8 or int4 matrix
 with `act_quant` set quantises them to int8 per block of 32 values first (`quantize_activations`), as llama.cpp does
 for its Q8_0 / Q4_0 products: the CPU kernels then multiply on integers, faster than widening every weight to fp32
-(docs/kernels.md), and the bundled model's held-out loss moves by at most 0.0002 nats. load_model sets it for int8 /
+(docs/kernels.md), and the bundled model's held-out loss moves by at most 0.0003 nats. load_model sets it for int8 /
 int4 weights on the CPU (act_quant=False or TINYLOOP_ACT_QUANT=off: weight-only). `linear(x, w)` picks the
 fastest product for the weight's format and the device (tinyloop/kernels: a CPU kernel for few rows, Triton on
 CUDA); `reference_linear` is the definition they are tested against: quantize_activations(x) @ dequantize(w).T in fp32.
