@@ -12,7 +12,7 @@
 //                formats.reference_linear up to fp32 rounding.
 //   act_quant    x is quantised to int8 per block of 32 values (scale = max|x| / 127) and the block dot products
 //                run on integers (maddubs + madd): 4-5 instructions per 32 weights where widening takes 12 or more,
-//                so these stream 1.3-2.3x faster (the engine's default for int8 / int4 on the CPU), at the cost of
+//                so these stream 1.1-2.3x faster (the engine's default for int8 / int4 on the CPU), at the cost of
 //                the activation rounding (~0.5% of the output scale at most, x ~ randn, K = 768..2048): this is
 //                formats.reference_linear of an act_quant matrix. x is quantised per row and the block sums go to
 //                2 accumulators in a fixed alternation, so this is batch-invariant too (tested).
