@@ -116,3 +116,14 @@ def test_bad_inputs_raise(monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
             linear_triton(x, q)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 32)])
+def test_act_quant_matrices_quantise_x_first(fmt, group):
+    """An act_quant matrix (load_model(act_quant=True) on CUDA) multiplies formats.quantize_activations(x), as the
+    CPU kernels do: its reference, not the weight-only product."""
+    torch.manual_seed(3)
+    q = dataclasses.replace(formats.quantize(torch.randn(48, 96, device=DEV), fmt, group or 32), act_quant=True)
+    x = torch.randn(5, 96, device=DEV)
+    got = check(x, q)
+    assert (got - formats.reference_linear(x, dataclasses.replace(q, act_quant=False))).abs().max() > 1e-3

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..formats import Matrix, QMatrix, quantize_activations, reference_linear
+from ..formats import Matrix, QMatrix, reference_linear
 from . import cpu
 from .dispatch import use_triton
 
@@ -43,7 +43,7 @@ def _product(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor
         return F.linear(x, w)
     if not on_cpu and use_triton(x.device):
         from .wlinear import linear_triton
-        return linear_triton(quantize_activations(x) if w.act_quant else x, w)
+        return linear_triton(x, w)
     if c_kernel:
         return cpu.linear(x.float(), w)
     return reference_linear(x, w)

@@ -25,7 +25,7 @@ import torch
 import triton.language as tl
 
 from ..errors import ConfigError
-from ..formats import INT4_BLOCK, QMatrix
+from ..formats import INT4_BLOCK, QMatrix, quantize_activations
 from .dispatch import lazy_jit, next_pow2
 
 FMTS = {"bf16": 0, "int8": 1, "int4": 2}
@@ -94,7 +94,8 @@ def tiles(fmt: str, B: int) -> tuple[int, int, int]:
 
 def linear_triton(x: torch.Tensor, w: QMatrix, *, precision: str = "ieee",
                   tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] (any float dtype) @ dequantize(w).T -> fp32 [..., N], w a bf16 / int8 / int4 QMatrix.
+    """x [..., K] (any float dtype) @ dequantize(w).T -> fp32 [..., N], w a bf16 / int8 / int4 QMatrix; x first
+    through formats.quantize_activations when w.act_quant (formats.reference_linear's product).
 
     precision: how tl.dot multiplies fp32 tiles when B > 8 ("ieee" exact, "tf32x3" close to fp32 and faster);
     tile: (BLOCK_M, BLOCK_N, BLOCK_K) instead of `tiles(fmt, B)` (tuning).
@@ -125,6 +126,8 @@ def linear_triton(x: torch.Tensor, w: QMatrix, *, precision: str = "ieee",
                               f"of {INT4_BLOCK} dividing {K} and a scale of shape [{N}, {K} / group]")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
+    if w.act_quant:
+        x2 = quantize_activations(x2)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # rows() views keep unit column stride
