@@ -62,6 +62,7 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.frontend, self.stop = frontend, stop
         self.worker_kills = self.broker_kills = 0
+        self.last_killed = None  # pid of the last worker killed
         self.waited_since = time.monotonic()
         self.error: BaseException | None = None
 
@@ -77,7 +78,10 @@ class Killer(threading.Thread):
                 while not self.stop.is_set() and (self.worker_kills < WORKER_KILLS or not self.broker_kills):
                     status = self.status(client)
                     busy = [w for w in (status or {}).get("workers", []) if w["state"] == "busy"]
-                    if status is None or len(status["workers"]) < 2 or not busy:
+                    # the broker must have noticed the last kill (and settled that worker's requests) first: a
+                    # broker killed before then would take the re-queueing, and its log line, down with it
+                    noticed = status is not None and all(w["pid"] != self.last_killed for w in status["workers"])
+                    if status is None or not noticed or len(status["workers"]) < 2 or not busy:
                         time.sleep(0.1)  # wait for both workers back and one of them at work
                         self.waited_since = time.monotonic()
                         continue
@@ -95,6 +99,7 @@ class Killer(threading.Thread):
                         else:
                             os.kill(busy[0]["pid"], signal.SIGKILL)
                             self.worker_kills += 1
+                            self.last_killed = busy[0]["pid"]
                     except ProcessLookupError:
                         continue  # the broker still listed a worker that had died already: look again
                     time.sleep(1.0)
