@@ -302,8 +302,6 @@ def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) ->
     """One pre-norm block over the chunk's token rows x [B*T, d]. The context `ctx` says where the chunk sits
     (ctx.B lanes of ctx.T tokens), rotates q and k (ctx.rope) and attends (ctx.attend: within the chunk, or
     over the paged cache of layer slot `slot`); ctx.weights brings the products and norms."""
-    if ctx.native is not None:  # the cached step's decode rows: this block as one C call (kernels/cpu_block.py)
-        return ctx.native.block(w, x, slot)
     lin, norm, eps = ctx.weights.linear, ctx.weights.norm, cfg.norm_eps
     B, T, H, KV, hd = ctx.B, ctx.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = norm(x, w.attn_norm, eps)
@@ -323,6 +321,16 @@ def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) ->
     if w.on_sum:
         return norm(x + m, w.mlp_out_norm, eps)
     return x + (norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+
+
+def blocks(cfg: ModelConfig, ws: list[BlockWeights], x: torch.Tensor, ctx, slots: list[int]) -> torch.Tensor:
+    """`block` over consecutive blocks ws writing layer slots `slots`; the cached step's decode rows run them as
+    one C call (kernels/cpu_block.py)."""
+    if ctx.native is not None:
+        return ctx.native.blocks(ws, x, slots)
+    for w, slot in zip(ws, slots):
+        x = block(cfg, w, x, ctx, slot)
+    return x
 
 
 class Dense:
@@ -410,8 +418,8 @@ class LoopedLM(nn.Module):
         x = self.embed(ids.reshape(-1))
         if self.cfg.embed_scale != 1:
             x = x * self.cfg.embed_scale
-        for i, w in enumerate(ctx.weights.prelude):
-            x = block(self.cfg, w, x, ctx, i)
+        prelude = ctx.weights.prelude
+        x = blocks(self.cfg, prelude, x, ctx, list(range(len(prelude))))
         return x.view(ctx.B, ctx.T, -1)
 
     def init_state(self, e: torch.Tensor, step: Step) -> torch.Tensor:
@@ -426,8 +434,7 @@ class LoopedLM(nn.Module):
         inj, W, d = self.cfg.injection, ctx.weights, s.shape[-1]
         s, e = s.reshape(-1, d), e.reshape(-1, d)
         x = s if inj == "none" else s + e if inj == "add" else W.linear(torch.cat((s, e), dim=-1), W.adapter)
-        for j, w in enumerate(W.core):
-            x = block(self.cfg, w, x, ctx, self.cfg.core_slot(k, j))
+        x = blocks(self.cfg, W.core, x, ctx, [self.cfg.core_slot(k, j) for j in range(len(W.core))])
         if self.cfg.loop_norm:  # Ouro: every loop ends with the final norm, and the normalised state loops on
             x = W.norm(x, W.final_norm, self.cfg.norm_eps)
         return x.view(ctx.B, ctx.T, d)
@@ -442,8 +449,7 @@ class LoopedLM(nn.Module):
         x = s.reshape(-1, d)
         if cfg.coda_norm:  # Huginn: the final norm also before the coda
             x = W.norm(x, W.final_norm, cfg.norm_eps)
-        for i, w in enumerate(W.coda):
-            x = block(cfg, w, x, ctx, cfg.coda_slot(i))
+        x = blocks(cfg, W.coda, x, ctx, [cfg.coda_slot(i) for i in range(len(W.coda))])
         if last_only:
             x = x.view(ctx.B, ctx.T, d)[:, -1]
         if cfg.final_norm:

@@ -9,7 +9,7 @@
                 weight layouts, read-ahead, CUDA graph on CUDA)
   cpu.py        CPU products x @ W^T for every weight format (fp32 / bf16 / int8 / int4) at decode batch sizes:
                 cpu_gemv.c (AVX2 + FMA, OpenMP), compiled with the system C compiler at first use
-  cpu_block.py  a CPU decode step's blocks, one C call each (cpu_block.c, built into the same library)
+  cpu_block.py  a CPU decode step's blocks as C calls, one per loop pass (cpu_block.c, built into the same library)
 
 The kernel modules import triton; `import tinyloop` imports only dispatch and step (which load them lazily).
 """

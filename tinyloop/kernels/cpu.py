@@ -123,8 +123,10 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_stream_read.restype = ctypes.c_double
     lib.tl_huge_pages.argtypes = [p, L]
     lib.tl_huge_pages.restype = L
-    lib.tl_block_rows.argtypes = [p, p, p, p, p]
-    lib.tl_block_rows.restype = None
+    lib.tl_blocks_rows.argtypes = [L, p, p, p, p, p, p]
+    lib.tl_blocks_rows.restype = None
+    lib.tl_rms_norm_rows.argtypes = [p, p, ctypes.c_double, L, L, p]
+    lib.tl_rms_norm_rows.restype = None
     lib.tl_block_scratch.argtypes = [p, L]
     lib.tl_block_scratch.restype = L
     lib.tl_block_ok.argtypes = [L, L, L]

@@ -1,4 +1,4 @@
-"""A decode step's blocks as one C call each (cpu_block.c): tinyloop/model.py's `block` for lanes of one token,
+"""A decode step's blocks as C calls (cpu_block.c): tinyloop/model.py's `block` for lanes of one token,
 over the paged KV cache, on the CPU.
 
 The cached step (kernels/step.py) takes this path for decode rows when `supported` says the call can run them:
@@ -7,7 +7,8 @@ tree, at most 32 lanes, and head sizes the kernel takes. Everything else (prefil
 bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switches this off with the products.
 
 `weights_struct` describes a block's weights to C once (kept on the BlockWeights); `Rows` describes a step's
-lanes (cells, RoPE factors, the cache) once per step; `Rows.block` then runs one block.
+lanes (cells, RoPE factors, the cache) once per step; `Rows.blocks` then runs consecutive blocks (the prelude, a
+loop pass, the coda) in one call.
 """
 from __future__ import annotations
 
@@ -75,6 +76,15 @@ def supported(cfg, cache, B: int, dtype: torch.dtype) -> bool:
             and bool(cpu._lib.tl_block_ok(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)))
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """model.rms_norm of fp32 rows x [..., d] in C (Weights.norm of a step whose blocks run here: the final norm)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    cpu._lib.tl_rms_norm_rows(x.data_ptr(), w.contiguous().data_ptr(), eps, x.numel() // d, d, y.data_ptr())
+    return y
+
+
 class Rows:
     """A decode step's lanes as the C blocks see them: one token per lane at cells `cells` [B], RoPE factors
     cos2 / sin2 [B, hd] (model.rope_factors at the lanes' positions), the cache's store and block tables, the
@@ -96,13 +106,18 @@ class Rows:
                             table.stride(1), self.scratch.data_ptr())
         self.ref = ctypes.byref(self.struct)
 
-    def block(self, w, x: torch.Tensor, slot: int) -> torch.Tensor:
-        """model.block of BlockWeights w (weights_struct(w) built) over token rows x [B, d], writing layer slot
-        `slot`."""
-        cache = self.cache
-        cache.prepare(slot, self.lanes, self.at, self.at)
+    def blocks(self, ws: list, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """model.block of BlockWeights ws (weights_struct built for each) in turn over token rows x [B, d], block i
+        writing layer slot slots[i]: one C call (a Python call per block cost ~10 us, 0.2-0.3 ms of a d768 token)."""
+        cache, n = self.cache, len(ws)
+        if n == 0:
+            return x
+        for slot in slots:
+            cache.prepare(slot, self.lanes, self.at, self.at)
         x = x.contiguous()
-        out = torch.empty_like(x)
-        cpu._lib.tl_block_rows(ctypes.byref(w.native), self.ref, self.table.data_ptr() + slot * self.slot_bytes,
-                               x.data_ptr(), out.data_ptr())
+        out, tmp = torch.empty_like(x), torch.empty_like(x) if n > 1 else x
+        base = self.table.data_ptr()
+        cpu._lib.tl_blocks_rows(n, (_p * n)(*[ctypes.addressof(w.native) for w in ws]), self.ref,
+                                (_p * n)(*[base + slot * self.slot_bytes for slot in slots]), x.data_ptr(),
+                                out.data_ptr(), tmp.data_ptr())
         return out

@@ -69,6 +69,7 @@ class Cached:
         if native:
             cache.changed()  # the C blocks write the cache themselves (a kept read-ahead buffer is stale)
             self.native = cpu_block.Rows(net.cfg, cache, self.cells, self.cos, self.sin, native)
+            self.weights = dataclasses.replace(weights, norm=cpu_block.rms_norm)  # the norms outside the blocks too
             return
         if triton or W:  # Triton takes positions and block tables; a ring's cells carry their own positions
             return
