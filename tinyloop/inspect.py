@@ -83,13 +83,13 @@ def format_losses(path: str | None = None, loops: int | None = None, formats: tu
     act_quant: load_model's (None: its default on the CPU, int8 activations for int8 / int4 weights)."""
     from .train import EVAL_SEQ_LEN, held_out_ids, evaluate
 
-    first = load_model(path, EVAL_SEQ_LEN, device="cpu")
+    first = load_model(path, EVAL_SEQ_LEN, device="cpu", act_quant=act_quant)
     data = held_out_ids(first.info.codec)[:tokens + 1]
     loops = loops or first.net.cfg.default_loops
     out = {}
     for fmt in (formats if first.weights == "fp32" else (first.weights,)):
-        model = (first if fmt == first.weights and fmt not in ("int8", "int4")
-                 else load_model(path, EVAL_SEQ_LEN, device="cpu", weights=fmt, act_quant=act_quant))
+        model = first if fmt == first.weights else load_model(path, EVAL_SEQ_LEN, device="cpu", weights=fmt,
+                                                              act_quant=act_quant)
         out[fmt] = evaluate(model.net, data, EVAL_SEQ_LEN, [loops], n_batches=len(data) // (EVAL_SEQ_LEN * 8) or 1)[loops]
     return out
 

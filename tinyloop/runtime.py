@@ -115,7 +115,7 @@ class Model:
     def act_quant(self) -> bool:
         """Whether the products quantise their input rows to int8 (int8 / int4 weights; load_model's act_quant)."""
         q = self.net.quantized
-        return q is not None and getattr(q.head, "act_quant", False)
+        return q is not None and q.head.act_quant
 
 
 def default_device() -> torch.device:
