@@ -32,12 +32,13 @@ def test_kernels_build_where_the_machine_can():
     assert cpu.available()
 
 # (N, K, group): odd N (a one-row tile at the end), K = 100 / 200 (not a multiple of 8 / 64: the tails),
-# K = 96 (an odd number of 32-blocks: the unpaired int4 block), groups 32 and 64.
+# K = 96 (an odd number of 32-blocks: the unpaired int4 block), groups 32 and 64; int4 K = 544 (group 32: two
+# octets of 8 blocks, then the unpaired block) and 768 (octets only).
 SHAPES = {
     "fp32": [(37, 100, 32), (64, 768, 32)],
     "bf16": [(37, 100, 32), (64, 200, 32)],
     "int8": [(37, 100, 32), (64, 200, 32), (33, 768, 32)],
-    "int4": [(37, 96, 32), (64, 768, 64), (33, 192, 64)],
+    "int4": [(37, 96, 32), (64, 768, 64), (33, 192, 64), (21, 544, 32), (35, 768, 32)],
 }
 CASES = [(fmt, *shape) for fmt, shapes in SHAPES.items() for shape in shapes]
 
@@ -106,8 +107,9 @@ def test_threads_agree(fmt, act_quant):
 
 
 # Batch invariance: (format, N, K, group, view) with K not a multiple of 16 / 8 where the format allows it
-# (fp32 / bf16 / int8 tails), int4 groups 32 and 64 (K = 96: an odd number of 32-blocks), odd N (a lone last
-# weight row) and a QMatrix.rows view (rows of a fused matrix, its own strides).
+# (fp32 / bf16 / int8 tails), int4 groups 32 and 64 (K = 96: an odd number of 32-blocks; K = 320: an octet of
+# blocks, then a pair), odd N (a lone last weight row) and a QMatrix.rows view (rows of a fused matrix, its own
+# strides).
 INVARIANCE = [("fp32", 37, 100, 32, False), ("fp32", 20, 776, 32, True), ("bf16", 37, 200, 32, False),
               ("bf16", 21, 104, 32, True), ("int8", 37, 100, 32, False), ("int8", 21, 776, 32, True),
               ("int4", 37, 96, 32, False), ("int4", 21, 192, 64, True), ("int4", 19, 320, 32, True)]
