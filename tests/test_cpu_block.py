@@ -10,7 +10,7 @@ from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
 from tinyloop.kernels import cpu_block
 from tinyloop.kernels import step as cached
-from tinyloop.model import LoopedLM, quantize_weights
+from tinyloop.model import LoopedLM, fused_weights, quantize_weights
 
 from test_cpu_kernels import needs_kernels
 
@@ -40,22 +40,26 @@ def make_net(cfg: ModelConfig, weights: str = "fp32", act_quant: bool = False) -
     return net
 
 
-def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool, monkeypatch, loops: int = 3,
+def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool | str, monkeypatch, loops: int = 3,
            lanes: list[int] | None = None) -> tuple[torch.Tensor, list[bool]]:
     """Per-lane prefill of random prompts, then greedy decode rows of `lanes` (default: all) for `steps` steps:
-    logits [steps, len(lanes), V], and whether each step ran the C blocks."""
+    logits [steps, len(lanes), V], and whether each step ran in C. native: True, the whole step in one C call
+    (DecodeStep) where it can, else the C blocks; "blocks", the C blocks under model.forward; False, torch."""
     cfg = net.cfg
     with monkeypatch.context() as m:
         if not native:
             m.setattr(cpu_block, "supported", lambda *a: False)
+        if native == "blocks":
+            m.setattr(cpu_block, "decode_step", lambda *a: None)
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
         tokens = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen)
         lanes = list(range(len(lengths))) if lanes is None else lanes
         cache = KVCache(cfg, len(lengths), 128, "fp16")
         took, out = [], []
-        real_context = cached.context
+        real_context, real_run = cached.context, cpu_block.DecodeStep.run
         m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
+        m.setattr(cpu_block.DecodeStep, "run", lambda *a: (took.append("step"), real_run(*a))[1])
         with torch.inference_mode():
             for lane, ids in enumerate(prompts):
                 cached.forward(net, ids, loops, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)),
@@ -68,6 +72,7 @@ def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool, monkeypa
                 logits = cached.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), view)
                 out.append(logits[:, 0])
                 tok, pos = logits.argmax(-1), pos + 1
+    assert len(took) == steps
     return torch.stack(out), took
 
 
@@ -76,11 +81,68 @@ def test_c_blocks_match_torch_blocks(variant, monkeypatch):
     """Ragged lanes whose keys cross blocks of 16 cells and are not a multiple of 8 (the softmax tails)."""
     net = make_net(ModelConfig(**{**BASE, **VARIANTS[variant]}))
     lengths = [37, 5, 20]
-    got, took = decode(net, lengths, 6, True, monkeypatch)
+    got, took = decode(net, lengths, 6, "blocks", monkeypatch)
     want, took_torch = decode(net, lengths, 6, False, monkeypatch)
-    assert all(took) and not any(took_torch)
+    assert took == [True] * 6 and not any(took_torch)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    whole, took = decode(net, lengths, 6, True, monkeypatch)
+    assert took == ["step"] * 6 and torch.equal(whole, got)
+
+
+# Loop structures beyond VARIANTS: every injection, state init and norm placement the model family has.
+STEP_VARIANTS = {
+    "add_zeros": dict(injection="add", state_init="zeros"),
+    "none_embed": dict(injection="none", state_init="embed"),
+    "adapter_noise": dict(injection="adapter", state_init="normal", init_trunc=3.0, embed_scale=8.0),
+    "ouro": dict(injection="none", state_init="embed", loop_norm=True, final_norm=False, n_prelude=0, n_coda=0,
+                 qk_bias=True),
+    "huginn": dict(injection="adapter", state_init="normal", coda_norm=True, sandwich_norm=True,
+                   sandwich_residual=True, embed_scale=8.0),
+}
+
+
+@pytest.mark.parametrize("variant", STEP_VARIANTS)
+def test_the_whole_step_in_c_has_the_bits_of_the_step_through_python(variant, monkeypatch):
+    """DecodeStep calls the same C pieces as model.forward over the C blocks, in the same order: the same bits, for
+    every loop structure; and it decodes what torch decodes."""
+    net = make_net(ModelConfig(**{**BASE, **STEP_VARIANTS[variant]}))
+    lengths = [21, 3]
+    got, took = decode(net, lengths, 5, True, monkeypatch)
+    want, took_blocks = decode(net, lengths, 5, "blocks", monkeypatch)
+    assert took == ["step"] * 5 and took_blocks == [True] * 5
+    assert torch.equal(got, want)
+    torch_logits, _ = decode(net, lengths, 5, False, monkeypatch)
+    torch.testing.assert_close(got, torch_logits, atol=2e-5, rtol=1e-5)
+
+
+def test_the_whole_step_follows_the_models_tables(monkeypatch):
+    """A DecodeStep is kept per model, weights and loops, and built again when the position tables grow (the old
+    ones are freed) or the weights change."""
+    net = make_net(ModelConfig(**{**BASE, **STEP_VARIANTS["adapter_noise"]}))
+    first = cpu_block.decode_step(net, fused_weights(net), 3)
+    assert first is cpu_block.decode_step(net, fused_weights(net), 3) and first.positions == 128
+    net.set_max_seq_len(256)
+    grown = cpu_block.decode_step(net, fused_weights(net), 3)
+    assert grown is not first and grown.positions == 256
+    got, took = decode(net, [40], 3, True, monkeypatch)
+    want, _ = decode(net, [40], 3, "blocks", monkeypatch)
+    assert took == ["step"] * 3 and torch.equal(got, want)
+    quantize_weights(net, "int8", 32)
+    assert cpu_block.decode_step(net, fused_weights(net), 3) is not grown
+
+
+def test_the_whole_step_refuses_what_it_cannot_index():
+    """C indexes the embedding and the position tables by the step's tokens and positions: out-of-range ones are
+    an IndexError naming them, as torch's embedding would raise, not a read outside the tables."""
+    cfg = ModelConfig(**BASE)
+    net = make_net(cfg)
+    cache = KVCache(cfg, 1, 128, "fp16")
+    with torch.inference_mode():
+        for ids, pos, what in (([[96]], [[3]], "token id 96"), ([[-1]], [[3]], "token id -1"),
+                               ([[5]], [[128]], "position 128")):
+            with pytest.raises(IndexError, match=what):
+                cached.forward(net, torch.tensor(ids), 2, net.make_step(torch.tensor(pos), pos[0][0] + 1), cache)
 
 
 @pytest.mark.parametrize("fmt,act_quant", [("bf16", False), ("int8", False), ("int4", False), ("int8", True),
@@ -93,8 +155,9 @@ def test_c_blocks_multiply_in_every_weight_format(fmt, act_quant, monkeypatch):
     net = make_net(cfg, fmt, act_quant)
     got, took = decode(net, [10, 31], 4, True, monkeypatch)
     want, _ = decode(net, [10, 31], 4, False, monkeypatch)
-    assert all(took)
+    assert took == ["step"] * 4
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got, decode(net, [10, 31], 4, "blocks", monkeypatch)[0])
     fp32, _ = decode(make_net(cfg), [10, 31], 4, True, monkeypatch)
     assert (got[0] - fp32[0]).abs().max() > 1e-4  # the format's matrices, not fp32 ones, were multiplied
     if act_quant:  # and the activations were quantised: not the weight-only product
@@ -149,5 +212,5 @@ def test_int4_widths_the_group_does_not_divide(monkeypatch):
     assert net.quantized.core[0].w_down.padded_width == 128
     got, took = decode(net, [9, 30], 4, True, monkeypatch)
     want, _ = decode(net, [9, 30], 4, False, monkeypatch)
-    assert all(took)
+    assert took == ["step"] * 4
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -12,6 +12,7 @@ attends over everything the slot holds for that lane.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,8 +71,19 @@ class Step:
     key_pos: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
-    def __post_init__(self):
-        self.cos, self.sin = self.rope_at(self.pos)
+    @functools.cached_property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary factors at the chunk's positions, gathered on first use (a decode step in one C call reads the
+        tables itself)."""
+        return self.rope_at(self.pos)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.rope[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope[1]
 
     def rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary factors [B, N, 1, hd/2] at positions pos [B, N]."""

@@ -130,6 +130,10 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_block_scratch.argtypes = [p, L]
     lib.tl_block_scratch.restype = L
     lib.tl_block_ok.argtypes = [L, L, L]
+    lib.tl_step_work.argtypes = [L, L, L]
+    lib.tl_step_work.restype = L
+    lib.tl_decode_step.argtypes = [p, p, p, L, p, p, p]
+    lib.tl_decode_step.restype = None
     for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):
         f.restype = None
     _lib, _state = lib, "ok"

@@ -8,11 +8,13 @@ bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switch
 
 `weights_struct` describes a block's weights to C once (kept on the BlockWeights); `Rows` describes a step's
 lanes (cells, RoPE factors, the cache) once per step; `Rows.blocks` then runs consecutive blocks (the prelude, a
-loop pass, the coda) in one call.
+loop pass, the coda) in one call. `DecodeStep` goes further for kernels/step.py's `forward` (every lane at the same
+loops, no early exit): the whole step, embedding to logits, as one C call.
 """
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -121,3 +123,101 @@ class Rows:
                                 (_p * n)(*[base + slot * self.slot_bytes for slot in slots]), x.data_ptr(),
                                 out.data_ptr(), tmp.data_ptr())
         return out
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("n_prelude", _L), ("n_core", _L), ("n_coda", _L), ("loops", _L), ("injection", _L),
+                ("state_init", _L), ("loop_norm", _L), ("coda_norm", _L), ("final_norm", _L),
+                ("embed_scale", ctypes.c_double), ("embed", _p), ("norm_w", _p), ("noise", _p), ("cos2", _p),
+                ("sin2", _p), ("adapter", _Mat), ("head", _Mat), ("blocks", _p), ("slots", _p)]
+
+
+_INJECTION = {"none": 0, "add": 1, "adapter": 2}
+_STATE_INIT = {"zeros": 0, "embed": 1, "normal": 2}
+
+
+class DecodeStep:
+    """LoopedLM.forward of one token per lane, every lane at `loops` loops, as one C call (tl_decode_step): the
+    embedding, the prelude, each loop's injection, core and loop norm, the coda, the final norm and the head. It calls
+    the same C pieces as the step through Python (model.forward over a Cached context whose blocks run here), in the
+    same order and at the same thread count, so the logits have the same bits; what goes is the Python around them,
+    ~0.5 ms per token (Cached, Step, the model's pieces, a call per pass): a sixth of an int4 d768 token.
+    Built once per model, weights and loop count (`decode_step`)."""
+
+    def __init__(self, net, weights, loops: int):
+        cfg = self.cfg = net.cfg
+        self.weights, self.loops = weights, loops  # not net: the kept steps are weakly keyed by it
+        blocks = [*weights.prelude, *weights.core * loops, *weights.coda]
+        self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
+                      *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
+        from ..model import rope_factors
+        cos2, sin2 = rope_factors(net.rope_cos, net.rope_sin)
+        self.tables = net.rope_cos  # the model's position tables when built (longer ones make a new DecodeStep)
+        noise = net.init_noise if cfg.state_init == "normal" else None
+        self.positions = net.rope_cos.shape[0] if noise is None else min(net.rope_cos.shape[0], noise.shape[0])
+        # every tensor C reads, kept alive here
+        self.keep = [cos2.contiguous(), sin2.contiguous(), net.embed.weight.detach(), weights.final_norm.contiguous(),
+                     noise]
+        self._blocks = (_p * len(blocks))(*[ctypes.addressof(w.native) for w in blocks])
+        self._slots = (_L * len(blocks))(*self.slots)
+        adapter = _mat(weights.adapter) if weights.adapter is not None else _Mat()
+        self.struct = _Step(cfg.n_prelude, cfg.n_core, cfg.n_coda, loops, _INJECTION[cfg.injection],
+                            _STATE_INIT[cfg.state_init], int(cfg.loop_norm), int(cfg.coda_norm), int(cfg.final_norm),
+                            cfg.embed_scale, self.keep[2].data_ptr(), self.keep[3].data_ptr(), _ptr(noise),
+                            self.keep[0].data_ptr(), self.keep[1].data_ptr(), adapter, _mat(weights.head),
+                            ctypes.addressof(self._blocks), ctypes.addressof(self._slots))
+        self.ref = ctypes.byref(self.struct)
+
+    @staticmethod
+    def fits(net, weights, loops: int) -> bool:
+        """Whether this step can run the model: every block in C (weights_struct), an fp32 embedding, a head and
+        adapter C can multiply at their stored width (no int4 padding), at most 64 blocks per step."""
+        cfg, d = net.cfg, net.cfg.d_model
+        if any(weights_struct(w) is None for part in (weights.prelude, weights.core, weights.coda) for w in part):
+            return False
+        head = _mat(weights.head)
+        adapter = _mat(weights.adapter) if cfg.injection == "adapter" else _Mat(cols=2 * d)
+        emb = net.embed.weight
+        return (head is not None and head.cols == d and adapter is not None and adapter.cols == 2 * d
+                and emb.dtype == torch.float32 and emb.is_contiguous() and weights.final_norm.dtype == torch.float32
+                and cfg.n_prelude + cfg.n_core * loops + cfg.n_coda <= 64)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [B, V] of tokens ids [B, 1] at positions pos [B, 1] through `cache` (decode rows)."""
+        B, cfg = ids.shape[0], self.cfg
+        ids, cells = ids.reshape(B).to(torch.long).contiguous(), pos.reshape(B).to(torch.long).contiguous()
+        tokens, at = ids.tolist(), cells.tolist()  # C indexes tables by them: checked here, as torch would
+        if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
+            raise IndexError(f"token id {max(tokens) if max(tokens) >= 0 else min(tokens)} is outside the "
+                             f"vocabulary (0..{cfg.vocab_size - 1})")
+        if min(at) < 0 or max(at) >= self.positions:
+            raise IndexError(f"position {max(at) if min(at) >= 0 else min(at)} is outside the model's position "
+                             f"tables (0..{self.positions - 1})")
+        lanes = list(range(B))
+        cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
+        for slot in self.slots:
+            cache.prepare(slot, lanes, at, at)
+        lib = cpu._lib
+        step_work = lib.tl_step_work(B, cfg.d_model, cfg.head_dim)
+        work = torch.empty(step_work + lib.tl_block_scratch(self._blocks[0], B))
+        store, table = cache.store, cache.table
+        rows = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cache.bt,
+                     torch.get_num_threads(), cfg.norm_eps, None, None, cells.data_ptr(), store["k"].data_ptr(),
+                     store["v"].data_ptr(), table.stride(1), work.data_ptr() + 4 * step_work)
+        logits = torch.empty(B, self.struct.head.rows)
+        lib.tl_decode_step(self.ref, ctypes.byref(rows), table.data_ptr(), table.stride(0), ids.data_ptr(),
+                           logits.data_ptr(), work.data_ptr())
+        return logits
+
+
+_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decode_step(net, weights, loops: int) -> DecodeStep | None:
+    """The kept DecodeStep of (net, weights, loops), or None when it cannot run them (DecodeStep.fits)."""
+    per_net = _steps.setdefault(net, {})
+    kept = per_net.get(loops)
+    if kept is None or kept[0] is not weights or kept[1] is not None and kept[1].tables is not net.rope_cos:
+        kept = per_net[loops] = (weights, DecodeStep(net, weights, loops) if DecodeStep.fits(net, weights, loops)
+                                 else None)
+    return kept[1]

@@ -8,7 +8,8 @@ the chunk writes, the mask, the rotary factors.
 
 Backends:
   C       decode rows on CPU (one token per lane, the fp16 cache mode holding fp32, no ring, no tree): each block
-          is one call of kernels/cpu_block.c, attending over the paged cache through the block tables
+          is one call of kernels/cpu_block.c, attending over the paged cache through the block tables; with every
+          lane at the same loops and no early exit, the whole step is one call (cpu_block.DecodeStep)
   torch   SDPA over the slot's cells, gathered from the blocks (CPU; CUDA with TINYLOOP_TRITON=0). Decode rows
           that read little gather every slot once per step into one buffer (`read_ahead`).
   Triton  decode rows on CUDA (or TINYLOOP_TRITON=1): fused attention over the block tables and quantise-on-write
@@ -267,7 +268,7 @@ def triton_supports(cfg) -> bool:
 
 
 # --- the entry points -------------------------------------------------------------------------------------
-def decode_threads(lanes: int, cfg, cache: KVCache | None = None) -> int:
+def decode_threads(lanes: int, cfg, cache: KVCache | None = None, c_blocks: bool | None = None) -> int:
     """Intra-op threads for a CPU decode step (0: leave torch's setting).
 
     A step whose blocks run as C calls (kernels/cpu_block.py: decode rows over a cache they support) keeps torch's
@@ -283,7 +284,9 @@ def decode_threads(lanes: int, cfg, cache: KVCache | None = None) -> int:
         if not value.isdigit():
             raise ConfigError(f"environment TINYLOOP_DECODE_THREADS={value!r} is not an integer >= 0")
         return int(value)
-    if cache is not None and cpu_block.supported(cfg, cache, lanes, cache.dtype):
+    if c_blocks is None:  # (the caller may know already)
+        c_blocks = cache is not None and cpu_block.supported(cfg, cache, lanes, cache.dtype)
+    if c_blocks:
         return 0
     return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 18 else 0
 
@@ -311,8 +314,14 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled() \
             and triton_supports(net.cfg) and not exit_threshold:
         return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
-    threads = decode_threads(ids.shape[0], net.cfg, cache) if rows and ids.device.type == "cpu" else 0
+    cpu_rows = rows and ids.device.type == "cpu"
+    c_blocks = cpu_rows and cpu_block.supported(net.cfg, cache, ids.shape[0], net.embed.weight.dtype)
+    threads = decode_threads(ids.shape[0], net.cfg, c_blocks=c_blocks) if cpu_rows else 0
     with _threads(threads):
+        whole = c_blocks and not exit_threshold and not use_triton(ids.device)  # (Triton forced on the CPU: its kernels)
+        plan = cpu_block.decode_step(net, fused_weights(net), loops) if whole else None
+        if plan is not None:  # the whole step in one C call, with the bits of the step below
+            return plan.run(ids, step.pos, cache).unsqueeze(1)
         ctx = context(net, step, cache)
         if rows:
             cfg = net.cfg
