@@ -196,8 +196,9 @@ class Runner:
         group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)), key=lambda s: s.lane)
         if not group:
             return []
-        log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
-                  ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
+        if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
+            log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
+                      ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
         view = self.cache.select([s.lane for s in group])
         try:
             out, used = self.decode([s.token for s in group], [s.pos - s.prompt_row for s in group], view,

@@ -167,6 +167,7 @@ class DecodeStep:
                             self.keep[0].data_ptr(), self.keep[1].data_ptr(), adapter, _mat(weights.head),
                             ctypes.addressof(self._blocks), ctypes.addressof(self._slots))
         self.ref = ctypes.byref(self.struct)
+        self._kept: _Lanes | None = None
 
     @staticmethod
     def fits(net, weights, loops: int) -> bool:
@@ -185,8 +186,7 @@ class DecodeStep:
     def run(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """Logits [B, V] of tokens ids [B, 1] at positions pos [B, 1] through `cache` (decode rows)."""
         B, cfg = ids.shape[0], self.cfg
-        ids, cells = ids.reshape(B).to(torch.long).contiguous(), pos.reshape(B).to(torch.long).contiguous()
-        tokens, at = ids.tolist(), cells.tolist()  # C indexes tables by them: checked here, as torch would
+        tokens, at = ids.reshape(B).tolist(), pos.reshape(B).tolist()  # C indexes tables by them: checked here
         if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
             raise IndexError(f"token id {max(tokens) if max(tokens) >= 0 else min(tokens)} is outside the "
                              f"vocabulary (0..{cfg.vocab_size - 1})")
@@ -197,17 +197,37 @@ class DecodeStep:
         cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
         for slot in self.slots:
             cache.prepare(slot, lanes, at, at)
+        table = cache.table
+        lane = self._lanes(B, cache)
+        lane.ids[:B], lane.cells[:B] = tokens, at
+        logits = torch.empty(B, self.struct.head.rows)
+        cpu._lib.tl_decode_step(self.ref, lane.ref, table.data_ptr(), table.stride(0), ctypes.addressof(lane.ids),
+                                logits.data_ptr(), lane.work.data_ptr())
+        return logits
+
+    def _lanes(self, B: int, cache) -> "_Lanes":
+        """The C description of B lanes over `cache` and their work memory, kept from step to step while they stay
+        the same (a model runs one call at a time: Model.busy)."""
+        store, threads = cache.store, torch.get_num_threads()
+        key = (B, threads, store["k"].data_ptr(), store["v"].data_ptr(), cache.bt, cache.table.stride(1))
+        if self._kept is None or self._kept.key != key:
+            self._kept = _Lanes(key, self.cfg, self._blocks[0])
+        return self._kept
+
+
+class _Lanes:
+    """B lanes of a DecodeStep: tokens, cells, work memory and the tl_block_rows_t that points at them."""
+
+    def __init__(self, key: tuple, cfg, shape):
+        B, threads, k, v, bt, table_stride = key
         lib = cpu._lib
         step_work = lib.tl_step_work(B, cfg.d_model, cfg.head_dim)
-        work = torch.empty(step_work + lib.tl_block_scratch(self._blocks[0], B))
-        store, table = cache.store, cache.table
-        rows = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cache.bt,
-                     torch.get_num_threads(), cfg.norm_eps, None, None, cells.data_ptr(), store["k"].data_ptr(),
-                     store["v"].data_ptr(), table.stride(1), work.data_ptr() + 4 * step_work)
-        logits = torch.empty(B, self.struct.head.rows)
-        lib.tl_decode_step(self.ref, ctypes.byref(rows), table.data_ptr(), table.stride(0), ids.data_ptr(),
-                           logits.data_ptr(), work.data_ptr())
-        return logits
+        self.key, self.ids, self.cells = key, (_L * B)(), (_L * B)()
+        self.work = torch.empty(step_work + lib.tl_block_scratch(shape, B))
+        self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, bt, threads,
+                            cfg.norm_eps, None, None, ctypes.addressof(self.cells), k, v, table_stride,
+                            self.work.data_ptr() + 4 * step_work)
+        self.ref = ctypes.byref(self.struct)
 
 
 _steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
