@@ -132,6 +132,28 @@ def test_the_whole_step_follows_the_models_tables(monkeypatch):
     assert cpu_block.decode_step(net, fused_weights(net), 3) is not grown
 
 
+def test_the_whole_step_copies_a_shared_block_before_writing_it():
+    """DecodeStep skips preparing blocks while its lanes stay in the blocks it prepared and the pool changed nothing
+    (its epoch). A block shared meanwhile (a handle or the prefix cache retains it) changes the epoch: the next step
+    copies it before writing, so what the sharer holds stays as it was."""
+    cfg = ModelConfig(**BASE)
+    net = make_net(cfg)
+    cache = KVCache(cfg, 1, 128, "fp16")
+    tok = torch.tensor([[7]])
+    with torch.inference_mode():
+        for p in range(3):  # cells 0..2 of the first block of 16
+            cached.forward(net, tok, 2, net.make_step(torch.tensor([[p]]), p + 1), cache)
+        written = [s for s in range(len(cache.held)) if cache.held[s][0]]
+        assert len(written) == cfg.n_prelude + 2 * cfg.n_core + cfg.n_coda
+        span = cache.share(written, 3)
+        before = {s: cache.pool.store["k"][ids[0]].clone() for s, ids in span.blocks.items()}
+        cached.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
+    for s, ids in span.blocks.items():
+        assert torch.equal(cache.pool.store["k"][ids[0]], before[s])  # the shared block: untouched
+        assert cache.held[s][0][0] != ids[0]  # the lane writes its own copy
+        assert cache.pool.store["k"][cache.held[s][0][0], 3].abs().sum() > 0
+
+
 def test_the_whole_step_refuses_what_it_cannot_index():
     """C indexes the embedding and the position tables by the step's tokens and positions: out-of-range ones are
     an IndexError naming them, as torch's embedding would raise, not a read outside the tables."""

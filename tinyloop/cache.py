@@ -136,6 +136,7 @@ class BlockPool:
             t[0].zero_()
         self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.store.values())
         self.refs = [0] * (num_blocks + 1)
+        self.epoch = 0  # counts take / retain / drop: while it stands still, no lane's blocks or their sharing changed
         self.free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
         self.peak_used = 0
         # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
@@ -168,6 +169,7 @@ class BlockPool:
                               f"({self.nbytes / 2**20:.1f} MiB) are held by running sequences and handles")
         b = self.free.pop()
         self.refs[b] = 1
+        self.epoch += 1
         for t in self.store.values():
             t[b].zero_()
         self.peak_used = max(self.peak_used, self.used)
@@ -176,10 +178,12 @@ class BlockPool:
     def retain(self, b: int) -> None:
         if b:
             self.refs[b] += 1
+            self.epoch += 1
 
     def drop(self, b: int) -> None:
         if b:
             self.refs[b] -= 1
+            self.epoch += 1
             if self.refs[b] == 0:
                 self.free.append(b)
 
