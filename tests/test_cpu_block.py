@@ -154,6 +154,25 @@ def test_the_whole_step_copies_a_shared_block_before_writing_it():
         assert cache.pool.store["k"][cache.held[s][0][0], 3].abs().sum() > 0
 
 
+def test_decode_rows_is_forward_of_those_rows(monkeypatch):
+    """kernels.step.decode_rows (the engine's decode, token lists in, no tensors built on the C path) gives
+    forward's logits, on the C path and, with it off, through torch."""
+    cfg = ModelConfig(**{**BASE, **STEP_VARIANTS["adapter_noise"]})
+    net = make_net(cfg)
+    for native in (True, False):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(cpu_block, "supported", lambda *a: False)
+            caches = [KVCache(cfg, 2, 128, "fp16") for _ in range(2)]
+            with torch.inference_mode():
+                for p in range(3):
+                    tokens, positions = [5 + p, 60 - p], [p, p]
+                    rows = cached.decode_rows(net, tokens, positions, 2, caches[0])
+                    ids, pos = torch.tensor(tokens).view(2, 1), torch.tensor(positions).view(2, 1)
+                    full = cached.forward(net, ids, 2, net.make_step(pos, p + 1), caches[1])[:, -1]
+                    assert rows.shape == (2, cfg.vocab_size) and torch.equal(rows, full)
+
+
 def test_the_whole_step_refuses_what_it_cannot_index():
     """C indexes the embedding and the position tables by the step's tokens and positions: out-of-range ones are
     an IndexError naming them, as torch's embedding would raise, not a read outside the tables."""

@@ -84,14 +84,14 @@ class Runner:
         B = len(tokens)
         loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
         threshold = [self.early_exit if threshold is None else threshold] * B if not isinstance(threshold, list) else threshold
+        if len(set(loops)) == 1 and not any(self.is_adaptive(t) for t in threshold):
+            return cached.decode_rows(self.net, tokens, positions, loops[0], cache), loops
         dev = self.model.device
         ids = torch.tensor([[t] for t in tokens], device=dev)
         pos = torch.tensor([[p] for p in positions], device=dev)
-        step = self.net.make_step(pos, max(positions) + 1)
-        if len(set(loops)) > 1 or any(self.is_adaptive(t) for t in threshold):
-            out, used = cached.forward_adaptive(self.net, ids, loops, step, cache, threshold)
-            return out[:, -1], list(used)
-        return cached.forward(self.net, ids, loops[0], step, cache)[:, -1], loops
+        out, used = cached.forward_adaptive(self.net, ids, loops, self.net.make_step(pos, max(positions) + 1), cache,
+                                            threshold)
+        return out[:, -1], list(used)
 
     @staticmethod
     def prefilling(seq: Sequence) -> bool:

@@ -184,10 +184,10 @@ class DecodeStep:
                 and emb.dtype == torch.float32 and emb.is_contiguous() and weights.final_norm.dtype == torch.float32
                 and cfg.n_prelude + cfg.n_core * loops + cfg.n_coda <= 64)
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        """Logits [B, V] of tokens ids [B, 1] at positions pos [B, 1] through `cache` (decode rows)."""
-        B, cfg = ids.shape[0], self.cfg
-        tokens, at = ids.reshape(B).tolist(), pos.reshape(B).tolist()  # C indexes tables by them: checked here
+    def run(self, tokens: list[int], at: list[int], cache) -> torch.Tensor:
+        """Logits [B, V] of lane b's token tokens[b] at position at[b], through `cache` (decode rows)."""
+        B, cfg = len(tokens), self.cfg
+        # C indexes the embedding and the position tables by them: checked here, as torch would
         if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
             raise IndexError(f"token id {max(tokens) if max(tokens) >= 0 else min(tokens)} is outside the "
                              f"vocabulary (0..{cfg.vocab_size - 1})")

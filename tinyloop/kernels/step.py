@@ -318,10 +318,9 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     c_blocks = cpu_rows and cpu_block.supported(net.cfg, cache, ids.shape[0], net.embed.weight.dtype)
     threads = decode_threads(ids.shape[0], net.cfg, c_blocks=c_blocks) if cpu_rows else 0
     with _threads(threads):
-        whole = c_blocks and not exit_threshold and not use_triton(ids.device)  # (Triton forced on the CPU: its kernels)
-        plan = cpu_block.decode_step(net, fused_weights(net), loops) if whole else None
+        plan = _whole_step(net, cache, ids.shape[0], loops) if c_blocks and not exit_threshold else None
         if plan is not None:  # the whole step in one C call, with the bits of the step below
-            return plan.run(ids, step.pos, cache).unsqueeze(1)
+            return plan.run(ids.reshape(-1).tolist(), step.pos.reshape(-1).tolist(), cache).unsqueeze(1)
         ctx = context(net, step, cache)
         if rows:
             cfg = net.cfg
@@ -329,6 +328,26 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         logits = net(ids, loops, ctx=ctx, exit_threshold=exit_threshold, last_only=last_only)
         ctx.flush()
         return logits
+
+
+def _whole_step(net: LoopedLM, cache: KVCache, lanes: int, loops: int):
+    """The DecodeStep running decode rows of `lanes` lanes on the CPU when their blocks run in C (the caller checked
+    cpu_block.supported), or None (Triton forced on the CPU runs its kernels instead)."""
+    return None if use_triton(cache.device) else cpu_block.decode_step(net, fused_weights(net), loops)
+
+
+def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: int, cache: KVCache) -> torch.Tensor:
+    """Logits [B, V] of one token per lane (lanes 0..B-1 of `cache`), every lane at `loops` loops: `forward` of
+    those rows, without building tensors the CPU's whole-step decode would only turn back into lists."""
+    B, dev = len(tokens), cache.device
+    if dev.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
+        plan = _whole_step(net, cache, B, loops)
+        if plan is not None:
+            with _threads(decode_threads(B, net.cfg, c_blocks=True)):
+                return plan.run(tokens, positions, cache)
+    ids = torch.tensor([[t] for t in tokens], device=dev)
+    pos = torch.tensor([[p] for p in positions], device=dev)
+    return forward(net, ids, loops, net.make_step(pos, max(positions) + 1), cache)[:, -1]
 
 
 def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], step: Step, cache: KVCache,
