@@ -318,7 +318,7 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     c_blocks = cpu_rows and cpu_block.supported(net.cfg, cache, ids.shape[0], net.embed.weight.dtype)
     threads = decode_threads(ids.shape[0], net.cfg, c_blocks=c_blocks) if cpu_rows else 0
     with _threads(threads):
-        plan = _whole_step(net, cache, ids.shape[0], loops) if c_blocks and not exit_threshold else None
+        plan = _whole_step(net, cache, loops) if c_blocks and not exit_threshold else None
         if plan is not None:  # the whole step in one C call, with the bits of the step below
             return plan.run(ids.reshape(-1).tolist(), step.pos.reshape(-1).tolist(), cache).unsqueeze(1)
         ctx = context(net, step, cache)
@@ -330,8 +330,8 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         return logits
 
 
-def _whole_step(net: LoopedLM, cache: KVCache, lanes: int, loops: int):
-    """The DecodeStep running decode rows of `lanes` lanes on the CPU when their blocks run in C (the caller checked
+def _whole_step(net: LoopedLM, cache: KVCache, loops: int):
+    """The DecodeStep running decode rows on the CPU when their blocks run in C (the caller checked
     cpu_block.supported), or None (Triton forced on the CPU runs its kernels instead)."""
     return None if use_triton(cache.device) else cpu_block.decode_step(net, fused_weights(net), loops)
 
@@ -341,7 +341,7 @@ def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: i
     those rows, without building tensors the CPU's whole-step decode would only turn back into lists."""
     B, dev = len(tokens), cache.device
     if dev.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
-        plan = _whole_step(net, cache, B, loops)
+        plan = _whole_step(net, cache, loops)
         if plan is not None:
             with _threads(decode_threads(B, net.cfg, c_blocks=True)):
                 return plan.run(tokens, positions, cache)
