@@ -1,10 +1,11 @@
 """Chaos: `tinyloop serve` with the real bundled model while workers and the broker are SIGKILLed.
 
-N greedy requests, half of them streamed, from a sync Client and an AsyncClient at once. Meanwhile a
-killer thread SIGKILLs a busy worker several times (waiting for `serve` to bring it back in between) and
-the broker once. Every request must get exactly one final answer, no client may see a token twice,
-and every text must equal the undisturbed run (the runtime called in-process). The counts are printed
-(`pytest -s`) and recorded as test properties.
+Waves of N greedy requests, half of them streamed, from a sync Client and an AsyncClient at once.
+Meanwhile a killer thread SIGKILLs a busy worker several times (waiting for `serve` to bring it back in
+between) and the broker once. A new wave starts while the killer still has kills to make, so the test
+does not depend on how fast the model decodes (a bounded number of waves). Every request must get
+exactly one final answer, no client may see a token twice, and every text must equal the undisturbed
+run (the runtime called in-process). The counts are printed (`pytest -s`) and recorded as test properties.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from broker.client import AsyncClient, Client, ServiceError
 
 REPO = Path(__file__).resolve().parent.parent
 N_REQUESTS = 32
-MAX_TOKENS = 160  # enough work that the run outlasts its kills (restarts take seconds)
+MAX_TOKENS = 160
+MAX_WAVES = 8  # waves of N_REQUESTS until the killer is done (a restart takes seconds, a wave may take less)
+WAVES_SECONDS = 150  # no wave starts after this
 MAX_SEQ_LEN = 256
 WORKER_KILLS = 3
 HEARTBEAT = 0.3
@@ -146,8 +149,7 @@ def test_chaos_kills_workers_and_the_broker(tmp, record_property):
         launcher.service_command("serve", "--workers", "2", "--frontend", f"ipc://{tmp}/f", "--backend", f"ipc://{tmp}/b",
                                  "--log-dir", str(tmp / "logs"), "--max-seq-len", str(MAX_SEQ_LEN), "--threads", "1",
                                  "--heartbeat-interval", str(HEARTBEAT), "--max-attempts", "8", "--skip-plan-check",
-                                 # two lanes per worker: a kill hits two requests in flight, and the run lasts long
-                                 # enough for every kill (16 lanes finish the load between two kills)
+                                 # two lanes per worker: a kill hits two requests in flight
                                  "--max-lanes", "2"),
         env=launcher.child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -156,39 +158,45 @@ def test_chaos_kills_workers_and_the_broker(tmp, record_property):
     try:
         launcher.wait_for_workers(frontend, 2, 300, [serve])
         t0 = time.monotonic()
-        out: dict = {}
         stop = threading.Event()
         killer = Killer(frontend, stop)
+        killer.start()
         sync_part = [i for i in range(N_REQUESTS) if i % 4 < 2]
         async_part = [i for i in range(N_REQUESTS) if i % 4 >= 2]
-        sync_thread = threading.Thread(target=sync_requests, args=(frontend, sync_part, out))
-        async_thread = threading.Thread(target=lambda: asyncio.run(async_requests(frontend, async_part, out)))
-        sync_thread.start()
-        async_thread.start()
-        killer.start()
-        sync_thread.join(170)
-        async_thread.join(170)
+        waves: list[dict] = []
+        while len(waves) < MAX_WAVES and time.monotonic() < t0 + WAVES_SECONDS and (not waves or killer.is_alive()):
+            out: dict = {}
+            sync_thread = threading.Thread(target=sync_requests, args=(frontend, sync_part, out))
+            async_thread = threading.Thread(target=lambda: asyncio.run(async_requests(frontend, async_part, out)))
+            sync_thread.start()
+            async_thread.start()
+            sync_thread.join(170)
+            async_thread.join(170)
+            waves.append(out)
         stop.set()
         killer.join(10)
         elapsed = time.monotonic() - t0
 
-        answers = [i for i in range(N_REQUESTS) if i in out]
-        duplicates = sum(1 for i in answers if out[i][1] and [pos for pos, _ in out[i][1]] != list(range(len(out[i][1]))))
-        failed = {i: str(out[i][0]) for i in answers if isinstance(out[i][0], ServiceError)}
-        mismatches = [i for i in answers if i not in failed and (out[i][0].tokens != expected[i]
-                      or (out[i][1] and [t for _, t in out[i][1]] != out[i][0].tokens))]
+        answers = [(w, i) for w, out in enumerate(waves) for i in range(N_REQUESTS) if i in out]
+        results = {(w, i): waves[w][i] for w, i in answers}
+        duplicates = sum(1 for r in results.values() if r[1] and [pos for pos, _ in r[1]] != list(range(len(r[1]))))
+        failed = {key: str(r[0]) for key, r in results.items() if isinstance(r[0], ServiceError)}
+        mismatches = [key for key, r in results.items() if key not in failed and (r[0].tokens != expected[key[1]]
+                      or (r[1] and [t for _, t in r[1]] != r[0].tokens))]
         log = (tmp / "logs" / "broker.log").read_text(errors="replace") if (tmp / "logs" / "broker.log").exists() else ""
-        counts = {"requests": N_REQUESTS, "streamed": N_REQUESTS // 2, "worker_kills": killer.worker_kills,
-                  "broker_kills": killer.broker_kills, "answers": len(answers), "duplicates": duplicates,
-                  "mismatches": len(mismatches), "errors": len(failed), "continued": log.count("token(s) delivered)") - log.count("(0 token(s)"),
-                  "client_reconnects": out.get("sync_reconnects", 0) + out.get("async_reconnects", 0),
+        requests = N_REQUESTS * len(waves)
+        counts = {"waves": len(waves), "requests": requests, "streamed": requests // 2,
+                  "worker_kills": killer.worker_kills, "broker_kills": killer.broker_kills, "answers": len(answers),
+                  "duplicates": duplicates, "mismatches": len(mismatches), "errors": len(failed),
+                  "continued": log.count("token(s) delivered)") - log.count("(0 token(s)"),
+                  "client_reconnects": sum(out.get("sync_reconnects", 0) + out.get("async_reconnects", 0) for out in waves),
                   "seconds": round(elapsed, 1)}
         print("chaos:", json.dumps(counts))
         for key, value in counts.items():
             record_property(key, value)
         assert killer.error is None, killer.error
         assert killer.worker_kills == WORKER_KILLS and killer.broker_kills == 1, counts
-        assert len(answers) == N_REQUESTS, counts
+        assert len(answers) == requests, counts
         assert not failed, (counts, failed)
         assert duplicates == 0 and not mismatches, (counts, mismatches)
         assert counts["client_reconnects"] >= 2  # both clients rode out the broker restart

@@ -50,15 +50,14 @@ def test_kill_worker_under_load_restart_clean_shutdown_and_plan_check(tmp):
             streamed = [client.submit("generate", {"prompt": f"def f{i}(x):\n", "max_tokens": 128}, stream=True)
                         for i in range(4)]
             plain = [client.submit("generate", {"prompt": f"class C{i}:\n", "max_tokens": 128}) for i in range(6)]
-            # Kill w1 once it is busy with a request that has already streamed (128 tokens a request keep it busy for
-            # seconds, so the kill lands mid-request).
+            # Kill w1 as soon as it is busy with a request that has already streamed: the kill lands mid-request
+            # however fast the model decodes.
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                busy = {w["name"]: w["state"] for w in client.status()["workers"]}
-                if busy.get("w1") == "busy":
+                w1 = {w["name"]: w for w in client.status()["workers"]}.get("w1", {})
+                if w1.get("state") == "busy" and w1.get("streamed", 0) > 0:
                     break
-                time.sleep(0.05)
-            time.sleep(0.3)
+                time.sleep(0.01)
             os.kill(pids["w1"], signal.SIGKILL)
 
             tokens: dict[str, list[int]] = {}
