@@ -280,7 +280,7 @@ def test_error_statuses(svc, oai):
     r = svc.post("/v1/completions", {**ok, "prompt": "x" * (1 << 20)})
     assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
     # 504: the request's deadline passes while it decodes.
-    r = svc.post("/v1/completions", {**ok, "max_tokens": 400, "temperature": 0, "loops": 16, "timeout": 0.5})
+    r = svc.post("/v1/completions", {**ok, "max_tokens": 400, "temperature": 0, "loops": 16, "timeout": 0.2})
     assert r.status_code == 504 and error_of(r)["code"] == "timeout"
     wait_idle(svc)
     # 429 with Retry-After: 2 workers of one lane each + a queue of 2, and 8 long requests at once.
