@@ -127,3 +127,23 @@ def test_garbage_header(tmp_path):
     bad.write_bytes(struct.pack("<Q", 10) + b"not json!!" + b"\0" * 64)
     with pytest.raises(tinyloop.ArtifactError, match="not a readable safetensors"):
         tinyloop.load_model(str(bad))
+
+
+def test_loading_and_generating_import_no_compiler_and_no_grammar_library():
+    """Every CLI command and worker starts by loading a model: that must not pull in torch._dynamo (which building
+    a model on the meta device would, through nn.init) or xgrammar (which imports transformers), ~2.5 s together.
+    A grammar request still imports xgrammar when it comes."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        import tinyloop
+        model = tinyloop.load_model(None, 64)
+        tinyloop.generate(model, "def f", tinyloop.GenerateConfig(max_tokens=4))
+        print(sorted(m for m in ("torch._dynamo", "xgrammar", "transformers") if m in sys.modules))
+        tinyloop.generate(model, "x", tinyloop.GenerateConfig(max_tokens=4, grammar={"regex": "[0-9]+"}))
+        print("xgrammar" in sys.modules)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"], out

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from .config import ModelConfig
 from .errors import ArtifactError, ConfigError
 from . import formats
-from .model import LoopedLM, matrices, quantize_weights
+from .model import LoopedLM, matrices, quantize_weights, shapes_only
 from .tokenizer import TextCodec
 
 FORMAT = "tinyloop"
@@ -154,7 +154,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
     info = ArtifactInfo(str(path), cfg, codec, beta, table, provenance, fmt, group)
     if fmt != "fp32":
         info.matrices = {}
-        with torch.device("meta"):
+        with shapes_only():
             shapes = matrices(_meta_model(cfg, fmt, group).quantized)
         for name, like in shapes.items():
             scale = tensors.pop(f"{QUANTIZED}{name}.scale", None)
@@ -163,7 +163,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
 
 
 def _meta_model(cfg: ModelConfig, fmt: str, group: int) -> LoopedLM:
-    with torch.device("meta"):
+    with shapes_only():
         net = LoopedLM(cfg, max_seq_len=1)
         quantize_weights(net, fmt, group or formats.DEFAULT_GROUP)
     return net

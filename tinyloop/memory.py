@@ -76,8 +76,8 @@ def workspace_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int) -> int
 
 def weight_bytes_of(cfg: ModelConfig, dtype: torch.dtype, fmt: str = "fp32", group: int = 32) -> int:
     """Bytes of a model's weights: parameters in `dtype`, the matrices in weight format fmt (tinyloop/formats.py)."""
-    from .model import LoopedLM, quantize_weights, weight_bytes  # the model layer sits beside this one
-    with torch.device("meta"):
+    from .model import LoopedLM, quantize_weights, shapes_only, weight_bytes  # the model layer sits beside this one
+    with shapes_only():
         net = LoopedLM(cfg, max_seq_len=1).to(dtype)
         quantize_weights(net, fmt, group)
         return weight_bytes(net)

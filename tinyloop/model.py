@@ -11,19 +11,39 @@ attends over everything the slot holds for that lane.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from . import formats
 from .config import ModelConfig
 from .errors import ConfigError
+
+
+class _SkipInit(TorchFunctionMode):
+    """torch.nn.init calls return their tensor untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Modules built inside have parameters on the meta device, not initialised: their shapes, for weights that
+    are about to be replaced or only counted. Initialising meta tensors would run torch's Python decompositions,
+    whose first use imports torch._dynamo (~1.5 s in every process that loads a model)."""
+    with torch.device("meta"), _SkipInit():
+        yield
 
 
 class RMSNorm(nn.Module):
@@ -42,8 +62,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freqs)
+    """Computed on the CPU in float64 whatever the default device (the caller moves them)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64, device="cpu"), freqs)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -394,7 +415,7 @@ class LoopedLM(nn.Module):
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
         if self.cfg.state_init == "normal":  # one fixed noise vector per position: cached == recomputed
             g = torch.Generator().manual_seed(self.cfg.init_seed)
-            noise = torch.randn(max_seq_len, self.cfg.d_model, generator=g)
+            noise = torch.randn(max_seq_len, self.cfg.d_model, generator=g, device="cpu")
             if self.cfg.init_trunc:  # Huginn: a truncated normal (values outside +-init_trunc sigma redrawn)
                 t = self.cfg.init_trunc
                 noise = nn.init.trunc_normal_(noise, 0.0, 1.0, -t, t, generator=g)

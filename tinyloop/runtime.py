@@ -16,7 +16,7 @@ from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
 from .formats import DEFAULT_GROUP, check_format, parse_spec
 from .memory import available_bytes, blocks_for, release_freed_memory, weight_bytes_of, workspace_bytes
-from .model import LoopedLM, quantize_weights, release_linears, weight_bytes, weight_format
+from .model import LoopedLM, quantize_weights, release_linears, shapes_only, weight_bytes, weight_format
 from .prefix_tree import PrefixTree
 
 # Without an explicit budget the pool holds this many sequences of max_seq_len at max_loops (or what memory allows).
@@ -198,7 +198,7 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
                           f"{cfg.default_loops} loops needs {need} KV blocks, the {have} leaves room for "
                           f"{max(blocks, 0)} after {weights / 2**20:.1f} MiB of weights; lower max_seq_len or raise "
                           f"memory_budget")
-    with torch.device("meta"):  # no random init of weights about to be replaced (seconds and GBs for real models)
+    with shapes_only():  # no random init of weights about to be replaced (seconds and GBs for real models)
         net = LoopedLM(cfg, max_seq_len=1)
     # assign: the loaded tensors become the parameters, so a bf16 checkpoint is held once, not widened and copied
     net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=info.matrices is None, assign=True)

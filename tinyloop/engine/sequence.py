@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from ..grammar import GrammarState
 from ..sampling import apply_repetition_penalty, sample_token
 from ..stops import StopMatcher
 from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
@@ -27,7 +26,11 @@ class Sequence:
         self.gen = make_generator(cfg.seed)
         self.history = list(prompt)  # prompt + tokens taken: what the repetition penalty sees
         self.matcher = StopMatcher(model.codec.decode, cfg.stop_sequences)
-        self.grammar = GrammarState.for_model(model, cfg.grammar) if cfg.grammar is not None else None
+        self.grammar = None
+        if cfg.grammar is not None:
+            from ..grammar import GrammarState  # xgrammar imports transformers (~1 s): only when a grammar is asked for
+
+            self.grammar = GrammarState.for_model(model, cfg.grammar)
         self.stats = stats or GenerateStats()  # speculative calls bring SpeculativeStats
         self.stats.prompt_tokens, self.stats.cache_mode = len(prompt), model.cache_mode
         self.pos = len(prompt)      # where the next fed token goes
