@@ -154,9 +154,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
     info = ArtifactInfo(str(path), cfg, codec, beta, table, provenance, fmt, group)
     if fmt != "fp32":
         info.matrices = {}
-        with shapes_only():
-            shapes = matrices(_meta_model(cfg, fmt, group).quantized)
-        for name, like in shapes.items():
+        for name, like in matrices(_meta_model(cfg, fmt, group).quantized).items():
             scale = tensors.pop(f"{QUANTIZED}{name}.scale", None)
             info.matrices[name] = formats.QMatrix(fmt, tensors.pop(f"{QUANTIZED}{name}.data"), scale, like.group, like.width)
     return info, tensors
