@@ -51,7 +51,8 @@ def watch_running(frontend: str, stop: threading.Event, seen: list[int]) -> None
 def test_concurrent_requests_share_one_batch_and_stay_exact(service, model):
     """Different loops, temperatures, seeds, stops, grammars and lengths in one worker's batch; requests join while
     others run (staggered) and each answer equals generate of that request alone."""
-    configs = [dict(max_tokens=24), dict(max_tokens=10, loops=4), dict(max_tokens=16, loops=12, temperature=0.8, seed=7),
+    # the first runs longest (96 tokens at 16 loops), so the others join it however fast the model decodes
+    configs = [dict(max_tokens=96, loops=16), dict(max_tokens=10, loops=4), dict(max_tokens=16, loops=12, temperature=0.8, seed=7),
                dict(max_tokens=20, stop_sequences=["\n"]), dict(max_tokens=12, temperature=1.0, top_k=20, seed=3),
                dict(max_tokens=14, grammar={"regex": "[a-z_]+\\(.*\\)"}, loops=6)]
     stop, seen = threading.Event(), []
@@ -62,7 +63,7 @@ def test_concurrent_requests_share_one_batch_and_stay_exact(service, model):
             pending = []
             for prompt, cfg in zip(PROMPTS, configs):
                 pending.append(client.submit("generate", {"prompt": prompt, **cfg}, stream=True))
-                time.sleep(0.05)  # later requests join a batch that is already running
+                time.sleep(0.02)  # later requests join a batch that is already running
             replies = [p.result() for p in pending]
     finally:
         stop.set()

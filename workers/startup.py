@@ -9,10 +9,12 @@ The model is then loaded with exactly the planned block pool.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
 import sys
+import threading
 from dataclasses import dataclass
 
 log = logging.getLogger("tinyloop.worker")
@@ -142,6 +144,10 @@ def run_worker(opts: WorkerOptions) -> int:
                             heartbeat_liveness=opts.heartbeat_liveness, curve_dir=opts.curve_dir)
     engine.set_identity(process.identity)
     process.install_signal_handlers()
+    # A grammar request needs xgrammar (it imports transformers, ~1 s). Import it beside serving, so that the first
+    # such request does not stall every lane of the batch while it loads.
+    threading.Thread(target=importlib.import_module, args=("tinyloop.grammar",), name="import-grammar",
+                     daemon=True).start()
     log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s), ops %s", opts.name, device,
              plan.total_bytes / 2**20, budget / 2**20, budget_what, engine.ops)
     return process.run()
