@@ -29,11 +29,13 @@ from .errors import ConfigError
 
 
 class _SkipInit(TorchFunctionMode):
-    """torch.nn.init calls return their tensor untouched."""
+    """torch.nn.init calls on meta tensors return them untouched (others, like the initial noise, run)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs["tensor"]
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
         return func(*args, **(kwargs or {}))
 
 
