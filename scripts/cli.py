@@ -134,7 +134,7 @@ def inspect(path, config_only, max_seq_len, with_formats) -> None:
     """Show an artifact's (or Hugging Face model directory's) config, parameter counts, beta, loss-versus-loops table
     and cache costs."""
     from tinyloop.artifact import DEFAULT_ARTIFACT
-    from tinyloop.inspect import config_text, format_loss_text, inspect_text
+    from scripts.inspect_model import config_text, format_loss_text, inspect_text
     import tinyloop
 
     try:
@@ -206,7 +206,8 @@ def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> 
     """Benchmarks: ratios measured side by side in one run."""
     import os
 
-    from tinyloop.bench import SECTIONS, run_bench
+    from scripts.bench.plots import PlotError, write_results
+    from scripts.bench.run import SECTIONS, run_bench
     from tinyloop.formats import parse_spec
 
     if weights:
@@ -221,25 +222,10 @@ def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> 
         fail(ValueError(f"unknown section(s) {unknown}; known: {sorted(SECTIONS)}"))
     sections = list(sections) + (["peers"] if peers and "peers" not in sections else [])
     results = run_bench(model_path, sections or None, quick, click.echo)
-    write_results(results, json_path, plot_path, "bench")
-
-
-def write_results(results: dict, json_path: str | None, plot_path: str | None, kind: str) -> None:
-    """--json and --plot of `bench` and `loadtest`."""
-    if json_path:
-        import json
-        from pathlib import Path
-
-        Path(json_path).write_text(json.dumps(results, indent=2))
-        click.echo(f"results written to {json_path}", err=True)
-    if plot_path:
-        from scripts import plots
-
-        try:
-            (plots.plot_bench if kind == "bench" else plots.plot_loadtest)(results, plot_path)
-        except plots.PlotError as e:
-            fail(e)
-        click.echo(f"plot written to {plot_path}", err=True)
+    try:
+        write_results(results, json_path, plot_path, "bench")
+    except PlotError as e:
+        fail(e)
 
 
 @main.command()
@@ -264,7 +250,7 @@ def train(out, steps, lr, seq_len, batch_size, seed, init_from, state_init, init
     """Train a looped model on the Python standard library. The bundled model's recipe (docs/model.md):
     `tinyloop train --out stage1.tinyloop` then
     `tinyloop train --init-from stage1.tinyloop.ckpt --state-init normal --init-sigma 8 --steps 400 --lr 1.5e-3 --seed 1`."""
-    from tinyloop.train import train as run_train
+    from scripts.train import train as run_train
 
     overrides = {k: v for k, v in (("state_init", state_init), ("init_sigma", init_sigma)) if v is not None}
     run_train(out, steps=steps, lr=lr, seq_len=seq_len, batch_size=batch_size, seed=seed, init_from=init_from,

@@ -63,7 +63,7 @@ def gateway_loadtest_command(workers, threads, rounds, n_requests, concurrency, 
     """Same load through the HTTP gateway and the msgpack client, side by side (starts its own service)."""
     import json
 
-    from broker.gateway_load import gateway_side_by_side
+    from scripts.load.gateway import gateway_side_by_side
 
     results = gateway_side_by_side(workers=workers, threads=threads, rounds=rounds, n_requests=n_requests,
                                    concurrency=concurrency, max_tokens=max_tokens, model_path=model_path,

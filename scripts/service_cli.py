@@ -409,8 +409,8 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     import os
 
-    from broker import loadtest
-    from scripts.cli import write_results
+    from scripts.bench.plots import PlotError, write_results
+    from scripts.load import loadtest
 
     if weights:  # the workers inherit the environment; in-process models read it in load_model
         from tinyloop.formats import parse_spec
@@ -433,7 +433,7 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
                                 concurrency=concurrency,
                                 model_path=model_path, threads=threads, echo=click.echo)
     elif batching:
-        from broker.loadtest_batching import batching_side_by_side
+        from scripts.load.batching import batching_side_by_side
 
         results = batching_side_by_side(before=before, n_requests=n_requests or 64, max_tokens=max_tokens,
                                         concurrency=concurrency, echo=click.echo)
@@ -451,7 +451,10 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         for r in sweep:
             click.echo(loadtest.format_summary(r))
         results = sweep[0] if len(sweep) == 1 else {"sweep": sweep}
-    write_results(results, json_path, plot_path, "loadtest")
+    try:
+        write_results(results, json_path, plot_path, "loadtest")
+    except PlotError as e:
+        raise click.ClickException(str(e))
 
 
 @click.command("keys")

@@ -1,4 +1,4 @@
-"""The dense twin (tinyloop/twin.py), its GGUF file, and `tinyloop bench --peers --json/--plot` (docs/kernels.md,
+"""The dense twin (scripts/bench/twin.py), its GGUF file, and `tinyloop bench --peers --json/--plot` (docs/kernels.md,
 Peers). The peers themselves (transformers, llama.cpp) are not installed here: whether their greedy tokens agree
 with TinyLoop's is checked and printed by the bench itself."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tinyloop.bench_peers import QUICK, randomize
+from scripts.bench.peers import QUICK, randomize
 from tinyloop.config import ModelConfig
 from tinyloop.errors import ConfigError
 from tinyloop.model import LoopedLM, apply_rope, rope_tables
-from tinyloop.twin import check_twin, rope_interleave, schedule, twin_layers, write_gguf
+from scripts.bench.twin import check_twin, rope_interleave, schedule, twin_layers, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_prelude=1, n_core=2,

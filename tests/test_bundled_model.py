@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import tinyloop
-from tinyloop.train import read_corpus, stdlib_files
+from scripts.train import read_corpus, stdlib_files
 
 
 def held_out_loss(model, loops: int, ids: torch.Tensor) -> float:

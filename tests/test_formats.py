@@ -103,7 +103,7 @@ def test_bad_format_specs_name_the_problem():
 def test_formats_shrink_the_model_and_keep_its_quality():
     """Each format holds its matrices once (the fp32 linear weights are released), the plan counts exactly what is
     held, and the held-out loss stays within the goals: int8 within 0.01 nats of fp32, int4 within 0.05."""
-    from tinyloop.inspect import format_losses
+    from scripts.inspect_model import format_losses
 
     held = {}
     for fmt in ("fp32", "bf16", "int8", "int4"):

@@ -253,7 +253,7 @@ def test_missing_shard_tensor_tokenizer_and_bad_shape_or_dtype(tmp_path):
 
 
 def test_inspect_config_only_plans_the_real_models_without_weights():
-    from tinyloop.inspect import config_text
+    from scripts.inspect_model import config_text
     text = config_text(str(DATA / "configs" / "huginn-0125"))
     assert "parameters: 3,564,976,800" in text and "32 loops (132 KV slots per token)" in text
     # fp16 cache at bf16: 2 (K, V) x 5280 x 2 bytes x 132 slots per token

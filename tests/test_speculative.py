@@ -12,7 +12,7 @@ from tinyloop.errors import ConfigError, ModeError
 from tinyloop.model import LoopedLM
 from tinyloop.sampling import filter_logits
 from tinyloop.speculative import choose_speculative, speculative_from_env
-from tinyloop.train import measure_beta
+from scripts.train import measure_beta
 
 PROMPT = [5, 9, 14, 3, 22, 40, 7]
 

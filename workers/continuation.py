@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from broker.protocol import Codes
+from tinyloop.continuation import GrammarPrefix
 from workers.handles import EngineError
+from workers.stream_text import StreamText
 
 TokenSink = Callable[[int, int, str], None]
 
@@ -23,9 +25,6 @@ TokenSink = Callable[[int, int, str], None]
 def run_continuation(engine: Any, handler: Callable[..., dict], params: dict, delivered: list[int],
                      on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
     """Run `handler` (one of the engine's generation ops) as the continuation of `delivered`."""
-    from tinyloop.continuation import GrammarPrefix
-    from workers.engine import StreamText
-
     model = engine.model
     cfg = engine.config(params)
     if cfg.beam_size > 1:

@@ -5,8 +5,7 @@ registry and prefix pool, and one function per protocol op that calls the runtim
 the others (speculative, beam search, a sliding window, the prefix pool, warm starts, stream
 continuations) run alone through `run`, once the batch has drained (workers/worker.py).
 
-Ops whose runtime function does not exist in this build of `tinyloop` are not offered
-(they are left out of the "ready" announcement) and answer "unsupported_op".
+An op the worker does not know answers "unsupported_op".
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ from typing import Any, Callable
 import tinyloop
 from broker.protocol import (DIGEST_CHARS, DIGEST_TOKENS, GENERATE_CONFIG_FIELDS, MAX_ANNOUNCED_PREFIXES, Codes,
                              prefix_digests)
+from workers.continuation import run_continuation
 from workers.handles import EngineError, HandleRegistry
+from workers.stream_text import StreamText
 
 log = logging.getLogger("tinyloop.worker")
 
@@ -62,32 +63,6 @@ def load_prefix_file(path: str | Path) -> list[dict]:
     return scaffolds
 
 
-class StreamText:
-    """Turns a token stream into text pieces whose concatenation is the decoded text.
-
-    A token may end inside a multi-byte character (the decoded text then ends in U+FFFD);
-    such a piece is held back until a later token completes the character, but for at
-    most MAX_HELD tokens, so an invalid byte sequence still streams.
-    """
-
-    MAX_HELD = 4  # a UTF-8 character has at most 4 bytes
-
-    def __init__(self, codec: Any):
-        self.codec = codec
-        self.tokens: list[int] = []
-        self.sent = ""
-        self.held = 0
-
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self.codec.decode(self.tokens)
-        self.held += 1
-        if text.endswith("\ufffd") and self.held < self.MAX_HELD:
-            return ""
-        piece, self.sent, self.held = text[len(self.sent):], text, 0
-        return piece
-
-
 class ModelEngine:
     def __init__(self, model: "tinyloop.Model", *, max_handles: int, plan_bytes: int, model_name: str,
                  prefixes: list[dict] | None = None, lanes: int = tinyloop.batch.DEFAULT_LANES):
@@ -100,7 +75,6 @@ class ModelEngine:
         self.device = str(model.device)
         self.max_handles = max_handles
         self.handle_prefix = "handle"  # replaced by the worker identity (see WorkerProcess)
-        self.pool = None
         # digest of a prompt prefix the prefix cache holds -> the cache node it needs (announced while alive)
         self.announced: OrderedDict[int, Any] = OrderedDict()
         self.announcing: tuple = ()  # a snapshot the I/O thread reads
@@ -113,23 +87,16 @@ class ModelEngine:
             )
         self.pool_entries = len(prefixes)
         self.handles = HandleRegistry(max_handles - len(prefixes), "handle", on_evict=self._free_handle)
-        self.ops_table: dict[str, Callable[..., dict]] = {"generate": self.op_generate}
-        if hasattr(tinyloop, "generate_with_pool") and hasattr(tinyloop, "create_prefix_pool"):
-            self.ops_table["generate_pool"] = self.op_generate_pool
-            self.pool = tinyloop.create_prefix_pool(max(1, len(prefixes)))
-            default_loops = model.cfg.default_loops
-            for entry in prefixes:  # pinned entries of the model's prefix cache
-                tinyloop.register_prefix(self.pool, model, entry["prefix"], entry["loops"] or default_loops)
-                self.remember(entry["prefix"], entry["loops"] or default_loops)
-        elif prefixes:
-            raise SystemExit("a prefix file was given but this tinyloop build has no PrefixPool (generate_with_pool)")
-        if hasattr(tinyloop, "build_resume_handle") and hasattr(tinyloop, "resume_generate"):
-            self.ops_table["build_handle"] = self.op_build_handle
-            self.ops_table["resume"] = self.op_resume
-            self.ops_table["release_handle"] = self.op_release_handle
-        if hasattr(tinyloop, "generate_speculative") and hasattr(tinyloop, "SpeculativeConfig"):
-            self.ops_table["speculative"] = self.op_speculative
-        self.ops_table["chat"] = self.op_chat  # the HTTP gateway's chat completions
+        self.pool = tinyloop.create_prefix_pool(max(1, len(prefixes)))
+        for entry in prefixes:  # pinned entries of the model's prefix cache
+            loops = entry["loops"] or model.cfg.default_loops
+            tinyloop.register_prefix(self.pool, model, entry["prefix"], loops)
+            self.remember(entry["prefix"], loops)
+        self.ops_table: dict[str, Callable[..., dict]] = {
+            "generate": self.op_generate, "generate_pool": self.op_generate_pool, "build_handle": self.op_build_handle,
+            "resume": self.op_resume, "release_handle": self.op_release_handle, "speculative": self.op_speculative,
+            "chat": self.op_chat,  # the HTTP gateway's chat completions
+        }
         self.ops = ["ping", *self.ops_table]
 
     def set_identity(self, identity: str) -> None:
@@ -172,8 +139,6 @@ class ModelEngine:
             raise EngineError(Codes.UNSUPPORTED_OP, f"op {op!r} is not supported by this worker's runtime (supported: {self.ops})")
         with runtime_errors():
             if delivered:  # a stream whose worker died: continue after the tokens the client has
-                from workers.continuation import run_continuation
-
                 return run_continuation(self, handler, params, delivered, on_token, should_stop)
             result = handler(params, on_token, should_stop)
             if "prompt" in params and op in PREFIX_OPS:
@@ -259,10 +224,8 @@ class ModelEngine:
         return self.scored(params, self.result(res))
 
     def op_generate_pool(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        kwargs = {}
-        if "on_token" in _parameters(tinyloop.generate_with_pool):
-            kwargs["on_token"] = self.callback(on_token, should_stop)
-        res = tinyloop.generate_with_pool(self.model, self.pool, params["prompt"], self.config(params), **kwargs)
+        res = tinyloop.generate_with_pool(self.model, self.pool, params["prompt"], self.config(params),
+                                          on_token=self.callback(on_token, should_stop))
         return self.result(res)
 
     def op_build_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
@@ -272,10 +235,8 @@ class ModelEngine:
 
     def op_resume(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         handle = self.handles.get(params["handle"])
-        kwargs = {}
-        if "on_token" in _parameters(tinyloop.resume_generate):
-            kwargs["on_token"] = self.callback(on_token, should_stop)
-        res = tinyloop.resume_generate(handle, params["loops"], self.config(params), **kwargs)
+        res = tinyloop.resume_generate(handle, params["loops"], self.config(params),
+                                       on_token=self.callback(on_token, should_stop))
         return self.result(res, handle=params["handle"])
 
     def op_release_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
@@ -285,10 +246,8 @@ class ModelEngine:
     def op_speculative(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         spec_fields = {k: params[k] for k in SPECULATIVE_FIELDS if k in params}
         sc = tinyloop.SpeculativeConfig(**spec_fields)
-        kwargs = {}
-        if "on_token" in _parameters(tinyloop.generate_speculative):
-            kwargs["on_token"] = self.callback(on_token, should_stop)
-        res = tinyloop.generate_speculative(self.model, params["prompt"], sc, self.config(params), **kwargs)
+        res = tinyloop.generate_speculative(self.model, params["prompt"], sc, self.config(params),
+                                            on_token=self.callback(on_token, should_stop))
         return self.scored(params, self.result(res))
 
     # ---------------------------------------------------------------- gateway: chat and log-probabilities
@@ -324,9 +283,7 @@ class ModelEngine:
         return result
 
     def _free_handle(self, handle: Any) -> None:
-        free = getattr(tinyloop, "free_handle", None)
-        if free is not None:
-            free(handle)
+        tinyloop.free_handle(handle)
 
 
 @contextmanager
@@ -344,12 +301,3 @@ def runtime_errors():
         raise EngineError(Codes.BUDGET, str(exc)) from None
     except tinyloop.TinyLoopError as exc:
         raise EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from None
-
-
-def _parameters(fn: Callable) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..formats import INT4_BLOCK, Matrix, QMatrix
+from ..formats import INT4_BLOCK, Matrix
 
 log = logging.getLogger(__name__)
 

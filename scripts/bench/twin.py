@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .model import LoopedLM
+from tinyloop.config import ModelConfig
+from tinyloop.errors import ConfigError
+from tinyloop.model import LoopedLM
 
 # One twin layer's tensors, by role, in the looped model's own orientation ([out, in] for matrices).
 ROLES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")

@@ -1,6 +1,6 @@
 """Decode speed of a converted checkpoint in TinyLoop against the reference code's own `generate`, side by side.
 
-    python scripts/bench_hf.py --ref REF --ref-python /work/refenv/bin/python [--model tests/data/hf/ouro-tiny]
+    python scripts/bench/hf.py --ref REF --ref-python /work/refenv/bin/python [--model tests/data/hf/ouro-tiny]
 
 REF and the reference environment are as in scripts/make_hf_fixtures.py (the reference code is not part of
 TinyLoop). The two run in alternating subprocesses (TinyLoop in this interpreter's environment, the reference in

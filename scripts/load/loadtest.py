@@ -239,12 +239,12 @@ def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tok
 
 def prefix_routing_side_by_side(*, model_path: str | None = None, n_suffixes: int = 16, max_tokens: int = 8,
                                 concurrency: int = 4, threads: int = 1, echo: Callable[[str], None] = print) -> dict:
-    """2 workers, 4 scaffolds x n_suffixes prompts (tinyloop.bench_reuse.prefix_workload, shuffled), closed loop: the
+    """2 workers, 4 scaffolds x n_suffixes prompts (scripts.bench.reuse.prefix_workload, shuffled), closed loop: the
     broker with cache-aware routing versus without, one service after the other on the same requests. Each worker's
     block pool (--max-seq-len 512, no handles) holds about two scaffolds at 8 loops, so where the scaffolds go
     decides how often a prompt finds its prefix cached."""
     from broker.launcher import LocalService
-    from tinyloop.bench_reuse import prefix_workload
+    from scripts.bench.reuse import prefix_workload
 
     _, workload = prefix_workload(n_suffixes)
     prompts = [p for _, p in workload]

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .model import LoopedLM
-from .tokenizer import TextCodec, train_tokenizer
+from tinyloop.config import ModelConfig
+from tinyloop.model import LoopedLM
+from tinyloop.tokenizer import TextCodec, train_tokenizer
 
 EVAL_LOOPS = (1, 2, 4, 8, 12, 16)
 EVAL_SEQ_LEN = 256  # the sequence length of train's default --seq-len, which its held-out table is measured at
@@ -151,7 +151,7 @@ def train(out_path: str, steps: int = 2000, seq_len: int = 256, batch_size: int 
                   "max_train_loops": max_train_loops, "grad_loops": grad_loops, "seed": seed,
                   "train_tokens": int(len(train_ids)), "seconds": round(time.time() - t_start),
                   "torch": torch.__version__, "threads": torch.get_num_threads()}
-    from .artifact import save_artifact
+    from tinyloop.artifact import save_artifact
 
     save_artifact(out_path, model, codec, beta=beta, loss_vs_loops=table, provenance=provenance)
     log(f"wrote {out_path}")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from .artifact import DEFAULT_ARTIFACT, read_artifact
-from .cache import CACHE_MODES, bytes_per_token_slot
-from .config import ModelConfig
-from .hf import config_and_dtype, is_hf_dir, load_hf
-from .formats import FORMATS
-from .memory import plan_memory, weight_bytes_of
-from .runtime import load_model
+from tinyloop.artifact import DEFAULT_ARTIFACT, read_artifact
+from tinyloop.cache import CACHE_MODES, bytes_per_token_slot
+from tinyloop.config import ModelConfig
+from tinyloop.hf import config_and_dtype, is_hf_dir, load_hf
+from tinyloop.formats import FORMATS
+from tinyloop.memory import plan_memory, weight_bytes_of
+from tinyloop.runtime import load_model
 
 
 def parameter_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -81,7 +81,7 @@ def format_losses(path: str | None = None, loops: int | None = None, formats: tu
     on the same tokens: the bundled model's held-out split (every 50th file of the Python standard library, as
     train.py set it aside). Quantising from the artifact's own weights; a quantised artifact gives only its own.
     act_quant: load_model's (None: its default on the CPU, int8 activations for int8 / int4 weights)."""
-    from .train import EVAL_SEQ_LEN, held_out_ids, evaluate
+    from scripts.train import EVAL_SEQ_LEN, held_out_ids, evaluate
 
     first = load_model(path, EVAL_SEQ_LEN, device="cpu", act_quant=act_quant)
     data = held_out_ids(first.info.codec)[:tokens + 1]

@@ -5,7 +5,7 @@ For each config (the looped models of issue 15, or a small one with --quick) it 
 weights and runs greedy decode at batch 1 and 16 through:
   * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format (tinyloop/formats.py), as
     load_model gives it (on the CPU int8 and int4 quantise activations), and int8 / int4 weight-only beside them;
-  * transformers' eager `generate` of the dense twin (tinyloop/twin.py) in fp32 and bf16, when transformers is
+  * transformers' eager `generate` of the dense twin (scripts/bench/twin.py) in fp32 and bf16, when transformers is
     installed;
   * llama.cpp (llama-cpp-python) on the twin written as GGUF in F32, F16 and Q8_0, at batch 1, when
     llama-cpp-python and gguf are installed.
@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from .artifact import DEFAULT_ARTIFACT, read_artifact, save_artifact
-from .batch import generate_batch
-from .config import ModelConfig
-from .generate import generate_stream
-from .formats import FORMATS
-from .model import LoopedLM
-from .runtime import free_model, load_model
-from .twin import GGUF_BYTES, GGUF_TYPES, hf_twin, matrix_numel, write_gguf
+from tinyloop.artifact import DEFAULT_ARTIFACT, read_artifact, save_artifact
+from tinyloop.batch import generate_batch
+from tinyloop.config import ModelConfig
+from tinyloop.generate import generate_stream
+from tinyloop.formats import FORMATS
+from tinyloop.model import LoopedLM
+from tinyloop.runtime import free_model, load_model
+from scripts.bench.twin import GGUF_BYTES, GGUF_TYPES, hf_twin, matrix_numel, write_gguf
 
 _COMMON = dict(injection="none", state_init="embed", tie_embeddings=True, bos_id=1, eos_id=2)
 CONFIGS = {  # issue 15's configs: 2 + 4 x 4 + 2 layer passes per token
@@ -74,7 +74,7 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of a streaming read: the best of `repeats` sums over an fp32 array of `nbytes` with torch's threads,
     by the CPU kernels' own read loop (tinyloop/kernels/cpu.py) where they build, else torch's sum. The array is
     written first, so its pages exist and the reads come from memory, not from the zero page."""
-    from .kernels import cpu
+    from tinyloop.kernels import cpu
 
     if cpu.available():
         return cpu.stream_bandwidth(nbytes, repeats=repeats) * 1e9
@@ -122,7 +122,7 @@ Run = Callable[[], tuple[list[list[int]], int, float]]
 
 
 def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int) -> Run:
-    from .types import GenerateConfig
+    from tinyloop.types import GenerateConfig
 
     cfg = GenerateConfig(max_tokens=n, loops=loops, stop_sequences=())
     B = len(prompts)

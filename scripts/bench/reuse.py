@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from .generate import GenerateConfig, generate
-from .prefix import create_prefix_pool, generate_with_pool, register_prefix
-from .resume import build_resume_handle, resume_generate
-from .runtime import Model, load_model
+from tinyloop.generate import GenerateConfig, generate
+from tinyloop.prefix import create_prefix_pool, generate_with_pool, register_prefix
+from tinyloop.resume import build_resume_handle, resume_generate
+from tinyloop.runtime import Model, load_model
 
 SCAFFOLD = ('"""Project conventions for every answer."""\n'
             "import os\nimport sys\nfrom dataclasses import dataclass\n\n\n"

@@ -2,6 +2,8 @@
 optional extra: `pip install matplotlib`, or `pip install -e '.[peers]'`). No torch import here."""
 from __future__ import annotations
 
+import sys
+
 
 class PlotError(Exception):
     """Nothing to draw, or matplotlib is missing."""
@@ -84,3 +86,16 @@ def plot_loadtest(results: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def write_results(results: dict, json_path: str | None, plot_path: str | None, kind: str) -> None:
+    """--json and --plot of `bench` and `loadtest` (PlotError when there is nothing to draw or no matplotlib)."""
+    if json_path:
+        import json
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(results, indent=2))
+        print(f"results written to {json_path}", file=sys.stderr)
+    if plot_path:
+        (plot_bench if kind == "bench" else plot_loadtest)(results, plot_path)
+        print(f"plot written to {plot_path}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """CPU products of the d768 config's matrices: tinyloop/kernels/cpu.py vs torch, in GB/s of stored weight bytes.
 
-  .venv/bin/python scripts/bench_cpu_kernels.py [--batches 1,2,4,8,16] [--threads 1,2] [--formats ...] [--reps 15]
+  .venv/bin/python scripts/bench/cpu_kernels.py [--batches 1,2,4,8,16] [--threads 1,2] [--formats ...] [--reps 15]
 
 Each product reads its weight from memory, as in a decode step (which cycles through far more weight than the
 last-level cache holds): every call uses the next of several copies of the matrix totalling > 256 MB. A

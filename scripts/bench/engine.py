@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from .memory import plan_memory
+from tinyloop.memory import plan_memory
 
 BEFORE_PAGING = "01c3e61"  # per-lane KVCache allocations, before the engine core (issue 12)
 
@@ -114,9 +114,9 @@ def bench_engine(model_path: str | None, quick: bool) -> list[str]:
     lines.append(f"  {'':<34} {'4 loops':>8} {'16 loops':>9}")
     import torch
 
-    from .cache import bytes_per_token_slot
-    from .memory import blocks_for
-    from .runtime import load_model, pool_blocks_for
+    from tinyloop.cache import bytes_per_token_slot
+    from tinyloop.memory import blocks_for
+    from tinyloop.runtime import load_model, pool_blocks_for
     model = load_model(model_path, 512)
     cfg, plan = model.cfg, plan_memory(model, max_seq_len=512)
     budget = plan.bytes_of("weights") + plan.bytes_of("workspace") + 256 * 2**20

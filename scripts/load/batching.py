@@ -25,13 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from broker.launcher import REPO_ROOT, LocalService
-from broker.loadtest import _load, run_load, summarize
-
-PROMPTS_16 = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
-              "for i in range(10):\n    ", "def read_file(path):\n    with open(path) as f:\n", "if __name__ == '__main__':\n",
-              "    return sorted(items, key=", "try:\n    import json\nexcept ImportError:\n", "def __repr__(self):\n        return",
-              "x = [i * i for i in", "while True:\n    line = f.readline()\n", "@property\ndef name(self):\n",
-              "raise ValueError(", "def test_add():\n    assert", "with open(path, 'w') as out:\n", "self.items.append("]
+from scripts.bench.prompts import CODE_PROMPTS
+from scripts.load.loadtest import _load, run_load, summarize
 
 
 def old_tree(rev: str) -> Path:
@@ -91,7 +86,7 @@ def mixed_depth(max_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     model = tinyloop.load_model(None, 512)
     G = tinyloop.GenerateConfig
-    prompts = PROMPTS_16
+    prompts = CODE_PROMPTS
     cfgs = [G(max_tokens=max_tokens, loops=4 if i % 2 == 0 else 16) for i in range(len(prompts))]
     by_depth = {d: [(p, c) for p, c in zip(prompts, cfgs) if c.loops == d] for d in (4, 16)}
     runs = {
@@ -142,7 +137,7 @@ def throughput_part(results: dict, before: str, args: list[str], n_requests: int
     echo(f"[1/3] throughput: closed loop, concurrency {concurrency}, 2 workers x {args[-1]} thread(s), "
          f"{n_requests} requests x {max_tokens} tokens; in-process generate_batch of 16 lanes, {cores} and 1 threads, "
          f"best of {rounds} alternating rounds")
-    prompts = [PROMPTS_16[i % len(PROMPTS_16)] for i in range(n_requests)]
+    prompts = [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(n_requests)]
     threads = torch.get_num_threads()
     models = {"": tinyloop.load_model(None, 512), " + prefix cache": tinyloop.load_model(None, 512, prefix_caching=True)}
     for model in models.values():  # warm up
@@ -159,7 +154,7 @@ def throughput_part(results: dict, before: str, args: list[str], n_requests: int
         for _ in range(rounds):
             for name, svc in ((f"service before ({before})", old), ("service now", new)):
                 r = run_load(svc.frontend, mode="closed", concurrency=concurrency, n_requests=n_requests,
-                             prompts=PROMPTS_16, max_tokens=max_tokens)
+                             prompts=CODE_PROMPTS, max_tokens=max_tokens)
                 keep(name, {"tok_s": r["output_tokens_per_s"], "tokens": r["output_tokens"]})
             # torch's threads (all cores) and one: on a busy machine spinning threads can cost 10x, so the better counts
             for n in dict.fromkeys((cores, 1)):

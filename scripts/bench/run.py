@@ -10,16 +10,16 @@ from collections.abc import Callable
 
 import torch
 
-from .batch import bench_batch
-from .bench_reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
-from .cache import CACHE_MODES
-from .bench_engine import bench_engine
-from .bench_peers import bench_peers
-from .generate import GenerateConfig, generate
-from .kernels.bench import bench_kernels
-from .runtime import Model, load_model
-from .timing import timed
-from .speculative import bench_speculative
+from scripts.bench.batch import bench_batch
+from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
+from tinyloop.cache import CACHE_MODES
+from scripts.bench.engine import bench_engine
+from scripts.bench.peers import bench_peers
+from tinyloop.generate import GenerateConfig, generate
+from scripts.bench.kernels import bench_kernels
+from tinyloop.runtime import Model, load_model
+from scripts.bench.timing import timed
+from scripts.bench.speculative import bench_speculative
 
 PROMPT = "def fibonacci(n):\n    "
 

@@ -22,7 +22,7 @@ import httpx
 
 from broker import launcher
 from broker.client import AsyncClient, ServiceError
-from broker.loadtest import DEFAULT_PROMPTS, summarize
+from scripts.load.loadtest import DEFAULT_PROMPTS, summarize
 
 
 async def msgpack_request(client: AsyncClient, prompt: str, max_tokens: int) -> dict:
