@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
-from zmq.utils.monitor import recv_monitor_message
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol
 from broker.protocol import BROKER_TO_CLIENT, CLIENT_TO_BROKER, Codes, ProtocolError
@@ -52,6 +54,8 @@ CLIENT_GRACE_S = 2.0
 # Lazy Pirate: probe a broker silent this long while requests are open; reconnect after LIVENESS silences.
 HEARTBEAT_S = 1.0
 LIVENESS = 3
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------- errors
 
@@ -258,15 +262,25 @@ class Outgoing:
         return build_request(self.op, self.params, self.stream, remaining, request_id, list(self.received))[1]
 
 
-# ---------------------------------------------------------------------------- sync client
+def _answer(msg: protocol.Message) -> Any:
+    """What a final message answers: a Reply (or, to a status request, the status); an error reply raises."""
+    if msg.type == "error":
+        raise error_from_reply(msg.fields)
+    return Reply(msg["result"]) if msg.type == "done" else msg["status"]
 
 
-class Client:
-    """Synchronous client. Not thread-safe: use one Client per thread.
+# ---------------------------------------------------------------------------- the protocol, for both clients
 
-    Several requests may be outstanding at once (submit() returns a Pending); replies for
-    other requests that arrive while one is being waited on are kept for their owner.
-    """
+
+class _Core:
+    """What Client and AsyncClient share, written once: the connection, the requests without a final reply,
+    filing what arrives, and the Lazy Pirate watch over the broker. A client adds only how it waits (a
+    blocking poll in the caller's thread, or one asyncio task) and where a request's unread messages wait."""
+
+    context_class: type[zmq.Context]
+    poller_class: type[zmq.Poller]
+    _new_box: Callable[[], Any]  # an empty box for one request's unread messages
+    _put: Callable[[Any, protocol.Message], None]  # (box, message): file one message into it
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
                  curve_dir: str | None = None, context: zmq.Context | None = None, heartbeat: float = HEARTBEAT_S,
@@ -277,13 +291,149 @@ class Client:
         self.curve_dir = curve_dir
         self.heartbeat = heartbeat
         self.liveness = liveness
-        self.ctx = context or zmq.Context.instance()
+        self.ctx = context or self.context_class.instance()
         self.identity = new_identity()
-        self.socket, self.monitor = _connect(self.ctx, endpoint, curve_dir, self.identity)
-        self.inbox: dict[str, list[protocol.Message]] = {}  # request id -> messages not yet consumed
-        self.open: dict[str, Outgoing] = {}  # requests still waiting for their final reply
-        self.last_heard = self.last_probe = time.monotonic()
+        self.inbox: dict[str, Any] = {}  # request id -> its box of messages not yet consumed
+        self.open: dict[str, Outgoing] = {}  # requests still waiting for their final reply (re-sent on reconnect)
         self.reconnects = 0  # connections lost and re-established (each re-sent every open request)
+        self._connect()
+
+    def _connect(self) -> None:
+        self.socket, self.monitor = _connect(self.ctx, self.endpoint, self.curve_dir, self.identity)
+        # Plain views of the same two sockets, for the calls that must not wait: on an asyncio socket these
+        # would return a Future (holding any error) instead of the answer.
+        self._plain = zmq.Socket.shadow(self.socket.underlying)
+        self._plain_monitor = zmq.Socket.shadow(self.monitor.underlying)
+        self.poller = self.poller_class()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.last_heard = self.last_probe = time.monotonic()
+
+    def _shutdown(self) -> None:
+        for request_id in list(self.open):
+            self.cancel_quietly(request_id)  # nobody will read the answers: stop the work
+        _close(self.socket, self.monitor, 100)
+
+    # ---- requests
+
+    def _start(self, op: str | None, params: dict | None, stream: bool, timeout: float | None,
+               request_id: str | None = None) -> tuple[str, list[bytes], float]:
+        """Encode a request (op None: a status request) and track it before it is sent (an asyncio reader may
+        file its reply while the send is awaited). Returns its id, its frames and when to stop waiting."""
+        timeout = timeout or self.timeout
+        if op is None:
+            request_id = new_request_id()
+            frames = protocol.encode(CLIENT_TO_BROKER, "status", id=request_id)
+        else:
+            request_id, frames = build_request(op, params, stream, timeout, request_id)
+        now = time.monotonic()
+        if not self.open:
+            self.last_heard = now  # silence while nothing was open says nothing about the broker
+        self.open[request_id] = Outgoing(op, params, stream, now + timeout)
+        self.inbox.setdefault(request_id, self._new_box())
+        return request_id, frames, now + timeout + self.grace
+
+    def _forget(self, request_id: str) -> None:
+        self.open.pop(request_id, None)
+        self.inbox.pop(request_id, None)
+
+    def _cancel_frames(self, request_id: str) -> list[bytes]:
+        return protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id)
+
+    def cancel_quietly(self, request_id: str) -> None:
+        self._send_nowait(self._cancel_frames(request_id))
+
+    def _send_nowait(self, frames: list[bytes]) -> bool:
+        """Send now or not at all (probes, re-sends, cancels nobody waits for); False if it could not go."""
+        if self.socket.closed:
+            return False  # the plain view does not know its socket is gone
+        try:
+            self._plain.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def _no_connection(self) -> RequestTimeout:
+        return RequestTimeout(f"cannot send to {self.endpoint}: no connection to the broker")
+
+    def _no_reply(self, request_id: str) -> RequestTimeout:
+        return RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id)
+
+    # ---- what arrives, and the broker's liveness
+
+    def _service(self, events: dict) -> None:
+        """After a poll of the socket and its monitor: file what arrived, then watch the broker."""
+        if self.socket in events:
+            for _ in range(256):  # bounded, so the waiting caller gets its turn under a flood
+                try:
+                    self._file(self._plain.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        lost = self.monitor in events and (
+            recv_monitor_message(self._plain_monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED)
+        if self.open:
+            self._check_broker(lost)
+        else:
+            self.last_heard = time.monotonic()  # silence while nothing is open says nothing
+
+    def _check_broker(self, lost: bool) -> None:
+        """Lazy Pirate: probe a silent broker; on a lost connection reconnect and re-send."""
+        now = time.monotonic()
+        silent = now - self.last_heard
+        if lost or silent > self.heartbeat * self.liveness:
+            self._reconnect("the connection dropped" if lost else f"no answer for {silent:.1f}s")
+        elif silent > self.heartbeat and now - self.last_probe > self.heartbeat:
+            self.last_probe = now  # any reply proves the broker alive; a status request is the cheapest
+            self._send_nowait(protocol.encode(CLIENT_TO_BROKER, "status", id="probe"))
+
+    def _reconnect(self, why: str) -> None:
+        """A fresh socket under the same identity; every request without a final reply is re-sent under its id,
+        with the tokens already received, so the broker attaches it to what it still knows."""
+        log.info("%s: %s; reconnecting and re-sending %d request(s)", self.endpoint, why, len(self.open))
+        _close(self.socket, self.monitor, 0)
+        self._connect()
+        self.reconnects += 1
+        now = time.monotonic()
+        for request_id, outgoing in self.open.items():
+            if not self._send_nowait(outgoing.frames(request_id, now)):  # queued until the connection is up
+                break  # no room: the next reconnect tries again
+
+    def _file(self, frames: list[bytes]) -> None:
+        self.last_heard = time.monotonic()
+        try:
+            msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
+        except ProtocolError:
+            return  # nothing sensible to do with a garbled reply; the request will time out
+        for one in protocol.unbatch(msg):
+            self._file_one(one)
+
+    def _file_one(self, msg: protocol.Message) -> None:
+        request_id = msg.get("id")
+        outgoing = self.open.get(request_id)
+        if outgoing is None:
+            return  # not ours, or its final reply is already here (a replay after a reconnect)
+        if msg.type == "token":
+            if msg["pos"] != len(outgoing.received):
+                return  # replayed after a reconnect and already here: never hand a token out twice
+            outgoing.received.append(msg["token"])
+        else:
+            del self.open[request_id]  # final: nothing left to re-send
+        self._put(self.inbox[request_id], msg)
+
+
+# ---------------------------------------------------------------------------- sync client
+
+
+class Client(_Core):
+    """Synchronous client. Not thread-safe: use one Client per thread.
+
+    Several requests may be outstanding at once (submit() returns a Pending); replies for
+    other requests that arrive while one is being waited on are kept for their owner.
+    """
+
+    context_class = zmq.Context
+    poller_class = zmq.Poller
+    _new_box, _put = list, staticmethod(list.append)
 
     def __enter__(self) -> "Client":
         return self
@@ -292,19 +442,13 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        for request_id in list(self.open):
-            self.cancel_quietly(request_id)
-        _close(self.socket, self.monitor, 100)
+        self._shutdown()
 
     # ---- high-level calls
 
     def submit(self, op: str, params: dict, *, stream: bool = False, timeout: float | None = None,
                request_id: str | None = None) -> "Pending":
-        timeout = timeout or self.timeout
-        request_id, frames = build_request(op, params, stream, timeout, request_id)
-        self._send(frames, timeout + self.grace)
-        self._track(request_id, Outgoing(op, params, stream, time.monotonic() + timeout))
-        return Pending(self, request_id, time.monotonic() + timeout + self.grace)
+        return Pending(self, *self._request(op, params, stream, timeout, request_id))
 
     def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
         """Run one generation and return its final reply. `config` takes GenerateConfig fields."""
@@ -346,20 +490,26 @@ class Client:
         return self.submit(op, params, timeout=timeout).result()
 
     def status(self, timeout: float = 5.0) -> dict:
-        request_id = new_request_id()
-        self._send(protocol.encode(CLIENT_TO_BROKER, "status", id=request_id), timeout)
-        self._track(request_id, Outgoing(None, None, False, time.monotonic() + timeout))
-        msg = self._next(request_id, time.monotonic() + timeout)
+        request_id, deadline = self._request(None, None, False, timeout)
+        msg = self._next(request_id, deadline)
         self._forget(request_id)
-        if msg.type == "error":
-            raise error_from_reply(msg.fields)
-        return msg["status"]
+        return _answer(msg)
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.open:
-            self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), self.grace)
+            self._send(self._cancel_frames(request_id), self.grace)
 
     # ---- plumbing
+
+    def _request(self, op: str | None, params: dict | None, stream: bool, timeout: float | None,
+                 request_id: str | None = None) -> tuple[str, float]:
+        request_id, frames, deadline = self._start(op, params, stream, timeout, request_id)
+        try:
+            self._send(frames, deadline - time.monotonic())
+        except RequestTimeout:
+            self._forget(request_id)
+            raise
+        return request_id, deadline
 
     def _send(self, frames: list[bytes], timeout: float) -> None:
         # A DEALER blocks on send while it has no connection (broker down, or a CURVE handshake
@@ -369,93 +519,20 @@ class Client:
                 raise zmq.Again()
             self.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            raise RequestTimeout(f"cannot send to {self.endpoint}: no connection to the broker") from None
-
-    def _track(self, request_id: str, outgoing: Outgoing) -> None:
-        if not self.open:
-            self.last_heard = time.monotonic()  # silence while nothing was open says nothing about the broker
-        self.open[request_id] = outgoing
-        self.inbox.setdefault(request_id, [])
+            raise self._no_connection() from None
 
     def _next(self, request_id: str, deadline: float) -> protocol.Message:
         """The next message for request_id, receiving (and filing) others' messages meanwhile."""
         box = self.inbox[request_id]
-        poller = None
         while not box:
             now = time.monotonic()
             if now >= deadline:
                 self._forget(request_id)
                 self.cancel_quietly(request_id)
-                raise RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id)
-            if poller is None:  # (re)built after a reconnect replaced the sockets
-                poller = zmq.Poller()
-                poller.register(self.socket, zmq.POLLIN)
-                poller.register(self.monitor, zmq.POLLIN)
-            events = dict(poller.poll(int(min(deadline - now, self.heartbeat / 2) * 1000) + 1))
-            if self.socket in events:
-                self._file(self.socket.recv_multipart())
-            lost = self.monitor in events and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
-            if self._check_broker(lost):
-                poller = None
+                raise self._no_reply(request_id)
+            # Waking at least every half heartbeat lets _service probe a silent broker in time.
+            self._service(dict(self.poller.poll(int(min(deadline - now, self.heartbeat / 2) * 1000) + 1)))
         return box.pop(0)
-
-    def _check_broker(self, lost: bool) -> bool:
-        """Lazy Pirate: probe a silent broker; on a lost connection reconnect and re-send. True if reconnected."""
-        now = time.monotonic()
-        silent = now - self.last_heard
-        if lost or silent > self.heartbeat * self.liveness:
-            self._reconnect("the connection dropped" if lost else f"no answer for {silent:.1f}s")
-            return True
-        if silent > self.heartbeat and now - self.last_probe > self.heartbeat:
-            self.last_probe = now  # any reply proves the broker alive; a status request is the cheapest
-            try:
-                self.socket.send_multipart(protocol.encode(CLIENT_TO_BROKER, "status", id="probe"), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-        return False
-
-    def _reconnect(self, why: str) -> None:
-        _close(self.socket, self.monitor, 0)
-        self.socket, self.monitor = _connect(self.ctx, self.endpoint, self.curve_dir, self.identity)
-        self.reconnects += 1
-        self.last_heard = self.last_probe = now = time.monotonic()
-        for request_id, outgoing in self.open.items():
-            try:  # queued until the connection is up; the broker attaches it to what it still knows
-                self.socket.send_multipart(outgoing.frames(request_id, now), zmq.NOBLOCK)
-            except zmq.Again:
-                break  # no room: the next reconnect tries again
-
-    def _file(self, frames: list[bytes]) -> None:
-        self.last_heard = time.monotonic()
-        try:
-            msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
-        except ProtocolError:
-            return  # nothing sensible to do with a garbled reply; the request will time out
-        for one in protocol.unbatch(msg):
-            self._file_one(one)
-
-    def _file_one(self, msg: protocol.Message) -> None:
-        request_id = msg.get("id")
-        outgoing = self.open.get(request_id)
-        if outgoing is None or request_id not in self.inbox:
-            return  # not ours, or its final reply is already here (a replay after a reconnect)
-        if msg.type == "token":
-            if msg["pos"] != len(outgoing.received):
-                return  # replayed after a reconnect and already here: never hand a token out twice
-            outgoing.received.append(msg["token"])
-        else:
-            del self.open[request_id]  # final: nothing left to re-send
-        self.inbox[request_id].append(msg)
-
-    def cancel_quietly(self, request_id: str) -> None:
-        try:
-            self.socket.send_multipart(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
-    def _forget(self, request_id: str) -> None:
-        self.open.pop(request_id, None)
-        self.inbox.pop(request_id, None)
 
 
 class Pending:
@@ -483,12 +560,12 @@ class Pending:
         except ServiceError as err:
             self.error = err
             raise
-        if msg.type == "done":
-            self.final = Reply(msg["result"])
+        if msg.type != "token":
             self.client._forget(self.id)
-        elif msg.type == "error":
-            self.error = error_from_reply(msg.fields)
-            self.client._forget(self.id)
+            try:
+                self.final = _answer(msg)
+            except ServiceError as err:
+                self.error = err
         return msg
 
     def result(self) -> Reply:
@@ -522,7 +599,7 @@ class Pending:
 # ---------------------------------------------------------------------------- asyncio client
 
 
-class AsyncClient:
+class AsyncClient(_Core):
     """asyncio client. One background task reads replies and routes them to their request.
 
         async with AsyncClient(endpoint) as client:
@@ -534,23 +611,10 @@ class AsyncClient:
     request on the service too.
     """
 
-    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
-                 curve_dir: str | None = None, context: zmq.asyncio.Context | None = None,
-                 heartbeat: float = HEARTBEAT_S, liveness: int = LIVENESS):
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self.grace = grace
-        self.curve_dir = curve_dir
-        self.heartbeat = heartbeat
-        self.liveness = liveness
-        self.ctx = context or zmq.asyncio.Context.instance()
-        self.identity = new_identity()
-        self.socket, self.monitor = _connect(self.ctx, endpoint, curve_dir, self.identity)
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.open: dict[str, Outgoing] = {}  # requests still waiting for their final reply (re-sent on reconnect)
-        self.reader: asyncio.Task | None = None
-        self.last_heard = self.last_probe = time.monotonic()
-        self.reconnects = 0
+    context_class = zmq.asyncio.Context
+    poller_class = zmq.asyncio.Poller
+    _new_box, _put = asyncio.Queue, staticmethod(asyncio.Queue.put_nowait)
+    reader: asyncio.Task | None = None  # started by the first request
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -559,142 +623,16 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        for request_id in list(self.open):
-            try:
-                await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), 0.1)
-            except RequestTimeout:
-                pass
         if self.reader is not None:
             self.reader.cancel()
             try:
                 await self.reader
             except asyncio.CancelledError:
                 pass
-        _close(self.socket, self.monitor, 100)
-
-    async def _send(self, frames: list[bytes], timeout: float) -> None:
-        # Without a connection a DEALER send waits forever; bound it (see Client._send).
-        try:
-            await asyncio.wait_for(self.socket.send_multipart(frames), timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"cannot send to {self.endpoint}: no connection to the broker") from None
-
-    def _ensure_reader(self) -> None:
-        if self.reader is None or self.reader.done():
-            self.reader = asyncio.get_running_loop().create_task(self._read_forever())
-
-    async def _read_forever(self) -> None:
-        """Route replies to their requests; while requests are open, watch the broker (see Client._check_broker)."""
-        poller, polled = None, None
-        while True:
-            if polled is not self.socket:  # (re)built after a reconnect replaced the sockets
-                poller, polled = zmq.asyncio.Poller(), self.socket
-                poller.register(self.socket, zmq.POLLIN)
-                poller.register(self.monitor, zmq.POLLIN)
-            events = dict(await poller.poll(int(self.heartbeat * 500)))
-            if self.socket in events:
-                for _ in range(256):
-                    try:
-                        self._file(await self.socket.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-            lost = False
-            if self.monitor in events:
-                lost = (await recv_monitor_message(self.monitor))["event"] == zmq.EVENT_DISCONNECTED
-            if self.open:
-                self._check_broker(lost)
-            else:
-                self.last_heard = time.monotonic()  # silence while nothing is open says nothing
-
-    def _check_broker(self, lost: bool) -> None:
-        now = time.monotonic()
-        silent = now - self.last_heard
-        if lost or silent > self.heartbeat * self.liveness:
-            _close(self.socket, self.monitor, 0)
-            self.socket, self.monitor = _connect(self.ctx, self.endpoint, self.curve_dir, self.identity)
-            self.reconnects += 1
-            self.last_heard = self.last_probe = now
-            for request_id, outgoing in self.open.items():
-                try:  # queued until the connection is up (a fresh socket has room)
-                    self.socket.send_multipart(outgoing.frames(request_id, now), zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-        elif silent > self.heartbeat and now - self.last_probe > self.heartbeat:
-            self.last_probe = now
-            try:
-                self.socket.send_multipart(protocol.encode(CLIENT_TO_BROKER, "status", id="probe"), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-
-    def _file(self, frames: list[bytes]) -> None:
-        self.last_heard = time.monotonic()
-        try:
-            msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
-        except ProtocolError:
-            return
-        for one in protocol.unbatch(msg):
-            self._file_one(one)
-
-    def _file_one(self, msg: protocol.Message) -> None:
-        request_id = msg.get("id")
-        outgoing, queue = self.open.get(request_id), self.queues.get(request_id)
-        if outgoing is None or queue is None:
-            return  # not ours, or its final reply is already here (a replay after a reconnect)
-        if msg.type == "token":
-            if msg["pos"] != len(outgoing.received):
-                return  # already delivered: never hand a token out twice
-            outgoing.received.append(msg["token"])
-        else:
-            del self.open[request_id]
-        queue.put_nowait(msg)
-
-    async def _messages(self, op: str | None, params: dict | None, stream: bool, timeout: float | None,
-                        msg_type: str = "request") -> AsyncIterator[protocol.Message]:
-        """Send one request and yield its messages up to and including the final one."""
-        timeout = timeout or self.timeout
-        if msg_type == "request":
-            request_id, frames = build_request(op, params, stream, timeout, None)
-        else:
-            request_id = new_request_id()
-            frames = protocol.encode(CLIENT_TO_BROKER, msg_type, id=request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
-        if not self.open:
-            self.last_heard = time.monotonic()
-        self.open[request_id] = Outgoing(op if msg_type == "request" else None, params, stream, time.monotonic() + timeout)
-        self._ensure_reader()
-        deadline = asyncio.get_running_loop().time() + timeout + self.grace
-        finished = sent = False
-        try:
-            await self._send(frames, timeout + self.grace)
-            sent = True
-            while True:
-                remaining = deadline - asyncio.get_running_loop().time()
-                try:
-                    msg = await asyncio.wait_for(queue.get(), max(remaining, 0.001))
-                except asyncio.TimeoutError:
-                    raise RequestTimeout(f"no reply from {self.endpoint} within the deadline", request_id=request_id) from None
-                finished = msg.type != "token"
-                yield msg
-                if finished:
-                    return
-        finally:
-            self.queues.pop(request_id, None)
-            self.open.pop(request_id, None)
-            if sent and not finished and msg_type == "request":
-                # Cancelled task, timeout or abandoned stream: stop the work on the service.
-                try:
-                    await self._send(protocol.encode(CLIENT_TO_BROKER, "cancel", id=request_id), self.grace)
-                except (zmq.ZMQError, RequestTimeout):
-                    pass
+        self._shutdown()
 
     async def submit(self, op: str, params: dict, *, timeout: float | None = None) -> Reply:
-        async for msg in self._messages(op, params, False, timeout):
-            if msg.type == "done":
-                return Reply(msg["result"])
-            if msg.type == "error":
-                raise error_from_reply(msg.fields)
-        raise ServiceError("the reply stream ended without a final reply")  # unreachable by protocol
+        return await self._ask(op, params, timeout)
 
     async def generate(self, prompt: str | list[int], *, timeout: float | None = None, **config: Any) -> Reply:
         return await self.submit("generate", generate_params(prompt, config), timeout=timeout)
@@ -721,17 +659,64 @@ class AsyncClient:
             async for msg in messages:
                 if msg.type == "token":
                     yield TokenEvent(msg["token"], msg["pos"], msg["text"])
-                elif msg.type == "done":
+                else:
+                    final = _answer(msg)
                     if result is not None:
-                        result.append(Reply(msg["result"]))
-                elif msg.type == "error":
-                    raise error_from_reply(msg.fields)
+                        result.append(final)
         finally:
             await messages.aclose()  # runs the cancel in _messages when the caller stopped early
 
     async def status(self, timeout: float = 5.0) -> dict:
-        async for msg in self._messages(None, None, False, timeout, msg_type="status"):
-            if msg.type == "error":
-                raise error_from_reply(msg.fields)
-            return msg["status"]
-        raise ServiceError("no status reply")
+        return await self._ask(None, None, timeout)
+
+    # ---- plumbing
+
+    async def _ask(self, op: str | None, params: dict | None, timeout: float | None) -> Any:
+        """What the final message of an unstreamed request answers (see _answer)."""
+        messages = self._messages(op, params, False, timeout)
+        try:
+            async for msg in messages:
+                if msg.type != "token":
+                    return _answer(msg)
+        finally:
+            await messages.aclose()  # forgets the request now, not when the generator is collected
+        raise ServiceError("the reply stream ended without a final reply")  # unreachable by protocol
+
+    async def _messages(self, op: str | None, params: dict | None, stream: bool,
+                        timeout: float | None) -> AsyncIterator[protocol.Message]:
+        """Send one request (op None: a status request) and yield its messages up to and including the final one."""
+        request_id, frames, deadline = self._start(op, params, stream, timeout)
+        box = self.inbox[request_id]
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read_forever())
+        finished = sent = False
+        try:
+            await self._send(frames, deadline - time.monotonic())
+            sent = True
+            while not finished:
+                try:
+                    msg = await asyncio.wait_for(box.get(), max(deadline - time.monotonic(), 0.001))
+                except asyncio.TimeoutError:
+                    raise self._no_reply(request_id) from None
+                finished = msg.type != "token"
+                yield msg
+        finally:
+            self._forget(request_id)
+            if sent and not finished and op is not None:
+                # Cancelled task, timeout or abandoned stream: stop the work on the service.
+                try:
+                    await self._send(self._cancel_frames(request_id), self.grace)
+                except (zmq.ZMQError, RequestTimeout):
+                    pass
+
+    async def _send(self, frames: list[bytes], timeout: float) -> None:
+        # Without a connection a DEALER send waits forever; bound it (see Client._send).
+        try:
+            await asyncio.wait_for(self.socket.send_multipart(frames), timeout)
+        except asyncio.TimeoutError:
+            raise self._no_connection() from None
+
+    async def _read_forever(self) -> None:
+        """Route replies to their requests; while requests are open, watch the broker."""
+        while True:
+            self._service(dict(await self.poller.poll(int(self.heartbeat * 500))))

@@ -20,10 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from broker.protocol import FATAL_WORKER_EXITS
 
-# Exit codes after which restarting a worker cannot help (it would be refused again).
-NO_RESTART_EXIT_CODES = {2, 3, 4}
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def child_env(root: Path = REPO_ROOT) -> dict:
@@ -96,7 +95,7 @@ def wait_for_workers(frontend: str, count: int, timeout: float, procs: list[subp
             except RequestTimeout:
                 pass
             for proc in procs or []:
-                if proc.poll() is not None and proc.returncode in NO_RESTART_EXIT_CODES:
+                if proc.poll() is not None and proc.returncode in FATAL_WORKER_EXITS:
                     raise RuntimeError(f"a worker exited with code {proc.returncode} during startup")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} worker(s) did not become ready within {timeout}s")

@@ -5,19 +5,18 @@ place: which OpenAI fields are supported and how they map to TinyLoop's Generate
 which TinyLoop knobs ride along as extra body fields, and the error for anything else.
 Every invalid field raises APIError(400) naming the field (OpenAI's `param`).
 
-This module must not import torch (it runs in the gateway).
+This module must not import torch (it runs in the gateway); its value checks are tinyloop/fields.py's.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field.
-EXTRA_FIELDS = ("loops", "early_exit_threshold", "cache_window", "top_k", "repetition_penalty",
-                "draft_loops", "verify_loops", "draft_ahead", "tree_width")
-SPECULATIVE_FIELDS = ("draft_loops", "verify_loops", "draft_ahead", "tree_width")
+from tinyloop.fields import SPECULATIVE_FIELDS, Check, boolean, int_in, is_int, number_in
+
+# Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field, checked there.
+EXTRA_FIELDS = ("loops", "early_exit_threshold", "cache_window", "top_k", "repetition_penalty", *SPECULATIVE_FIELDS)
 # OpenAI fields accepted and ignored: they change nothing about the output.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                   "safety_identifier")
@@ -54,39 +53,27 @@ def bad(param: str, rule: str) -> APIError:
 # ------------------------------------------------------------------------------ field readers
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+def get_checked(body: dict, name: str, check: Check, default: Any = None) -> Any:
+    """body[name] when it obeys `check` (tinyloop/fields.py), `default` when absent or null, else a 400 naming it."""
+    v = body.get(name)
+    if v is None:
+        return default
+    error = check(v)
+    if error:
+        raise bad(name, error)
+    return v
 
 
 def get_int(body: dict, name: str, lo: int, hi: int, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v) or not lo <= v <= hi:
-        raise bad(name, f"must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
+    return get_checked(body, name, int_in(lo, hi), default)
 
 
 def get_num(body: dict, name: str, lo: float, hi: float, default: Any = None, lo_open: bool = False) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v) or not lo <= v <= hi or (lo_open and v == lo):
-        raise bad(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
-    return v
+    return get_checked(body, name, number_in(lo, hi, lo_open), default)
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(name, f"must be a boolean, got {v!r}")
-    return v
+    return get_checked(body, name, boolean, default)
 
 
 def must_be_neutral(body: dict, name: str, neutral: tuple) -> None:
@@ -147,9 +134,9 @@ def _prompts(body: dict) -> list[Any]:
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
             return p
-        if all(_is_int(x) and 0 <= x < 2**31 for x in p):
+        if all(is_int(x) and 0 <= x < 2**31 for x in p):
             return [p]
-        if all(isinstance(x, list) and x and all(_is_int(t) and 0 <= t < 2**31 for t in x) for x in p):
+        if all(isinstance(x, list) and x and all(is_int(t) and 0 <= t < 2**31 for t in x) for x in p):
             return p
     raise bad("prompt", "must be a non-empty string, list of strings, list of token ids or list of token-id lists")
 

@@ -12,18 +12,22 @@ so the broker, the worker and the client agree on one definition. Anything that 
 validate raises ProtocolError carrying an error code, and the broker answers it with an
 "error" message instead of crashing.
 
-This module must never import torch: the client library and the broker import it.
+This module must never import torch: the client library and the broker import it. The field checks and the
+request-field table come from tinyloop/fields.py, the runtime's torch-free table of its settings.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Callable
 
 import msgpack
+
+from tinyloop.fields import (GENERATE_FIELDS, MAX_LOOPS, SPECULATIVE_FIELDS, boolean, int_in, list_of, number_in,
+                             one_of, optional, plain_map, text, token_list)
 
 PROTOCOL_NAME = b"tinyloop/"
 PROTOCOL_VERSION = 1
@@ -73,6 +77,20 @@ ERROR_CODES = {
 RETRYABLE_CODES = frozenset({Codes.BUSY, Codes.WORKER_LOST, Codes.SHUTTING_DOWN})
 
 
+class WorkerExit(IntEnum):
+    """A worker process's exit codes, read by `serve`'s supervisor and the launcher. The fatal ones say the worker
+    can never start as configured (restarting it would fail the same way); any other code is a crash, and the
+    worker is restarted."""
+
+    OK = 0
+    LOAD_FAILED = 2  # the model cannot be loaded (a missing or bad artifact, bad options)
+    OVER_BUDGET = 3  # the memory plan exceeds the budget
+    REFUSED_BY_BROKER = 4  # the broker will not use it (its plan or handle cap breaks the broker's limits)
+
+
+FATAL_WORKER_EXITS = frozenset({WorkerExit.LOAD_FAILED, WorkerExit.OVER_BUDGET, WorkerExit.REFUSED_BY_BROKER})
+
+
 class ProtocolError(Exception):
     """A message broke the schema. `code` is one of Codes; `request_id` is echoed when known."""
 
@@ -86,67 +104,6 @@ class ProtocolError(Exception):
 # ---------------------------------------------------------------------------
 # Field checks. Each returns an error text, or None when the value is fine.
 # ---------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    # msgpack turns booleans into Python bool, which is an int subclass; reject it.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def int_in(lo: int, hi: int) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if not _is_int(value):
-            return f"must be an integer, got {type(value).__name__}"
-        if not lo <= value <= hi:
-            return f"must be in [{lo}, {hi}], got {value}"
-        return None
-
-    return check
-
-
-def number_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if not _is_number(value):
-            return f"must be a finite number, got {type(value).__name__}"
-        if value > hi or value < lo or (lo_open and value == lo):
-            bracket = "(" if lo_open else "["
-            return f"must be in {bracket}{lo}, {hi}], got {value}"
-        return None
-
-    return check
-
-
-def text(max_len: int, min_len: int = 0) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, str):
-            return f"must be a string, got {type(value).__name__}"
-        if not min_len <= len(value) <= max_len:
-            return f"length must be in [{min_len}, {max_len}], got {len(value)}"
-        return None
-
-    return check
-
-
-def boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else f"must be a boolean, got {type(value).__name__}"
-
-
-def token_list(max_len: int, min_len: int = 0) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, list):
-            return f"must be a list of token ids, got {type(value).__name__}"
-        if not min_len <= len(value) <= max_len:
-            return f"length must be in [{min_len}, {max_len}], got {len(value)}"
-        for item in value:
-            if not _is_int(item) or not 0 <= item < 2**31:
-                return "must contain only token ids in [0, 2**31)"
-        return None
-
-    return check
 
 
 def token_items(max_len: int) -> Callable[[Any], str | None]:
@@ -164,46 +121,6 @@ def token_items(max_len: int) -> Callable[[Any], str | None]:
                 if error:
                     return f"item {name} {error}"
         return None
-    return check
-
-
-def one_of(*checks: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        errors = [c(value) for c in checks]
-        return None if any(e is None for e in errors) else " or ".join(errors)
-
-    return check
-
-
-def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    return lambda value: None if value is None else check(value)
-
-
-def plain_map(max_keys: int) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, dict):
-            return f"must be a map, got {type(value).__name__}"
-        if len(value) > max_keys:
-            return f"must have at most {max_keys} keys"
-        if not all(isinstance(k, str) for k in value):
-            return "keys must be strings"
-        return None
-
-    return check
-
-
-def list_of(item_check: Callable[[Any], str | None], max_len: int) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, list):
-            return f"must be a list, got {type(value).__name__}"
-        if len(value) > max_len:
-            return f"must have at most {max_len} items"
-        for item in value:
-            error = item_check(item)
-            if error:
-                return f"item {item!r}: {error}"
-        return None
-
     return check
 
 
@@ -356,22 +273,11 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
 
 PROMPT = Field(one_of(text(1 << 20), token_list(1 << 18)))
 
-# The GenerateConfig fields a request may set; ranges here are the wire limits, the
-# runtime applies its own (model-dependent) rules and answers "config_error"/"mode_error".
-GENERATE_CONFIG_FIELDS: dict[str, Field] = {
-    "max_tokens": Field(int_in(1, 1 << 16), required=False),
-    "loops": Field(optional(int_in(1, 4096)), required=False),
-    "temperature": Field(number_in(0.0, 100.0), required=False),
-    "top_k": Field(int_in(0, 1 << 20), required=False),
-    "top_p": Field(number_in(0.0, 1.0, lo_open=True), required=False),
-    "repetition_penalty": Field(number_in(0.0, 100.0, lo_open=True), required=False),
-    "seed": Field(optional(int_in(0, 2**63 - 1)), required=False),
-    "stop_sequences": Field(list_of(one_of(text(1024, 1), token_list(256, 1)), 16), required=False),
-    "grammar": Field(optional(one_of(text(1 << 16), plain_map(256))), required=False),
-    "beam_size": Field(int_in(1, 64), required=False),
-    "cache_window": Field(int_in(0, 1 << 20), required=False),
-    "early_exit_threshold": Field(number_in(0.0, 1e6), required=False),
-}
+# The GenerateConfig fields a request may set, with the runtime's own rules (tinyloop/fields.py); rules that need
+# the model (loops <= its max_loops) are the worker's, answered with "config_error" / "mode_error".
+GENERATE_CONFIG_FIELDS: dict[str, Field] = {name: Field(check, required=False) for name, check in GENERATE_FIELDS.items()}
+SPECULATIVE_CONFIG_FIELDS: dict[str, Field] = {name: Field(check, required=False)
+                                               for name, check in SPECULATIVE_FIELDS.items()}
 
 HANDLE_ID = Field(text(128, min_len=1))
 
@@ -382,20 +288,16 @@ OPS: dict[str, dict[str, Field]] = {
     "generate_pool": {"prompt": PROMPT, **GENERATE_CONFIG_FIELDS},
     # Warm start: prefill `prompt` for `l_used` loops and keep it as a handle on the worker.
     # (cache_window: the window later resumes will use; a handle serves one window only.)
-    "build_handle": {"prompt": PROMPT, "l_used": Field(int_in(1, 4096)), "cache_window": Field(int_in(0, 1 << 20), required=False)},
+    "build_handle": {"prompt": PROMPT, "l_used": Field(int_in(1, MAX_LOOPS)), "cache_window": GENERATE_CONFIG_FIELDS["cache_window"]},
     # Warm start: continue a handle to `loops` loops and generate (routed to the handle's worker).
-    "resume": {"handle": HANDLE_ID, **GENERATE_CONFIG_FIELDS, "loops": Field(int_in(1, 4096))},
+    "resume": {"handle": HANDLE_ID, **GENERATE_CONFIG_FIELDS, "loops": Field(int_in(1, MAX_LOOPS))},
     # Free a handle before the LRU cap would.
     "release_handle": {"handle": HANDLE_ID},
     # Self-speculative decode.
     "speculative": {
         "prompt": PROMPT,
         **GENERATE_CONFIG_FIELDS,
-        # SpeculativeConfig; omitted fields take the runtime's defaults (verify_loops: the request's loops).
-        "draft_loops": Field(int_in(1, 4096), required=False),
-        "verify_loops": Field(optional(int_in(1, 4096)), required=False),
-        "draft_ahead": Field(int_in(1, 256), required=False),
-        "tree_width": Field(int_in(1, 1 << 20), required=False),
+        **SPECULATIVE_CONFIG_FIELDS,  # omitted fields take the runtime's defaults (verify_loops: the request's loops)
     },
     # Round trip through a worker without touching the model: liveness checks and
     # measuring the broker's routing rate.

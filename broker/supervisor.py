@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from broker import launcher
+from broker.protocol import FATAL_WORKER_EXITS, WorkerExit
 
 log = logging.getLogger("tinyloop.serve")
 
-EXIT_OVER_BUDGET = 3
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 5
 
@@ -81,7 +81,7 @@ class Supervisor:
                 f"but {plan['available_what']} is {plan['available_bytes'] / 2**20:.1f} MiB. Plan of one worker:\n"
                 f"{plan['table']}"
             )
-            return EXIT_OVER_BUDGET
+            return WorkerExit.OVER_BUDGET  # as a worker over its budget exits
         self.say(f"memory plan: {self.n_workers} x {plan['total_bytes'] / 2**20:.1f} MiB fits in "
                  f"{plan['available_bytes'] / 2**20:.1f} MiB ({plan['available_what']})")
         return None
@@ -156,7 +156,7 @@ class Supervisor:
                 if proc.poll() is None or self.stopping:
                     continue
                 code = proc.returncode
-                if code in launcher.NO_RESTART_EXIT_CODES:
+                if code in FATAL_WORKER_EXITS:
                     self.say(f"worker {name} exited with code {code} (refused or cannot load); not restarting it")
                     del self.workers[name]
                 elif self.restart_allowed(name):

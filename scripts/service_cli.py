@@ -29,7 +29,7 @@ def setup_logging(level: str) -> None:
 def byte_size(ctx, param, value):  # click callback
     if value is None:
         return None
-    from workers.startup import parse_bytes
+    from tinyloop.env import parse_bytes  # torch-free: the broker process reads this module too
 
     try:
         return parse_bytes(value)

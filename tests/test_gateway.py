@@ -150,7 +150,7 @@ def test_chat_sync_and_async_streaming(svc, oai):
 
 def test_completion_logprobs_and_echo_match_in_process_scoring(svc, oai):
     import tinyloop
-    from tinyloop.score import token_logprobs
+    from tinyloop.scoring import token_logprobs
 
     res = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, echo=True,
                                  extra_body={"loops": 4})

@@ -8,7 +8,7 @@ import torch
 
 import tinyloop
 from tinyloop.chat import DEFAULT_CHAT_TEMPLATE, apply_chat_template, load_chat_template, render_chat
-from tinyloop.score import token_logprobs
+from tinyloop.scoring import token_logprobs
 
 
 @pytest.fixture(scope="module")

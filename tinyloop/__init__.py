@@ -1,32 +1,50 @@
-"""TinyLoop: an inference runtime for looped (recurrent-depth) transformer language models."""
-from .artifact import ArtifactInfo, read_artifact, save_artifact
-from .batch import Scheduler, generate_batch
-from .cache import CACHE_MODES, KVCache, bytes_per_token_slot
-from .config import ModelConfig
-from .decoding import Hypothesis, beam_search
-from .errors import ArtifactError, BudgetError, BusyError, ConfigError, HandleError, ModeError, TinyLoopError
-from .generate import GenerateConfig, GenerateResult, GenerateStats, generate, generate_stream
-from .memory import MemoryPlan, plan_memory
-from .modes import MATRIX, check_modes
-from .runtime import Model, free_model, load_model
-from .handles import Handle, free_handle
-from .prefix import (PrefixCache, PrefixPool, PoolStats, create_prefix_cache, create_prefix_pool, generate_from_prefix_cache,
-                     generate_with_pool, register_prefix)
-from .resume import ResumeHandle, build_resume_handle, resume_generate
-from .speculative import (SpeculativeChoice, SpeculativeConfig, SpeculativeStats, choose_speculative, generate_speculative,
-                          speculative_from_env)
+"""TinyLoop: an inference runtime for looped (recurrent-depth) transformer language models.
 
-__all__ = [
-    "Hypothesis", "beam_search", "generate_batch", "Scheduler",
-    "ArtifactError", "ArtifactInfo", "BudgetError", "BusyError", "CACHE_MODES", "ConfigError", "GenerateConfig",
-    "GenerateResult", "GenerateStats", "HandleError", "KVCache", "MATRIX", "MemoryPlan", "ModeError", "Model",
-    "ModelConfig", "TinyLoopError", "bytes_per_token_slot", "check_modes", "free_model", "generate",
-    "generate_stream", "load_model", "plan_memory", "read_artifact", "save_artifact",
-    "Handle", "free_handle", "PrefixCache", "PrefixPool", "PoolStats", "create_prefix_cache", "create_prefix_pool",
-    "generate_from_prefix_cache", "generate_with_pool", "register_prefix", "ResumeHandle", "build_resume_handle",
-    "resume_generate",
-    "SpeculativeChoice", "SpeculativeConfig", "SpeculativeStats", "choose_speculative", "generate_speculative",
-    "speculative_from_env",
-]
-from .score import score  # noqa: E402 - per-position logits (docs/gateway.md: log-probabilities)
-__all__.append("score")
+The public API is imported on first use (PEP 562), so that `import tinyloop.fields` (the request-field table the
+broker and the gateway read) and the other torch-free facts (tinyloop.errors, tinyloop.env, tinyloop.modes) load
+without torch. `tinyloop.generate`, `from tinyloop import load_model` and the rest work as usual.
+"""
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it
+_API = {
+    "ArtifactInfo": "artifact", "read_artifact": "artifact", "save_artifact": "artifact",
+    "Scheduler": "batch", "generate_batch": "batch",
+    "CACHE_MODES": "cache", "KVCache": "cache", "bytes_per_token_slot": "cache",
+    "ModelConfig": "config",
+    "Hypothesis": "decoding", "beam_search": "decoding",
+    "ArtifactError": "errors", "BudgetError": "errors", "BusyError": "errors", "ConfigError": "errors",
+    "HandleError": "errors", "ModeError": "errors", "TinyLoopError": "errors",
+    "GenerateConfig": "types", "GenerateResult": "types", "GenerateStats": "types", "generate": "generation",
+    "generate_stream": "generation",
+    "MemoryPlan": "memory", "plan_memory": "memory",
+    "MATRIX": "modes", "check_modes": "modes",
+    "Model": "runtime", "free_model": "runtime", "load_model": "runtime",
+    "Handle": "handles", "free_handle": "handles",
+    "PrefixCache": "prefix", "PrefixPool": "prefix", "PoolStats": "prefix", "create_prefix_cache": "prefix",
+    "create_prefix_pool": "prefix", "generate_from_prefix_cache": "prefix", "generate_with_pool": "prefix",
+    "register_prefix": "prefix",
+    "ResumeHandle": "resume", "build_resume_handle": "resume", "resume_generate": "resume",
+    "SpeculativeChoice": "speculative", "SpeculativeConfig": "speculative", "SpeculativeStats": "speculative",
+    "choose_speculative": "speculative", "generate_speculative": "speculative", "speculative_from_env": "speculative",
+    "score": "scoring",  # per-position logits (docs/gateway.md: log-probabilities)
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    module = _API.get(name)
+    if module is None:  # a submodule, e.g. tinyloop.batch after `import tinyloop`
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'tinyloop' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

@@ -123,6 +123,13 @@ def apply_chat_template(model, messages: list[dict], add_generation_prompt: bool
                        bos_token=codec.bos_token, eos_token=codec.eos_token, **extra)
 
 
+def chat_prompt(model, messages: list[dict], add_generation_prompt: bool = True, **extra) -> tuple[str, list[int]]:
+    """The rendered chat prompt and its token ids (special tokens as the template wrote them, none added: a
+    template that writes a BOS gets exactly one)."""
+    text = apply_chat_template(model, messages, add_generation_prompt, **extra)
+    return text, model.codec.encode(text, special=False)
+
+
 def chat_ids(model, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
-    """Token ids of the rendered chat prompt (special tokens as the template wrote them, none added)."""
-    return model.codec.encode(apply_chat_template(model, messages, add_generation_prompt, **extra), special=False)
+    """Token ids of the rendered chat prompt (chat_prompt's)."""
+    return chat_prompt(model, messages, add_generation_prompt, **extra)[1]

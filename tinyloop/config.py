@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .fields import is_int
 
 INJECTIONS = ("none", "add", "adapter")
 STATE_INITS = ("zeros", "embed", "normal")
@@ -105,7 +106,7 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig: unknown field(s) {unknown}")
         for k, v in d.items():
             want = known[k].type
-            ok = {"int": isinstance(v, int) and not isinstance(v, bool), "float": isinstance(v, (int, float)) and not isinstance(v, bool),
+            ok = {"int": is_int(v), "float": is_int(v) or isinstance(v, float),
                   "bool": isinstance(v, bool), "str": isinstance(v, str)}[want]
             if not ok:
                 raise ConfigError(f"ModelConfig: field {k} must be {want}, got {v!r}")

@@ -124,8 +124,9 @@ def plan_memory(model, max_seq_len: int | None = None, cache_mode: str | None = 
     return plan
 
 
-def available_bytes(device: torch.device) -> int:
-    """Free VRAM on a CUDA device, MemAvailable on CPU."""
+def available_bytes(device: torch.device | str) -> int:
+    """Free VRAM on a CUDA device, MemAvailable on CPU (available_what names which)."""
+    device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -137,6 +138,11 @@ def available_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_what(device: torch.device | str) -> str:
+    """What available_bytes measures on this device, for messages."""
+    return f"free VRAM on {device}" if torch.device(device).type == "cuda" else "available RAM"
 
 
 def _libc_trim():

@@ -14,6 +14,7 @@ from .hf import is_hf_dir, load_hf, with_init_scale
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
 from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
+from .fields import is_int
 from .formats import DEFAULT_GROUP, check_format, parse_spec
 from .memory import available_bytes, blocks_for, release_freed_memory, weight_bytes_of, workspace_bytes
 from .model import LoopedLM, quantize_weights, release_linears, shapes_only, weight_bytes, weight_format
@@ -92,7 +93,7 @@ class Model:
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
@@ -179,7 +180,7 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
                           "torch.float16 or torch.bfloat16)")
     # A Hugging Face model directory (Ouro, Huginn) is converted on the fly (tinyloop/hf.py).
     info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
-    fmt, group = weight_format_for(info, weights, group)
+    fmt, group = weight_format_for(info.path, (info.weights, info.group), weights, group)
     if fmt != "fp32" and dtype is None and device.type == "cpu":
         dtype = torch.float32  # weight-only formats: activations in fp32
     if init_scale is not None:
@@ -217,17 +218,19 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     return Model(net, info, cache_mode, max_seq_len, blocks, bool(prefix_caching))
 
 
-def weight_format_for(info: ArtifactInfo, weights: str | None, group: int | None) -> tuple[str, int]:
-    """load_model's weight format and int4 group: asked for, else TINYLOOP_WEIGHTS, else the artifact's own."""
+def weight_format_for(path, stored: tuple[str, int], weights: str | None, group: int | None) -> tuple[str, int]:
+    """load_model's weight format and int4 group for a model stored as `stored` (format, group): asked for, else
+    TINYLOOP_WEIGHTS, else the stored one. A worker plans its memory with the same answer before it loads."""
     spec = os.environ.get("TINYLOOP_WEIGHTS", "").strip()
     if weights is None and spec:
         weights, env_group = parse_spec(spec)
         group = group or env_group
-    weights = weights or info.weights
-    group = group or info.group or DEFAULT_GROUP
+    stored_weights, stored_group = stored
+    weights = weights or stored_weights
+    group = group or stored_group or DEFAULT_GROUP
     check_format(weights, group)
-    if info.weights != "fp32" and (weights != info.weights or group != (info.group or group)):
-        raise ConfigError(f"{info.path} holds {info.weights} weights" + (f" (group {info.group})" if info.group else "")
+    if stored_weights != "fp32" and (weights != stored_weights or group != (stored_group or group)):
+        raise ConfigError(f"{path} holds {stored_weights} weights" + (f" (group {stored_group})" if stored_group else "")
                           + f"; it loads only as such (asked: {weights}). Quantise the fp32 artifact instead")
     return weights, group
 

@@ -46,7 +46,8 @@ from .cache import KVCache
 from .engine.calls import checked, lanes
 from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
-from .generate import generate
+from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
+from .generation import generate
 from .kernels import step as cached
 from .model import Step
 from .runtime import Model
@@ -64,20 +65,18 @@ class SpeculativeConfig:
     tree_width: int = 1
 
     def validate(self, model: Model | None = None) -> "SpeculativeConfig":
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ConfigError(f"SpeculativeConfig.{name} {rule}, got {getattr(self, name)!r}")
-
-        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-        max_loops = model.cfg.max_loops if model is not None else None
-        need(is_int(self.draft_loops) and self.draft_loops >= 1, "draft_loops", "must be an integer >= 1")
-        need(self.verify_loops is None or (is_int(self.verify_loops) and self.draft_loops < self.verify_loops
-                                           and (max_loops is None or self.verify_loops <= max_loops)),
-             "verify_loops", f"must be an integer in draft_loops+1..{max_loops or 'max_loops'}")
-        need(is_int(self.draft_ahead) and self.draft_ahead >= 1, "draft_ahead", "must be an integer >= 1")
-        vocab = model.cfg.vocab_size if model is not None else None
-        need(is_int(self.tree_width) and 1 <= self.tree_width <= (vocab or self.tree_width), "tree_width",
-             "must be an integer in 1..vocab_size")
+        """Every setting against its rule in tinyloop/fields.py, then the rules between them and the model's."""
+        for name, check in SPECULATIVE_FIELDS.items():
+            error = check(getattr(self, name))
+            if error:
+                raise ConfigError(f"SpeculativeConfig.{name} {error}")
+        max_loops = model.cfg.max_loops if model is not None else MAX_LOOPS
+        if self.verify_loops is not None and not self.draft_loops < self.verify_loops <= max_loops:
+            raise ConfigError(f"SpeculativeConfig.verify_loops must be an integer in draft_loops+1..{max_loops}, "
+                              f"got {self.verify_loops!r}")
+        if model is not None and self.tree_width > model.cfg.vocab_size:
+            raise ConfigError(f"SpeculativeConfig.tree_width must be an integer in 1..vocab_size "
+                              f"({model.cfg.vocab_size}), got {self.tree_width!r}")
         return self
 
     def resolved_verify_loops(self, model: Model, cfg: GenerateConfig) -> int:

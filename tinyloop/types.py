@@ -10,6 +10,7 @@ import torch
 
 from .env import env_number
 from .errors import ConfigError
+from .fields import GENERATE_FIELDS
 
 OnToken = Callable[[int, int], bool]
 
@@ -31,29 +32,16 @@ class GenerateConfig:
     early_exit_threshold: float = field(default_factory=lambda: env_number("TINYLOOP_EARLY_EXIT", float, 0.0, 0.0))
 
     def validate(self, model=None) -> "GenerateConfig":
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ConfigError(f"GenerateConfig.{name} {rule}, got {getattr(self, name)!r}")
-
-        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-        is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        max_loops = model.cfg.max_loops if model is not None else None
-        need(self.loops is None or (is_int(self.loops) and self.loops >= 1 and (max_loops is None or self.loops <= max_loops)),
-             "loops", f"must be an integer in 1..{max_loops or 'max_loops'}")
-        need(is_num(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
-        need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = off)")
-        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
-        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be a number > 0")
-        need(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed", "must be None or an integer >= 0")
-        need(is_int(self.beam_size) and self.beam_size >= 1, "beam_size", "must be an integer >= 1")
-        need(is_int(self.cache_window) and self.cache_window >= 0, "cache_window", "must be an integer >= 0 (0 = off)")
-        need(is_num(self.early_exit_threshold) and self.early_exit_threshold >= 0, "early_exit_threshold", "must be a number >= 0")
-        seqs = self.stop_sequences
-        need(isinstance(seqs, (list, tuple)), "stop_sequences", "must be a list of strings or token-id lists")
-        for s in seqs:
-            ok = (isinstance(s, str) and s != "") or (isinstance(s, (list, tuple)) and len(s) > 0 and all(is_int(t) for t in s))
-            need(ok, "stop_sequences", "entries must be non-empty strings or non-empty lists of token ids")
+        """Every setting against its rule in tinyloop/fields.py, then the rules that need the model; ConfigError names
+        the first one broken."""
+        for name, check in GENERATE_FIELDS.items():
+            if name == "grammar":  # in process it may be a GrammarPrefix too; tinyloop/grammar.py checks it
+                continue
+            error = check(getattr(self, name))
+            if error:
+                raise ConfigError(f"GenerateConfig.{name} {error}")
+        if model is not None and self.loops is not None and self.loops > model.cfg.max_loops:
+            raise ConfigError(f"GenerateConfig.loops must be an integer in 1..{model.cfg.max_loops}, got {self.loops!r}")
         return self
 
     def resolved_loops(self, model) -> int:

@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import tinyloop
-from broker.protocol import (DIGEST_CHARS, DIGEST_TOKENS, GENERATE_CONFIG_FIELDS, MAX_ANNOUNCED_PREFIXES, Codes,
-                             prefix_digests)
+from broker.protocol import DIGEST_CHARS, DIGEST_TOKENS, MAX_ANNOUNCED_PREFIXES, Codes, prefix_digests
+from tinyloop.batch import DEFAULT_LANES
+from tinyloop.chat import chat_prompt
+from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
+from tinyloop.scoring import token_logprobs
 from workers.continuation import run_continuation
 from workers.handles import EngineError, HandleRegistry
 from workers.stream_text import StreamText
@@ -28,7 +31,6 @@ from workers.stream_text import StreamText
 log = logging.getLogger("tinyloop.worker")
 
 TokenSink = Callable[[int, int, str], None]
-SPECULATIVE_FIELDS = ("draft_loops", "verify_loops", "draft_ahead", "tree_width")
 PREFIX_OPS = ("generate", "generate_pool")  # ops whose prompts the prefix cache keeps (docs/service.md "Routing")
 
 
@@ -65,7 +67,7 @@ def load_prefix_file(path: str | Path) -> list[dict]:
 
 class ModelEngine:
     def __init__(self, model: "tinyloop.Model", *, max_handles: int, plan_bytes: int, model_name: str,
-                 prefixes: list[dict] | None = None, lanes: int = tinyloop.batch.DEFAULT_LANES):
+                 prefixes: list[dict] | None = None, lanes: int = DEFAULT_LANES):
         self.model = model
         self.slots = lanes
         self.scheduler = tinyloop.Scheduler(model, lanes)
@@ -152,14 +154,13 @@ class ModelEngine:
         """Add a generate (or chat) request to the batch; False when it must run alone (`run`)."""
         if op not in ("generate", "chat") or delivered or any(k in params for k in SPECULATIVE_FIELDS):
             return False
+        cfg = self.config(params)  # validated once, by the scheduler's submit
+        if cfg.beam_size > 1 or cfg.cache_window:
+            return False
         with runtime_errors():
-            cfg = tinyloop.engine.calls.checked(self.model, self.config(params), "single")
-            if cfg.beam_size > 1 or cfg.cache_window:
-                return False
             if op == "chat":
-                from tinyloop.chat import apply_chat_template
-
-                params = {**params, "prompt": apply_chat_template(self.model, params["messages"])}
+                text, ids = chat_prompt(self.model, params["messages"])
+                params = {**params, "prompt": ids, "prompt_text": text}
             seq = self.scheduler.submit(params["prompt"], cfg, self.callback(on_token, should_stop))
         self.remember(params["prompt"], seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
         self.batch[id(seq)] = (key, seq, params, should_stop)
@@ -192,14 +193,14 @@ class ModelEngine:
                 result = self.scored(params, self.result(seq.result()))
         except EngineError as err:
             return key, err
-        return key, {**result, "prompt_text": params["prompt"]} if "messages" in params else result
+        return key, {**result, "prompt_text": params["prompt_text"]} if "messages" in params else result
 
     def idle(self) -> bool:
         return self.scheduler.idle()
 
 
     def config(self, params: dict) -> "tinyloop.GenerateConfig":
-        fields = {k: params[k] for k in GENERATE_CONFIG_FIELDS if k in params}
+        fields = {k: params[k] for k in GENERATE_FIELDS if k in params}
         return tinyloop.GenerateConfig(**fields)
 
     def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> Callable[[int, int], bool]:
@@ -254,21 +255,16 @@ class ModelEngine:
 
     def op_chat(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         """Render the messages with the model's chat template, then generate (speculatively if asked)."""
-        from tinyloop.chat import apply_chat_template
-
-        prompt = apply_chat_template(self.model, params["messages"])
-        ids = self.model.codec.encode(prompt, special=False)  # the template wrote the special tokens (a BOS) itself
+        text, ids = chat_prompt(self.model, params["messages"])
         rest = {k: v for k, v in params.items() if k != "messages"}
         op = self.op_speculative if any(k in params for k in SPECULATIVE_FIELDS) else self.op_generate
-        return {**op({**rest, "prompt": ids}, on_token, should_stop), "prompt_text": prompt}
+        return {**op({**rest, "prompt": ids}, on_token, should_stop), "prompt_text": text}
 
     def scored(self, params: dict, result: dict) -> dict:
         """Add the log-probabilities (and echoed prompt) a request asked for, by scoring prompt + output
         at the loop count the output was decided at (tinyloop.score; docs/gateway.md)."""
         if not (params.get("logprobs") or params.get("echo")):
             return result
-        from tinyloop.score import token_logprobs
-
         prompt = params["prompt"]
         ids = self.model.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params.get("echo"):

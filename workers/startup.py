@@ -3,7 +3,7 @@
 Order matters: the budget (free VRAM on CUDA, available RAM on CPU, or --vram-budget) is
 measured first, and the plan (weights + KV block pool + workspace + handle states, from the
 artifact's header alone) is compared with it before any weights are loaded, so an over-budget
-worker never accepts a request. It exits with EXIT_OVER_BUDGET and prints the itemised plan.
+worker never accepts a request. It exits with WorkerExit.OVER_BUDGET and prints the itemised plan.
 The model is then loaded with exactly the planned block pool.
 """
 
@@ -12,46 +12,13 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import re
 import sys
 import threading
 from dataclasses import dataclass
 
+from broker.protocol import WorkerExit
+
 log = logging.getLogger("tinyloop.worker")
-
-EXIT_LOAD_FAILED = 2
-EXIT_OVER_BUDGET = 3
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB' -> 536870912; '2GB' -> 2000000000; '1024' -> 1024."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 512MiB, 2GB, 1073741824)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def available_memory_bytes(device: str) -> tuple[int, str]:
-    """What this worker may use: free VRAM on a CUDA device, MemAvailable on CPU."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free), f"free VRAM on {device}"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "available RAM"
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available RAM"
-
 
 @dataclass
 class WorkerOptions:
@@ -76,48 +43,46 @@ class WorkerOptions:
 
 def run_worker(opts: WorkerOptions) -> int:
     """Run a worker until it is stopped; returns the process exit code."""
+    import torch
+
     import tinyloop
-    from tinyloop.runtime import default_device
+    from tinyloop.artifact import DEFAULT_ARTIFACT
+    from tinyloop.env import env_choice
+    from tinyloop.formats import parse_spec
+    from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
+    from tinyloop.memory import available_bytes, available_what
+    from tinyloop.runtime import default_device, weight_format_for
 
     from workers.engine import ModelEngine, load_prefix_file
     from workers.worker import WorkerProcess
 
     if opts.threads:
-        import torch
-
         torch.set_num_threads(opts.threads)
     device = opts.device or str(default_device())
-    available, available_what = available_memory_bytes(device)  # measured before the model takes its share
+    available = available_bytes(device)  # measured before the model takes its share
     if opts.vram_budget is not None:
         budget, budget_what = opts.vram_budget, "--vram-budget"
     else:
-        budget, budget_what = available, available_what
+        budget, budget_what = available, available_what(device)
     prefixes = load_prefix_file(opts.prefix_file) if opts.prefix_file else []
     # The plan comes from the artifact's header before anything large is loaded; the model then gets exactly the
     # planned block pool (weights + pool + workspace: load_model's memory_budget).
     try:
-        from tinyloop.artifact import DEFAULT_ARTIFACT
-        from tinyloop.env import env_choice
-        from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
-
-        from tinyloop.formats import parse_spec
-
-        cfg, dtype, (fmt, group) = config_and_dtype(opts.model_path or DEFAULT_ARTIFACT)
-        if opts.weights:
-            fmt, group = parse_spec(opts.weights)
+        path = opts.model_path or DEFAULT_ARTIFACT
+        cfg, dtype, stored = config_and_dtype(path)
+        # --weights, else TINYLOOP_WEIGHTS, else the stored format: load_model's own rule, so plan and load agree
+        fmt, group = weight_format_for(path, stored, *(parse_spec(opts.weights) if opts.weights else (None, None)))
         cache_mode = opts.cache_mode or env_choice("TINYLOOP_CACHE_MODE", tinyloop.CACHE_MODES, "fp16")
-        import torch
-
         dtype = torch.bfloat16 if device.startswith("cuda") else dtype
         plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=1,
-                                    max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group or 32)
+                                    max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
-        return EXIT_LOAD_FAILED
+        return WorkerExit.LOAD_FAILED
     model_name = str(opts.model_path or "bundled default model")
     if opts.plan_only:
         print(json.dumps({"total_bytes": plan.total_bytes, "items": plan.items, "device": device, "table": plan.table(),
-                          "available_bytes": available, "available_what": available_what}))
+                          "available_bytes": available, "available_what": available_what(device)}))
         return 0
     if plan.total_bytes > budget:
         print(
@@ -125,17 +90,17 @@ def run_worker(opts: WorkerOptions) -> int:
             f"the budget ({budget_what}: {budget / 2**20:.1f} MiB)\n{plan.table()}",
             file=sys.stderr,
         )
-        return EXIT_OVER_BUDGET
+        return WorkerExit.OVER_BUDGET
     try:
         # Prefix caching is on in a worker (TINYLOOP_PREFIX_CACHE=off turns it off): requests reuse what earlier ones
         # left in the pool, and the heartbeat tells the broker what that is.
         caching = env_choice("TINYLOOP_PREFIX_CACHE", ("on", "off"), "on") == "on"
         model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=cache_mode,
                                     memory_budget=plan.total_bytes - plan.bytes_of("handle states"),
-                                    prefix_caching=caching, weights=fmt, group=group or None)
+                                    prefix_caching=caching, weights=fmt, group=group)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
-        return EXIT_LOAD_FAILED
+        return WorkerExit.LOAD_FAILED
     if opts.prefill_chunk is not None:
         model.prefill_chunk = opts.prefill_chunk
     engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,

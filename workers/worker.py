@@ -36,13 +36,10 @@ from typing import Any, Callable, Protocol
 import zmq
 
 from broker import protocol
-from broker.protocol import BROKER_TO_WORKER, WORKER_TO_BROKER, Codes, ProtocolError
+from broker.protocol import BROKER_TO_WORKER, WORKER_TO_BROKER, Codes, ProtocolError, WorkerExit
 from workers.handles import EngineError
 
 log = logging.getLogger("tinyloop.worker")
-
-EXIT_OK = 0
-EXIT_REFUSED_BY_BROKER = 4
 
 # What a message emitted by the compute thread for a token looks like to the engine.
 TokenSink = Callable[[int, int, str], None]
@@ -139,7 +136,7 @@ class WorkerProcess:
         compute = threading.Thread(target=self.compute_loop, name="compute", daemon=True)
         compute.start()
         self.connect()
-        exit_code = EXIT_OK
+        exit_code = WorkerExit.OK
         reconnect_delay = self.heartbeat_interval
         last_heard = time.monotonic()
         next_heartbeat = time.monotonic() + self.heartbeat_interval
@@ -268,7 +265,7 @@ class WorkerProcess:
             # else: it answers a message sent before our "ready" reached the broker; the broker knows us now
         elif msg.type == "refused":
             log.error("worker %s refused by the broker: %s", self.name, msg["reason"])
-            return EXIT_REFUSED_BY_BROKER
+            return WorkerExit.REFUSED_BY_BROKER
         return None  # heartbeats only refresh liveness
 
     def abandon_running(self, why: str) -> None:

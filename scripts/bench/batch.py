@@ -7,7 +7,7 @@ import torch
 
 from scripts.bench.prompts import CODE_PROMPTS
 from tinyloop.batch import generate_batch
-from tinyloop.generate import generate
+from tinyloop.generation import generate
 from tinyloop.runtime import load_model
 from tinyloop.types import GenerateConfig, GenerateResult
 

@@ -28,7 +28,7 @@ import torch
 from tinyloop.artifact import DEFAULT_ARTIFACT, read_artifact, save_artifact
 from tinyloop.batch import generate_batch
 from tinyloop.config import ModelConfig
-from tinyloop.generate import generate_stream
+from tinyloop.generation import generate_stream
 from tinyloop.formats import FORMATS
 from tinyloop.model import LoopedLM
 from tinyloop.runtime import free_model, load_model

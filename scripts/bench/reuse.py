@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from tinyloop.generate import GenerateConfig, generate
+from tinyloop.generation import GenerateConfig, generate
 from tinyloop.prefix import create_prefix_pool, generate_with_pool, register_prefix
 from tinyloop.resume import build_resume_handle, resume_generate
 from tinyloop.runtime import Model, load_model

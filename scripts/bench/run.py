@@ -15,7 +15,7 @@ from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_war
 from tinyloop.cache import CACHE_MODES
 from scripts.bench.engine import bench_engine
 from scripts.bench.peers import bench_peers
-from tinyloop.generate import GenerateConfig, generate
+from tinyloop.generation import GenerateConfig, generate
 from scripts.bench.kernels import bench_kernels
 from tinyloop.runtime import Model, load_model
 from scripts.bench.timing import timed

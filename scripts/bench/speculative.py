@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from scripts.bench.prompts import LONG_CODE_PROMPTS
-from tinyloop.generate import generate
+from tinyloop.generation import generate
 from tinyloop.runtime import Model, load_model
 from tinyloop.speculative import SpeculativeConfig, SpeculativeStats, generate_speculative
 from tinyloop.types import GenerateConfig

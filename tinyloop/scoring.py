@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigError
+from .fields import is_int
 
 
 def _check(model, tokens, loops: int | None) -> tuple[list[int], int]:
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.tolist()
-    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, (list, tuple)) or not all(is_int(t) for t in tokens):
         raise ConfigError("score: tokens must be a list of token ids (ints)")
     if not tokens:
         raise ConfigError("score: tokens is empty")
@@ -31,7 +32,7 @@ def _check(model, tokens, loops: int | None) -> tuple[list[int], int]:
     if len(tokens) > model.max_seq_len:
         raise ConfigError(f"score: {len(tokens)} tokens exceed the model's max_seq_len {model.max_seq_len}")
     loops = model.cfg.default_loops if loops is None else loops
-    if not isinstance(loops, int) or isinstance(loops, bool) or not 1 <= loops <= model.cfg.max_loops:
+    if not is_int(loops) or not 1 <= loops <= model.cfg.max_loops:
         raise ConfigError(f"score: loops must be an integer in 1..{model.cfg.max_loops}, got {loops!r}")
     return list(tokens), loops
 

@@ -1,0 +1,146 @@
+"""The request fields, one table: every GenerateConfig and SpeculativeConfig setting with the rule its value obeys.
+
+GenerateConfig.validate (in process), the wire protocol (broker/protocol.py) and the OpenAI gateway
+(broker/openai_schema.py) all check values with these rules, so a value means the same and is refused with the
+same words everywhere. Rules that need a model (loops <= its max_loops, tree_width <= its vocabulary) are the
+runtime's own, checked on top.
+
+A check takes a value and returns None when it is fine, else the rule it breaks ("must be in [1, 65536], got 0").
+This module imports only the standard library: the broker, the client and the gateway read it without torch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+Check = Callable[[Any], "str | None"]
+
+
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (bool is an int subclass, and msgpack / JSON keep true apart from 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (no bool, NaN or infinity)."""
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def int_in(lo: int, hi: int) -> Check:
+    def check(value: Any) -> str | None:
+        if not is_int(value):
+            return f"must be an integer, got {type(value).__name__}"
+        if not lo <= value <= hi:
+            return f"must be in [{lo}, {hi}], got {value}"
+        return None
+
+    return check
+
+
+def number_in(lo: float, hi: float, lo_open: bool = False) -> Check:
+    def check(value: Any) -> str | None:
+        if not is_number(value):
+            got = repr(value) if isinstance(value, float) else type(value).__name__  # inf / nan say so
+            return f"must be a finite number, got {got}"
+        if value > hi or value < lo or (lo_open and value == lo):
+            return f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}"
+        return None
+
+    return check
+
+
+def text(max_len: int, min_len: int = 0) -> Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, str):
+            return f"must be a string, got {type(value).__name__}"
+        if not min_len <= len(value) <= max_len:
+            return f"length must be in [{min_len}, {max_len}], got {len(value)}"
+        return None
+
+    return check
+
+
+def boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"must be a boolean, got {type(value).__name__}"
+
+
+def token_list(max_len: int, min_len: int = 0) -> Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)):
+            return f"must be a list of token ids, got {type(value).__name__}"
+        if not min_len <= len(value) <= max_len:
+            return f"length must be in [{min_len}, {max_len}], got {len(value)}"
+        if not all(is_int(item) and 0 <= item < 2**31 for item in value):
+            return "must contain only token ids in [0, 2**31)"
+        return None
+
+    return check
+
+
+def one_of(*checks: Check) -> Check:
+    def check(value: Any) -> str | None:
+        errors = [c(value) for c in checks]
+        return None if any(e is None for e in errors) else " or ".join(errors)
+
+    return check
+
+
+def optional(check: Check) -> Check:
+    return lambda value: None if value is None else check(value)
+
+
+def plain_map(max_keys: int) -> Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return f"must be a map, got {type(value).__name__}"
+        if len(value) > max_keys:
+            return f"must have at most {max_keys} keys"
+        if not all(isinstance(k, str) for k in value):
+            return "keys must be strings"
+        return None
+
+    return check
+
+
+def list_of(item_check: Check, max_len: int) -> Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)):
+            return f"must be a list, got {type(value).__name__}"
+        if len(value) > max_len:
+            return f"must have at most {max_len} items"
+        for item in value:
+            error = item_check(item)
+            if error:
+                return f"item {item!r}: {error}"
+        return None
+
+    return check
+
+
+MAX_LOOPS = 4096  # the most loops any request may name; a model's own max_loops is usually far lower
+
+# GenerateConfig's settings. `grammar` is checked for its form here; what it says is checked where it is compiled
+# (tinyloop/grammar.py), which in process also takes a GrammarPrefix (a stream continuation).
+GENERATE_FIELDS: dict[str, Check] = {
+    "max_tokens": int_in(1, 1 << 16),
+    "loops": optional(int_in(1, MAX_LOOPS)),
+    "temperature": number_in(0.0, 100.0),
+    "top_k": int_in(0, 1 << 20),
+    "top_p": number_in(0.0, 1.0, lo_open=True),
+    "repetition_penalty": number_in(0.0, 100.0, lo_open=True),
+    "seed": optional(int_in(0, 2**63 - 1)),
+    "stop_sequences": list_of(one_of(text(1024, 1), token_list(256, 1)), 16),
+    "grammar": optional(one_of(text(1 << 16), plain_map(256))),
+    "beam_size": int_in(1, 64),
+    "cache_window": int_in(0, 1 << 20),
+    "early_exit_threshold": number_in(0.0, 1e6),
+}
+
+# SpeculativeConfig's settings (verify_loops None: the request's loops).
+SPECULATIVE_FIELDS: dict[str, Check] = {
+    "draft_loops": int_in(1, MAX_LOOPS),
+    "verify_loops": optional(int_in(1, MAX_LOOPS)),
+    "draft_ahead": int_in(1, 256),
+    "tree_width": int_in(1, 1 << 20),
+}
