@@ -35,7 +35,7 @@ from starlette.routing import Route
 from broker import client as bc
 from broker.metrics import LATENCY_BUCKETS
 from broker.openai_schema import (APIError, Plan, chat_choice, chat_logprobs, chat_plan, completion_choice,
-                                  completion_logprobs, completion_plan, finish_reason, usage)
+                                  completion_plan, finish_reason, usage)
 
 log = logging.getLogger("tinyloop.gateway")
 

@@ -15,7 +15,8 @@ import torch
 from scripts.bench.peers import QUICK, randomize
 from tinyloop.config import ModelConfig
 from tinyloop.errors import ConfigError
-from tinyloop.model import LoopedLM, apply_rope, rope_tables
+from tinyloop.model import LoopedLM
+from tinyloop.rotary import apply_rope, rope_tables
 from scripts.bench.twin import check_twin, rope_interleave, schedule, twin_layers, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import zmq
 
 from broker import protocol
 from broker.client import AsyncClient, WorkerLost
-from test_broker import HEARTBEAT, Service, raw_reply  # noqa: E402
+from test_broker import Service, raw_reply  # noqa: E402
 
 TEXT = "abcdefghijklmnopqrstuvwxyz0123456789"
 

@@ -9,7 +9,7 @@ import torch
 from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
 from tinyloop.kernels import cpu_block
-from tinyloop.kernels import step as cached
+from tinyloop.engine import forward as cached
 from tinyloop.model import LoopedLM, fused_weights, quantize_weights
 
 from test_cpu_kernels import needs_kernels
@@ -155,7 +155,7 @@ def test_the_whole_step_copies_a_shared_block_before_writing_it():
 
 
 def test_decode_rows_is_forward_of_those_rows(monkeypatch):
-    """kernels.step.decode_rows (the engine's decode, token lists in, no tensors built on the C path) gives
+    """engine.forward.decode_rows (the engine's decode, token lists in, no tensors built on the C path) gives
     forward's logits, on the C path and, with it off, through torch."""
     cfg = ModelConfig(**{**BASE, **STEP_VARIANTS["adapter_noise"]})
     net = make_net(cfg)

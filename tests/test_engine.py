@@ -25,10 +25,10 @@ def test_absurd_lengths_raise_budget_error_before_allocating(make_artifact):
 
 def test_calls_that_can_never_fit_raise_budget_error(make_artifact):
     model = tinyloop.load_model(make_artifact(), 128)
-    with pytest.raises(tinyloop.BudgetError, match="can never fit"):
-        tinyloop.generate(model, ids(8, 1), G(max_tokens=8, beam_size=10**6))
     small = tinyloop.load_model(make_artifact(), 64,
                                 memory_budget=tinyloop.plan_memory(model, max_seq_len=64, loops=4).total_bytes)
+    with pytest.raises(tinyloop.BudgetError, match="can never fit"):  # 64 beams, a pool for one sequence
+        tinyloop.generate(small, ids(8, 1), G(max_tokens=8, beam_size=64))
     with pytest.raises(tinyloop.BudgetError, match="can never fit"):
         tinyloop.generate_batch(small, [ids(8, 1)] * 3, G(max_tokens=50, loops=16))
     assert model.pool.used == small.pool.used == 0  # nothing was taken
@@ -128,7 +128,7 @@ def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
     """forward_adaptive with a loop count (and threshold) per lane: each lane's logits and loops used equal that lane
     run alone, and a lane at fewer loops never writes (so never holds) the slots of the loops it does not run."""
     import torch
-    from tinyloop.kernels import step as cached
+    from tinyloop.engine import forward as cached
     model = bundled_model  # trained: its latents settle, so a threshold stops lanes early
     net, cfg = model.net, model.cfg
     prompts, loops, thresholds = [ids(7, 1), ids(4, 2), ids(9, 3)], [2, 6, 12], [threshold, 0.0, threshold]

@@ -23,7 +23,8 @@ from tinyloop.kernels.attention import decode_attention_ref, decode_attention_tr
 from tinyloop.kernels.norm import add_rmsnorm_ref, add_rmsnorm_triton  # noqa: E402
 from tinyloop.kernels.quant import write_tokens, write_tokens_ref  # noqa: E402
 from tinyloop.kernels.rope import rope_ref, rope_triton  # noqa: E402
-from tinyloop.model import LoopedLM, apply_rope, quantize_weights  # noqa: E402
+from tinyloop.model import LoopedLM, quantize_weights  # noqa: E402
+from tinyloop.rotary import apply_rope  # noqa: E402
 
 # tiny shapes: one intra-op thread (two stall on a busy machine: 0.2 s tests took 35 s with the other core taken)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,7 +151,7 @@ def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
 def test_decode_attention_reference_matches_the_cached_step():
     """The reference reads the layout the way the cached step's torch path (gather + SDPA) does (here: int8,
     wrapped window)."""
-    from tinyloop.kernels import step as cached
+    from tinyloop.engine import forward as cached
     from tinyloop.model import fused_weights
     net, attn, cache = filled_cache("int8", 8, 2, 64, 5, 0)
     B = len(LENGTHS)
@@ -245,7 +246,7 @@ def test_greedy_generation_through_triton_equals_torch(make_artifact, monkeypatc
     assert len(calls) == 7 * 4  # 7 decode steps x (prelude + 2 loops x 1 core + coda) slots
 
 
-# --- the cached step (tinyloop/kernels/step.py): the model's one forward over the paged cache ------------------
+# --- the cached step (tinyloop/engine/forward.py): the model's one forward over the paged cache ------------------
 ARCHS = [dict(), dict(injection="add", sandwich_norm=True, tie_embeddings=False, state_init="normal", n_prelude=0,
                       n_coda=2, n_kv_heads=1),
          dict(injection="none", state_init="embed", n_kv_heads=4, ffn_hidden=200)]
@@ -260,9 +261,9 @@ def small_net(cfg: ModelConfig) -> LoopedLM:
 def cached_decode(cfg: ModelConfig, mode: str, window: int, lengths: list[int], steps: int = 4, loops: int = 3,
                   weights: str = "fp32") -> tuple[torch.Tensor, list[list[int]]]:
     """Per-lane prefill of random prompts, then `steps` greedy lockstep decode steps over lanes of different lengths,
-    all through kernels.step.forward, the model's matrices in format `weights`: the logits [steps, B, 1, V] and each
+    all through engine.forward.forward, the model's matrices in format `weights`: the logits [steps, B, 1, V] and each
     lane's tokens (prompt + decoded)."""
-    from tinyloop.kernels import step
+    from tinyloop.engine import forward as step
     net = small_net(cfg)
     quantize_weights(net, weights, 32)
     cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window)
@@ -294,7 +295,7 @@ def test_cached_decode_equals_one_chunk_over_the_whole_sequence(mode, arch, monk
     fp16 mode also those of the cache-free forward (the model's Dense context; with a window, its windowed mask).
     Ragged lanes, lanes in lockstep (SDPA runs without a mask), one lane, a wrapped ring; 20 steps cross block
     boundaries, where the decode rows' read-ahead buffer, kept from step to step, is gathered again."""
-    from tinyloop.kernels import step as cached
+    from tinyloop.engine import forward as cached
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
     cfg = ModelConfig(**{**SMALL, **ARCHS[arch]})
     net = small_net(cfg)
@@ -350,7 +351,7 @@ def test_decode_through_triton_kernels_matches_torch(mode, monkeypatch):
 
 def test_decode_threads_policy(monkeypatch):
     from tinyloop.kernels import cpu
-    from tinyloop.kernels.step import decode_threads
+    from tinyloop.engine.forward import decode_threads
     monkeypatch.delenv("TINYLOOP_DECODE_THREADS", raising=False)
     small, big = ModelConfig(d_model=256), ModelConfig(d_model=768, n_heads=12, n_kv_heads=4)
     assert decode_threads(1, small) == 1 and decode_threads(16, small) == 0 and decode_threads(1, big) == 0
@@ -367,7 +368,7 @@ def test_decode_threads_policy(monkeypatch):
 def test_cached_step_follows_weight_updates(monkeypatch):
     """The fused weights are rebuilt when the model's parameters change in place."""
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
-    from tinyloop.kernels import step
+    from tinyloop.engine import forward as step
     cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
     net = small_net(cfg)
     ids, pos = torch.tensor([[5]]), torch.tensor([[0]])
@@ -382,7 +383,7 @@ def test_cached_step_follows_weight_updates(monkeypatch):
 def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):
     """What CudaGraphStep captures, run eagerly: Step.end fixed at the cache's full length (shapes never change
     between replays) and the kernels follow each lane's own length from the positions on the device."""
-    from tinyloop.kernels import step
+    from tinyloop.engine import forward as step
     cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
     plain, _ = cached_decode(cfg, "int8", 0, [6, 2], steps=1, loops=2)

@@ -17,7 +17,7 @@ from tinyloop import (CACHE_MODES, MATRIX, GenerateConfig, ModeError, build_resu
                       create_prefix_pool, generate, generate_batch, generate_from_prefix_cache, generate_with_pool,
                       register_prefix, resume_generate)
 from tinyloop.grammar import GrammarState
-from tinyloop.kernels import step as cached
+from tinyloop.engine import forward as cached
 from tinyloop.modes import CALL_TITLES, CALLS, MODE_TITLES, MODES
 from tinyloop.speculative import SpeculativeConfig, generate_speculative
 

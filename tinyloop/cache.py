@@ -253,7 +253,7 @@ class KVCache:
         # Ring buffers remember the absolute position in each cell (-1: empty).
         self.cell_pos = torch.full((S, lanes, cells), -1, dtype=torch.long, device=device) if window > 0 else None
         # Shared with every view of this cache (lane_view and select copy the dict by reference): a copy of some
-        # lanes' cells kept across decode steps (kernels/step.py: the read-ahead buffer), dropped by `changed`.
+        # lanes' cells kept across decode steps (engine/forward.py: the read-ahead buffer), dropped by `changed`.
         self.shared: dict = {"read_ahead": None}
 
     def changed(self) -> None:

@@ -59,7 +59,7 @@ class MemoryPlan:
 
 
 WORKSPACE_LANES = 4  # the gathered keys and values of this many full-length lanes are set aside
-READ_AHEAD_BYTES = 32 * 2**20  # the most a decode step's read-ahead buffer holds (kernels/step.py: Cached.read_ahead)
+READ_AHEAD_BYTES = 32 * 2**20  # the most a decode step's read-ahead buffer holds (engine/forward.py: Cached.read_ahead)
 READ_AHEAD_GROWTH = 1  # blocks of room per lane and slot in that buffer: it is gathered again every 16 tokens
 
 

@@ -5,7 +5,7 @@ ids -> embed -> prelude -> e;  s0 = init(e);  s_k = core(inject(s_{k-1}, e)) for
 Every forward (training, full recompute, prefill, decode rows, speculative drafts and verification, early exit)
 runs the functions of this file over a chunk of T tokens per lane, as token rows [B*T, d]. What differs between
 them is the chunk's *context*: where attention finds its keys (`Dense` here: within the chunk; the cached step of
-tinyloop/kernels/step.py: the paged KV cache, through torch or Triton) and the weight layout the products use.
+tinyloop/engine/forward.py: the paged KV cache, through torch or Triton) and the weight layout the products use.
 With a cache, each layer writes its K/V for the chunk into its slot (core layers own one slot per loop) and
 attends over everything the slot holds for that lane.
 """
@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from . import formats
 from .config import ModelConfig
 from .errors import ConfigError
+from .rotary import rope_factors, rope_tables, rotate
 
 
 class _SkipInit(TorchFunctionMode):
@@ -61,19 +62,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one call, composed in C++ of the same ops as below (same bits in fp32)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Computed on the CPU in float64 whatever the default device (the caller moves them)."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64, device="cpu"), freqs)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, hd]; cos/sin: [B, T, 1, hd/2] already gathered at the tokens' positions."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 @dataclass
@@ -172,7 +160,7 @@ class Weights:
     """Every matrix and norm weight of a forward and the operations that use them: linear(x, w) for every
     product, norm(x, w, eps) for every RMSNorm. `name` is the weight format (tinyloop/formats.py): the matrices are
     fp32 tensors or formats.QMatrix. `fused_weights` gives the model's own; the cached step
-    (tinyloop/kernels/step.py) multiplies the same matrices through faster products."""
+    (tinyloop/engine/forward.py) multiplies the same matrices through faster products."""
     name: str
     prelude: list[BlockWeights]
     core: list[BlockWeights]
@@ -322,17 +310,6 @@ def weight_bytes(net: "LoopedLM") -> int:
 
 
 # --- the math ---------------------------------------------------------------------------------------------
-def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[cos, cos] and [-sin, sin]: rotate-half RoPE as x * cos2 + swap_halves(x) * sin2."""
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """apply_rope with three fewer ops and the same bits: x1 cos + x2 (-sin) == x1 cos - x2 sin in IEEE."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
-
-
 def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) -> torch.Tensor:
     """One pre-norm block over the chunk's token rows x [B*T, d]. The context `ctx` says where the chunk sits
     (ctx.B lanes of ctx.T tokens), rotates q and k (ctx.rope) and attends (ctx.attend: within the chunk, or
@@ -439,7 +416,7 @@ class LoopedLM(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    # --- pieces: each takes the chunk's context (Dense, or the cached step of tinyloop/kernels/step.py) -----
+    # --- pieces: each takes the chunk's context (Dense, or the cached step of tinyloop/engine/forward.py) -----
     def make_step(self, pos: torch.Tensor, end: int | None = None, window: int = 0) -> Step:
         if end is None:
             end = int(pos.max()) + 1
@@ -496,7 +473,7 @@ class LoopedLM(nn.Module):
                 grad_loops: int | None = None, return_states: bool = False, exit_threshold: float = 0.0,
                 last_only: bool = False):
         """Logits [B, T, V] for a chunk ids [B, T]. Without a context this is a plain causal forward over the chunk
-        (training, full recompute); calls with a KV cache pass the cached step's context (kernels/step.py).
+        (training, full recompute); calls with a KV cache pass the cached step's context (engine/forward.py).
 
         grad_loops: when training, backpropagate through only the last `grad_loops` loops (the earlier ones
         run without autograd), which bounds memory and compute like truncated backprop through time.
@@ -506,7 +483,7 @@ class LoopedLM(nn.Module):
         """
         if ctx is not None and not hasattr(ctx, "attend"):
             raise TypeError(f"LoopedLM.forward: ctx must be a forward context, got {type(ctx).__name__} (a cached "
-                            f"forward is tinyloop.kernels.step.forward(net, ids, loops, step, cache))")
+                            f"forward is tinyloop.engine.forward.forward(net, ids, loops, step, cache))")
         if ctx is None:
             if step is None:
                 T = ids.shape[1]

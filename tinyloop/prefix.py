@@ -22,7 +22,7 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
-from .kernels import step as cached
+from .engine import forward as cached
 from .handles import Handle, encode_tokens, tensor_bytes
 from .prefix_tree import Node, common_length
 from .runtime import Model

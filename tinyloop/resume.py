@@ -30,7 +30,7 @@ from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
 from .handles import Handle, encode_tokens, tensor_bytes
-from .kernels import step as cached
+from .engine import forward as cached
 from .modes import check_modes
 from .runtime import Model
 from .speculative import SpeculativeConfig, speculate

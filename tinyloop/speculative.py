@@ -48,7 +48,7 @@ from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
 from .generation import generate
-from .kernels import step as cached
+from .engine import forward as cached
 from .model import Step
 from .runtime import Model
 from .sampling import filter_logits
@@ -419,7 +419,7 @@ def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: Generate
     16 ... tokens) instead of drafting token by token."""
     stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
                              tree_width=sc.tree_width)
-    # small steps run best on one thread (kernels/step.py: decode_threads); the verify chunk is the largest
+    # small steps run best on one thread (engine/forward.py: decode_threads); the verify chunk is the largest
     threads, before = cached.decode_threads(1 + sc.draft_ahead * sc.tree_width, model.cfg), torch.get_num_threads()
     if model.device.type == "cpu" and threads and threads != before:
         torch.set_num_threads(threads)

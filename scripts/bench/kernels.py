@@ -20,7 +20,7 @@ from tinyloop.config import ModelConfig
 from tinyloop.model import LoopedLM
 from tinyloop.runtime import load_model
 from scripts.bench.timing import timed
-from tinyloop.kernels import step as cached
+from tinyloop.engine import forward as cached
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 BIG = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=2048, n_prelude=2, n_core=12,

@@ -16,7 +16,7 @@ When a forward finds the pool exhausted, the youngest sequence without fresh log
 waits (preemption); waiting sequences rejoin only after a running one finishes (no thrashing).
 
 Forwards: `decode` runs one-token-per-lane rows, `prefill` a chunk, both through the model's one forward over the
-paged cache (tinyloop/kernels/step.py); lanes at different loop counts, or with early exit (a threshold or the
+paged cache (tinyloop/engine/forward.py); lanes at different loop counts, or with early exit (a threshold or the
 model's exit gate), go through `forward_adaptive`, which runs each lane to its own depth.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import BudgetError
-from ..kernels import step as cached
+from . import forward as cached
 from ..memory import blocks_for, release_freed_memory
 from .sequence import Sequence
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton.language as tl
 
 from ..cache import dequant_int4, dequant_int8
-from ..model import apply_rope
+from ..rotary import apply_rope
 from .dispatch import lazy_jit, next_pow2, use_triton
 from .quant import write_tokens
 

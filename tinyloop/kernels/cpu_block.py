@@ -1,14 +1,14 @@
 """A decode step's blocks as C calls (cpu_block.c): tinyloop/model.py's `block` for lanes of one token,
 over the paged KV cache, on the CPU.
 
-The cached step (kernels/step.py) takes this path for decode rows when `supported` says the call can run them:
+The cached step (engine/forward.py) takes this path for decode rows when `supported` says the call can run them:
 CPU, the CPU kernels built, fp32 activations, cache mode "fp16" holding fp32, no sliding window, no speculative
 tree, at most 32 lanes, and head sizes the kernel takes. Everything else (prefill chunks, int8 / int4 caches,
 bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switches this off with the products.
 
 `weights_struct` describes a block's weights to C once (kept on the BlockWeights); `Rows` describes a step's
 lanes (cells, RoPE factors, the cache) once per step; `Rows.blocks` then runs consecutive blocks (the prelude, a
-loop pass, the coda) in one call. `DecodeStep` goes further for kernels/step.py's `forward` (every lane at the same
+loop pass, the coda) in one call. `DecodeStep` goes further for engine/forward.py's `forward` (every lane at the same
 loops, no early exit): the whole step, embedding to logits, as one C call.
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ class DecodeStep:
         blocks = [*weights.prelude, *weights.core * loops, *weights.coda]
         self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
                       *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
-        from ..model import rope_factors
+        from ..rotary import rope_factors
         cos2, sin2 = rope_factors(net.rope_cos, net.rope_sin)
         self.tables = net.rope_cos  # the model's position tables when built (longer ones make a new DecodeStep)
         noise = net.init_noise if cfg.state_init == "normal" else None

@@ -1,13 +1,13 @@
 """Rotary embedding of q and k in one launch, reading cos/sin from the model's tables at each token's position.
 
-Rotate-half convention of tinyloop.model.apply_rope: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+Rotate-half convention of tinyloop.rotary.apply_rope: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
 """
 from __future__ import annotations
 
 import torch
 import triton.language as tl
 
-from ..model import apply_rope
+from ..rotary import apply_rope
 from .dispatch import lazy_jit, next_pow2, use_triton
 
 

@@ -31,13 +31,14 @@ import torch.nn.functional as F
 from ..cache import KVCache, decode_entries, encode_entries
 from ..errors import ConfigError
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
-from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights, rope_factors, rotate
-from . import cpu_block
-from .dispatch import use_triton
-from .linear import linear
+from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights
+from ..rotary import rope_factors, rotate
+from ..kernels import cpu_block
+from ..kernels.dispatch import use_triton
+from ..kernels.linear import linear
 
 def _triton_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    from .norm import add_rmsnorm
+    from ..kernels.norm import add_rmsnorm
     return add_rmsnorm(x, None, w, eps)[1]
 
 
@@ -88,7 +89,7 @@ class Cached:
     def rope(self, qk: torch.Tensor) -> torch.Tensor:
         """qk [B, T, heads, hd] rotated at the chunk's positions."""
         if self.triton:
-            from .rope import rope
+            from ..kernels.rope import rope
             return rope(qk, self.pos, self.step.table_cos, self.step.table_sin)
         return rotate(qk, self.cos, self.sin)
 
@@ -97,7 +98,7 @@ class Cached:
         h [B, T, d], k and v [B, T, KV, hd]); the heads' outputs [B, H, T, hd]."""
         cache, B = self.cache, self.B
         if self.triton:
-            from .attention import decode_attend
+            from ..kernels.attention import decode_attend
             # blocks from the host-side span of the context: no device read, so a CUDA graph captures the step
             # (CudaGraphStep prepares before each replay; during capture the blocks exist and this changes nothing)
             cache.prepare(slot, self.lanes, self.lo, self.hi)
