@@ -188,3 +188,20 @@ def test_facts_and_broker_load_without_torch(code):
     loaded = loaded_after(code)
     assert "torch" not in loaded
     assert {m for m in loaded if m.startswith("tinyloop")} <= FACTS
+
+
+def test_the_architecture_page_matches_the_tree():
+    """docs/architecture.md names every module (a subpackage's files by their folder) and states the layers as
+    LAYERS does."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    missing = []
+    for module, path in modules().items():
+        parts = path.relative_to(REPO).parts
+        named = f"{parts[1]}/" if len(parts) > 2 else path.name  # tinyloop/kernels/cpu.py -> "kernels/"
+        if path.name != "__init__.py" and named not in page:
+            missing.append(str(path.relative_to(REPO)))
+    assert not missing, f"docs/architecture.md does not name {missing}"
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in page.splitlines() if line.startswith("| ")}
+    for layer, names in LAYERS:
+        listed = {n.strip(" `/").split(" ")[0] for n in rows[layer].split(",")}
+        assert listed == names, (layer, listed ^ names)
