@@ -88,17 +88,18 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
             from tinyloop.speculative import parse_speculative
 
             sc = parse_speculative(speculative, "--speculative")
-        tokens: list[int] = []
+        from tinyloop.detokenize import Detokenizer
+
+        answer = Detokenizer(model.codec)
 
         def on_token(token: int, index: int) -> bool:
             nonlocal printed
             if printed is None:
                 click.echo(prompt_text, nl=False)
                 printed = ""
-            tokens.append(token)
-            text = model.codec.decode(tokens)
-            click.echo(text[len(printed):], nl=False)
-            printed = text
+            piece = answer.push(token)
+            click.echo(piece, nl=False)
+            printed += piece
             return True
 
         if sc is not None:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from broker.protocol import Codes
 from tinyloop.continuation import GrammarPrefix
+from tinyloop.detokenize import Detokenizer
 from workers.handles import EngineError
-from workers.stream_text import StreamText
 
 TokenSink = Callable[[int, int, str], None]
 
@@ -35,9 +35,7 @@ def run_continuation(engine: Any, handler: Callable[..., dict], params: dict, de
                           "(its delivered tokens were decoded at adaptive depth)")
     remaining = cfg.max_tokens - len(delivered)
     prompt_ids = model.encode_prompt(params["prompt"])
-    text = StreamText(model.codec)  # primed with the delivered tokens, so text pieces continue seamlessly
-    for token in delivered:
-        text.push(token)
+    text = Detokenizer(model.codec, delivered)  # primed with the delivered tokens, so text pieces continue seamlessly
     if remaining <= 0:  # everything was delivered, only the final reply was lost
         new = {"tokens": [], "text": "", "stats": {"stop_reason": "max_tokens", "generated_tokens": 0}}
     else:

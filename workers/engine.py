@@ -22,11 +22,11 @@ import tinyloop
 from broker.protocol import DIGEST_CHARS, DIGEST_TOKENS, MAX_ANNOUNCED_PREFIXES, Codes, prefix_digests
 from tinyloop.batch import DEFAULT_LANES
 from tinyloop.chat import chat_prompt
+from tinyloop.detokenize import Detokenizer
 from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
 from tinyloop.scoring import token_logprobs
 from workers.continuation import run_continuation
 from workers.handles import EngineError, HandleRegistry
-from workers.stream_text import StreamText
 
 log = logging.getLogger("tinyloop.worker")
 
@@ -93,7 +93,7 @@ class ModelEngine:
         for entry in prefixes:  # pinned entries of the model's prefix cache
             loops = entry["loops"] or model.cfg.default_loops
             tinyloop.register_prefix(self.pool, model, entry["prefix"], loops)
-            self.remember(entry["prefix"], loops)
+            self.remember(entry["prefix"], model.encode_prompt(entry["prefix"]), loops)
         self.ops_table: dict[str, Callable[..., dict]] = {
             "generate": self.op_generate, "generate_pool": self.op_generate_pool, "build_handle": self.op_build_handle,
             "resume": self.op_resume, "release_handle": self.op_release_handle, "speculative": self.op_speculative,
@@ -114,11 +114,10 @@ class ModelEngine:
         alive = [d for d, node in self.announcing if node.alive]
         return {"free_blocks": self.model.pool.free_count, "prefixes": alive[-MAX_ANNOUNCED_PREFIXES:]}
 
-    def remember(self, prompt: Any, loops: int) -> None:
+    def remember(self, prompt: Any, ids: list[int], loops: int) -> None:
         """After a request: announce the digests of the prompt's prefixes its cache now holds (up to the characters,
         or ids, of the longest cached token prefix), each tied to the cache node holding the end of that prefix, so
         evicting a request's own last blocks does not withdraw the scaffold it shares with others."""
-        ids = self.model.encode_prompt(prompt)
         path, n = self.model.prefixes.match(ids, loops)
         if not n:
             return
@@ -144,7 +143,8 @@ class ModelEngine:
                 return run_continuation(self, handler, params, delivered, on_token, should_stop)
             result = handler(params, on_token, should_stop)
             if "prompt" in params and op in PREFIX_OPS:
-                self.remember(params["prompt"], self.config(params).resolved_loops(self.model))
+                self.remember(params["prompt"], self.model.encode_prompt(params["prompt"]),
+                              self.config(params).resolved_loops(self.model))
             return result
 
     # ---------------------------------------------------------------- the batch
@@ -161,8 +161,9 @@ class ModelEngine:
             if op == "chat":
                 text, ids = chat_prompt(self.model, params["messages"])
                 params = {**params, "prompt": ids, "prompt_text": text}
-            seq = self.scheduler.submit(params["prompt"], cfg, self.callback(on_token, should_stop))
-        self.remember(params["prompt"], seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
+            ids = self.model.encode_prompt(params["prompt"])  # once: the scheduler and the prefix notes share it
+            seq = self.scheduler.submit(ids, cfg, self.callback(on_token, should_stop))
+        self.remember(params["prompt"], ids, seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
         self.batch[id(seq)] = (key, seq, params, should_stop)
         return True
 
@@ -185,7 +186,7 @@ class ModelEngine:
     def answer(self, key: str, seq: Any, params: dict) -> tuple[str, dict | EngineError]:
         # announce the prompt's prefixes again now that its blocks are surely cached (at join they may not be yet):
         # a heartbeat sent after this answer must list them, since the broker forgets its own note of them then
-        self.remember(params["prompt"], seq.loops)
+        self.remember(params["prompt"], seq.prompt, seq.loops)
         if seq.error is not None:
             return key, EngineError(Codes.BUDGET, str(seq.error))
         try:
@@ -205,7 +206,7 @@ class ModelEngine:
 
     def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> Callable[[int, int], bool]:
         """The runtime's on_token: forwards streamed tokens and returns False to stop the decode."""
-        text = StreamText(self.model.codec) if on_token is not None else None
+        text = Detokenizer(self.model.codec) if on_token is not None else None
 
         def on_runtime_token(token: int, pos: int) -> bool:
             if text is not None:

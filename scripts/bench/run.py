@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from scripts.bench.batch import bench_batch
+from scripts.bench.detokenize import bench_detokenize
 from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from tinyloop.cache import CACHE_MODES
 from scripts.bench.engine import bench_engine
@@ -94,6 +95,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "prefix_cache": bench_prefix_cache,
     "kernels": bench_kernels,
     "speculative": bench_speculative,
+    "detokenize": bench_detokenize,
     "engine": bench_engine,
     "peers": bench_peers,
 }

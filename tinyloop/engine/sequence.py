@@ -25,7 +25,7 @@ class Sequence:
         self.loops, self.threshold = cfg.resolved_loops(model), cfg.early_exit_threshold
         self.gen = make_generator(cfg.seed)
         self.history = list(prompt)  # prompt + tokens taken: what the repetition penalty sees
-        self.matcher = StopMatcher(model.codec.decode, cfg.stop_sequences)
+        self.matcher = StopMatcher(model.codec, cfg.stop_sequences)
         self.grammar = None
         if cfg.grammar is not None:
             from ..grammar import GrammarState  # xgrammar imports transformers (~1 s): only when a grammar is asked for
@@ -133,8 +133,7 @@ class Sequence:
     def fork(self) -> "Sequence":
         """An independent copy (beam search: a child hypothesis); the model, config and callback are shared."""
         child = copy.copy(self)
-        m = child.matcher = copy.copy(self.matcher)  # the decode function is shared, the lists are not
-        m.tokens, m.text_len = list(m.tokens), list(m.text_len)
+        child.matcher = self.matcher.fork()
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.history, child.loop_counts = list(self.history), list(self.loop_counts)
         return child
