@@ -182,10 +182,11 @@ class Runner:
             except BudgetError as exc:
                 finished += self.out_of_blocks(exc)
                 break
-        for seq in list(self.admitted):
-            if seq.logits is not None:
-                logits, seq.logits = seq.logits, None
-                if not seq.step(logits):
+        fresh = [s for s in self.admitted if s.logits is not None]
+        if fresh:  # every lane with fresh logits draws its token in one pass of the sampler
+            for seq, token in zip(fresh, Sequence.sample_all(fresh, [s.logits for s in fresh])):
+                seq.logits = None
+                if not seq.take(token):
                     self.release(seq)
                     finished.append(seq)
         return finished + self.decode_running()

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..sampling import apply_repetition_penalty, sample_token
+from ..sampling import LaneSampling, penalise, sample
 from ..stops import StopMatcher
 from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
 
@@ -48,18 +48,27 @@ class Sequence:
 
     # --- sampling -----------------------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
-        """Logits after the repetition penalty over history + extra (speculative drafts pass their path)."""
+        """Logits [V] after the repetition penalty over history + extra (speculative drafts pass their path)."""
         if self.cfg.repetition_penalty == 1.0:
             return logits
-        seen = torch.tensor(self.history + list(extra), device=logits.device)
-        return apply_repetition_penalty(logits, seen, self.cfg.repetition_penalty)
+        return penalise(logits.unsqueeze(0), [self.history + list(extra)], [self.cfg.repetition_penalty])[0]
+
+    def sampling(self) -> LaneSampling:
+        c = self.cfg
+        return LaneSampling(c.temperature, c.top_k, c.top_p, c.repetition_penalty, self.history, self.gen)
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [V] with the tokens the grammar forbids now at -inf."""
+        return logits if self.grammar is None else self.grammar.mask(logits)
+
+    @staticmethod
+    def sample_all(seqs: list["Sequence"], logits: list[torch.Tensor]) -> list[int]:
+        """The next token of each sequence from its logits [V], all drawn in one pass of the sampler."""
+        rows = torch.stack([seq.masked(row) for seq, row in zip(seqs, logits)])
+        return sample(rows, [seq.sampling() for seq in seqs])
 
     def sample(self, logits: torch.Tensor) -> int:
-        logits = self.penalised(logits)
-        if self.grammar is not None:
-            logits = self.grammar.mask(logits)
-        c = self.cfg
-        return sample_token(logits, c.temperature, c.top_k, c.top_p, self.gen)
+        return Sequence.sample_all([self], [logits])[0]
 
     def step(self, logits: torch.Tensor) -> bool:
         """Sample the next token from this sequence's logits [V] and take it; False once the sequence is done."""
