@@ -14,6 +14,7 @@ from .engine.calls import check_length, checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError
+from .prefix import PrefixPool, check_pool
 from .types import GenerateConfig, GenerateResult, OnToken
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
@@ -68,21 +69,34 @@ class Scheduler:
         model.check_alive()
         self.model = model
         self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len))
+        self.pools: dict[int, PrefixPool] = {}  # id(seq) -> the pool a request goes through
 
-    def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None) -> Sequence:
-        """Queue one request; ConfigError / ModeError / BudgetError (can never fit) at once, as generate would."""
+    def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None,
+               pool: PrefixPool | None = None) -> Sequence:
+        """Queue one request; ConfigError / ModeError / BudgetError (can never fit) at once, as generate would.
+        pool: the request goes through a PrefixPool (generate_with_pool): it reuses the pool's scaffolds and counts
+        in the pool's stats."""
         model = self.model
         cfg = checked(model, cfg, "batch")
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
         model.admit(1, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), what="the prompt", now=False)
         seq = Sequence(model, ids, cfg, on_token)
+        if pool is not None:
+            check_pool(pool, model)
+            pool.prune()
+            seq.prefixes, self.pools[id(seq)] = pool.lookup(model), pool
         self.runner.add(seq)
         return seq
 
     def step(self) -> list[Sequence]:
         with self.model.busy():
-            return self.runner.step()
+            done = self.runner.step()
+        for seq in done:
+            pool = self.pools.pop(id(seq), None)
+            if pool is not None:
+                pool.count(seq.prompt, seq.loops, seq.stats.prefix_hit_tokens)
+        return done
 
     def idle(self) -> bool:
         return self.runner.idle

@@ -259,12 +259,34 @@ class PrefixPool(Handle):
         for key in [k for k, e in self.entries.items() if e.freed]:
             self.drop(key)
 
+    def lookup(self, model: Model):
+        """What a request through the pool reuses: the model's prefix cache (read-only when prefix caching is off, so
+        it holds the scaffolds alone)."""
+        return model.prefixes if model.prefix_caching else LookupOnly(model.prefixes)
+
+    def count(self, ids: list[int], loops: int, hit: int) -> None:
+        """Account a request through the pool that reused `hit` prompt tokens; the scaffold it shares the most
+        tokens with counts as used."""
+        self.hits, self.misses, self.hit_tokens = self.hits + (hit > 0), self.misses + (hit == 0), self.hit_tokens + hit
+        if hit:
+            shared = {k: common_length(e.ids, ids) for k, e in self.entries.items() if e.n_loops == loops}
+            best = max(shared, key=shared.get, default=None)
+            if best is not None and shared[best]:
+                self.entries.move_to_end(best)
+
     def add(self, entry: PinnedPrefix) -> None:
         self.prune()
         while len(self.entries) >= self.capacity:
             self.drop(next(iter(self.entries)))
             self.evictions += 1
         self.entries[(tuple(entry.ids), entry.n_loops)] = entry
+
+
+def check_pool(pool: PrefixPool, model: Model) -> None:
+    """HandleError unless `pool` is a live PrefixPool usable with `model`."""
+    if not isinstance(pool, PrefixPool):
+        raise HandleError(f"expected a PrefixPool, got {type(pool).__name__}")
+    pool.check(model)
 
 
 def create_prefix_pool(capacity: int) -> PrefixPool:
@@ -277,11 +299,9 @@ def create_prefix_pool(capacity: int) -> PrefixPool:
 def register_prefix(pool: PrefixPool, model: Model, prefix, n_loops: int) -> PinnedPrefix:
     """Prefill `prefix` at n_loops loops and pin it in the model's prefix cache (a known prefix is only marked as
     recently used)."""
-    if not isinstance(pool, PrefixPool):
-        raise HandleError(f"expected a PrefixPool, got {type(pool).__name__}")
     n_loops = _check_loops(model, n_loops)
     ids = _prefix_ids(model, prefix)
-    pool.check(model)
+    check_pool(pool, model)
     with pool.using(model):
         if pool.model is None:
             pool.model, pool.model_id = model, model.model_id
@@ -303,21 +323,11 @@ def generate_with_pool(model: Model, pool: PrefixPool, prompt, cfg: GenerateConf
     """Generate from prompt, skipping the prefill of the longest token prefix the model's prefix cache holds at the
     same loop count (a registered scaffold, or with prefix caching any earlier prompt); no match is a plain
     prefill. Output equals generate(model, prompt, cfg)."""
-    if not isinstance(pool, PrefixPool):
-        raise HandleError(f"expected a PrefixPool, got {type(pool).__name__}")
-    pool.check(model)
+    check_pool(pool, model)
     cfg = _check_call(model, cfg, None)
     ids = model.encode_prompt(prompt)
     with pool.using(model):
         pool.prune()
-        prefixes = model.prefixes if model.prefix_caching else LookupOnly(model.prefixes)
-        out = _generate_from(model, ids, cfg, on_token, prefixes=prefixes)
-        hit = out.stats.prefix_hit_tokens
-        pool.hits, pool.misses, pool.hit_tokens = pool.hits + (hit > 0), pool.misses + (hit == 0), pool.hit_tokens + hit
-        if hit:  # the scaffold the prompt shares the most tokens with counts as used
-            loops = cfg.resolved_loops(model)
-            shared = {k: common_length(e.ids, ids) for k, e in pool.entries.items() if e.n_loops == loops}
-            best = max(shared, key=shared.get, default=None)
-            if best is not None and shared[best]:
-                pool.entries.move_to_end(best)
+        out = _generate_from(model, ids, cfg, on_token, prefixes=pool.lookup(model))
+        pool.count(ids, cfg.resolved_loops(model), out.stats.prefix_hit_tokens)
         return out

@@ -119,11 +119,11 @@ class PrefixTree:
         """The runner's `first` for a prompt whose prefix the tree holds: its blocks are lent to the lane now, and
         `first` prefills the rest at every loop as one chunk (what generate's prefill does at those positions).
         None on a miss (a plain prefill follows)."""
-        m = self.restore(seq.prompt, runner.loops, runner.lane(lane))
+        m = self.restore(seq.prompt, seq.loops, runner.lane(lane))
         if not m:
             return None
         seq.stats.prefix_hit_tokens = m
-        return lambda seq: runner.prefill(seq.prompt[m:], m, lane)[-1].clone()
+        return lambda seq: runner.prefill(seq.prompt[m:], m, lane, seq.loops, seq.threshold)[-1].clone()
 
     # --- insertion --------------------------------------------------------------------------------------------
     def keep(self, ids: list[int], loops: int, lane: KVCache, *, tail: bool = False, pin: bool = False) -> list[Node]:

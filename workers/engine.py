@@ -1,9 +1,10 @@
 """The model side of a worker: one Model, its scheduler (continuous batching), its handle
 registry and prefix pool, and one function per protocol op that calls the runtime's public API.
 
-`generate` and `chat` requests join the scheduler's batch (`join`, then `step` until they finish);
-the others (speculative, beam search, a sliding window, the prefix pool, warm starts, stream
-continuations) run alone through `run`, once the batch has drained (workers/worker.py).
+`generate`, `chat` and prefix-pool requests, continued streams among them, join the scheduler's batch
+(`join`, then `step` until they finish); the others (speculative, beam search, a sliding window, warm
+starts) still run alone through `run`, once the batch has drained (workers/worker.py; issue 30 is
+making every mode a lane).
 
 An op the worker does not know answers "unsupported_op".
 """
@@ -15,6 +16,7 @@ import logging
 import math
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,13 +27,26 @@ from tinyloop.chat import chat_prompt
 from tinyloop.detokenize import Detokenizer
 from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
 from tinyloop.scoring import token_logprobs
-from workers.continuation import run_continuation
+from workers.continuation import Continuation, continuation, run_continuation
 from workers.handles import EngineError, HandleRegistry
 
 log = logging.getLogger("tinyloop.worker")
 
 TokenSink = Callable[[int, int, str], None]
 PREFIX_OPS = ("generate", "generate_pool")  # ops whose prompts the prefix cache keeps (docs/service.md "Routing")
+BATCHED_OPS = ("generate", "chat", "generate_pool")  # ops that join the continuous batch (the others run alone)
+
+
+@dataclass
+class Batched:
+    """A request in the batch: its sequence, its params as sent, its prompt ids, and the continuation it is."""
+
+    key: str
+    seq: Any
+    params: dict
+    ids: list[int]
+    should_stop: Callable[[], bool]
+    continued: Continuation | None
 
 
 def to_wire(value: Any) -> Any:
@@ -71,7 +86,7 @@ class ModelEngine:
         self.model = model
         self.slots = lanes
         self.scheduler = tinyloop.Scheduler(model, lanes)
-        self.batch: dict[int, tuple[str, Any, dict, Callable[[], bool]]] = {}  # id(seq) -> key, seq, params, should_stop
+        self.batch: dict[int, Batched] = {}  # id(seq) -> the request it serves
         self.plan_bytes = plan_bytes
         self.model_name = model_name
         self.device = str(model.device)
@@ -151,50 +166,60 @@ class ModelEngine:
 
     def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
              delivered: list[int] | None = None) -> bool:
-        """Add a generate (or chat) request to the batch; False when it must run alone (`run`)."""
-        if op not in ("generate", "chat") or delivered or any(k in params for k in SPECULATIVE_FIELDS):
+        """Add a request to the batch: generate, chat and pool requests, continued or not. False when it must run
+        alone (`run`)."""
+        if op not in BATCHED_OPS or any(k in params for k in SPECULATIVE_FIELDS):
             return False
         cfg = self.config(params)  # validated once, by the scheduler's submit
-        if cfg.beam_size > 1 or cfg.cache_window:
+        if cfg.beam_size > 1 or cfg.cache_window or (delivered and len(delivered) >= cfg.max_tokens):
             return False
         with runtime_errors():
             if op == "chat":
                 text, ids = chat_prompt(self.model, params["messages"])
                 params = {**params, "prompt": ids, "prompt_text": text}
             ids = self.model.encode_prompt(params["prompt"])  # once: the scheduler and the prefix notes share it
-            seq = self.scheduler.submit(ids, cfg, self.callback(on_token, should_stop))
+            cont = continuation(self, params, ids, delivered) if delivered else None
+            run = cont.params(params) if cont else {**params, "prompt": ids}
+            sink = self.callback(on_token, should_stop, *((cont.text, len(cont.delivered)) if cont else ()))
+            seq = self.scheduler.submit(run["prompt"], self.config(run), sink,
+                                        pool=self.pool if op == "generate_pool" else None)
         self.remember(params["prompt"], ids, seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
-        self.batch[id(seq)] = (key, seq, params, should_stop)
+        self.batch[id(seq)] = Batched(key, seq, params, ids, should_stop, cont)
         return True
 
     def step(self) -> list[tuple[str, dict | EngineError]]:
         """One scheduling iteration: requests cancelled or past their deadline leave first; (key, answer) of each
         request that finished."""
-        for _, seq, _, should_stop in self.batch.values():
-            if should_stop():
-                seq.cancel()
+        for job in self.batch.values():
+            if job.should_stop():
+                job.seq.cancel()
         try:
             done = self.scheduler.step()
         except Exception as exc:  # a bug in a step must not kill the worker: every request in the batch fails
             log.exception("a scheduler step failed")
-            failed = [(key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}")) for key, *_ in self.batch.values()]
+            failed = [(job.key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}"))
+                      for job in self.batch.values()]
             self.batch.clear()
             self.scheduler = tinyloop.Scheduler(self.model, self.slots)
             return failed
-        return [self.answer(*self.batch.pop(id(seq))[:3]) for seq in done]
+        return [self.answer(self.batch.pop(id(seq))) for seq in done]
 
-    def answer(self, key: str, seq: Any, params: dict) -> tuple[str, dict | EngineError]:
+    def answer(self, job: "Batched") -> tuple[str, dict | EngineError]:
+        seq, params = job.seq, job.params
         # announce the prompt's prefixes again now that its blocks are surely cached (at join they may not be yet):
         # a heartbeat sent after this answer must list them, since the broker forgets its own note of them then
-        self.remember(params["prompt"], seq.prompt, seq.loops)
+        self.remember(params["prompt"], job.ids, seq.loops)
         if seq.error is not None:
-            return key, EngineError(Codes.BUDGET, str(seq.error))
+            return job.key, EngineError(Codes.BUDGET, str(seq.error))
         try:
             with runtime_errors():
-                result = self.scored(params, self.result(seq.result()))
+                result = self.result(seq.result())
+                if job.continued is not None:
+                    result = job.continued.result(self.model.codec, result)
+                result = self.scored(params, result)
         except EngineError as err:
-            return key, err
-        return key, {**result, "prompt_text": params["prompt_text"]} if "messages" in params else result
+            return job.key, err
+        return job.key, {**result, "prompt_text": params["prompt_text"]} if "messages" in params else result
 
     def idle(self) -> bool:
         return self.scheduler.idle()
@@ -204,13 +229,16 @@ class ModelEngine:
         fields = {k: params[k] for k in GENERATE_FIELDS if k in params}
         return tinyloop.GenerateConfig(**fields)
 
-    def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> Callable[[int, int], bool]:
-        """The runtime's on_token: forwards streamed tokens and returns False to stop the decode."""
-        text = Detokenizer(self.model.codec) if on_token is not None else None
+    def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool], text: Detokenizer | None = None,
+                 offset: int = 0) -> Callable[[int, int], bool]:
+        """The runtime's on_token: forwards streamed tokens with their text pieces (positions moved by `offset`, text
+        continuing `text`: a continuation's) and returns False to stop the decode."""
+        if on_token is not None and text is None:
+            text = Detokenizer(self.model.codec)
 
         def on_runtime_token(token: int, pos: int) -> bool:
-            if text is not None:
-                on_token(int(token), int(pos), text.push(int(token)))
+            if on_token is not None:
+                on_token(int(token), int(pos) + offset, text.push(int(token)))
             return not should_stop()
 
         return on_runtime_token

@@ -107,8 +107,9 @@ class Runner:
         """Advance seq's prompt by one piece (or `seq.first`); sets seq.logits once the prompt is in. Returns the
         prompt tokens it ran. A one-token prompt with early exit decodes adaptively, as any one-token forward."""
         t = time.perf_counter()
-        if seq.first is None and not seq.cached and self.prefixes is not None and seq.loops == self.loops:
-            seq.first = self.prefixes.reuse(self, seq, seq.lane)  # the longest cached prefix's blocks; None on a miss
+        prefixes = seq.prefixes or self.prefixes  # a pool request reuses scaffolds even with prefix caching off
+        if seq.first is None and not seq.cached and prefixes is not None:
+            seq.first = prefixes.reuse(self, seq, seq.lane)  # the longest cached prefix's blocks; None on a miss
             if seq.first is not None and seq.stats.prefix_hit_tokens == len(seq.prompt) - 1 \
                     and not self.is_adaptive(seq.threshold):
                 # Only the prompt's last token is left: it goes in as a row of this step's decode forward (the same
@@ -211,7 +212,8 @@ class Runner:
         for r, seq in enumerate(group):
             if seq.prompt_row:  # its prompt is in: what the end of a prefill does
                 seq.prompt_row, seq.t_prefilled = False, time.perf_counter()
-                self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
+                if self.prefixes is not None:
+                    self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
             else:
                 seq.pos += 1
             seq.loop_counts.append(used[r])

@@ -44,6 +44,7 @@ class Sequence:
         self.lane: int | None = None
         self.cached, self.first, self.logits, self.arrival = 0, None, None, 0
         self.prompt_row = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
+        self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
     # --- sampling -----------------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""Which requests join a worker's continuous batch (workers/engine.py): prefix-pool requests and continued streams
+run beside plain lanes, finish before a long request that arrived first, and answer exactly what they answer alone."""
+from __future__ import annotations
+
+import pytest
+
+import tinyloop
+from workers.engine import ModelEngine
+
+SCAFFOLD = '"""Project conventions for every answer."""\nimport os\nimport sys\n\n\n'
+never = lambda: False  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = tinyloop.load_model(None, 512, prefix_caching=True)
+    return ModelEngine(model, max_handles=4, plan_bytes=0, model_name="bundled", lanes=4,
+                       prefixes=[{"prefix": SCAFFOLD, "loops": 8}])
+
+
+def run_batch(engine, requests: list[tuple[str, str, dict, list[int] | None]]) -> tuple[dict, list[str]]:
+    """Join every (key, op, params, delivered) and step until all finish: their answers and the order they ended."""
+    streamed: dict[str, list] = {key: [] for key, *_ in requests}
+    for key, op, params, delivered in requests:
+        sink = lambda token, pos, text, key=key: streamed[key].append((pos, text))  # noqa: E731
+        assert engine.join(key, op, params, sink, never, delivered=delivered), f"{key} ({op}) did not join the batch"
+    answers, order = {}, []
+    while len(answers) < len(requests):
+        for key, answer in engine.step():
+            assert not isinstance(answer, Exception), answer
+            answers[key] = {**answer, "streamed": streamed[key]}
+            order.append(key)
+    return answers, order
+
+
+def test_a_pool_request_runs_beside_a_long_one_and_equals_generate_with_pool(engine):
+    model, pool = engine.model, engine.pool
+    prompt = SCAFFOLD + "def fibonacci(n):\n"
+    hits_before = pool.stats.hits
+    answers, order = run_batch(engine, [
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+        ("pool", "generate_pool", {"prompt": prompt, "max_tokens": 16, "loops": 8}, None)])
+    assert order == ["pool", "long"]  # it did not wait for the batch to drain
+    alone = tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=16, loops=8))
+    assert answers["pool"]["tokens"] == alone.tokens
+    assert answers["pool"]["stats"]["prefix_hit_tokens"] >= len(model.encode_prompt(SCAFFOLD)) - 16
+    assert pool.stats.hits == hits_before + 1
+
+
+def test_a_continued_stream_joins_the_batch_and_answers_the_whole_output(engine):
+    model = engine.model
+    prompt, cfg = "def read_file(path):\n", tinyloop.GenerateConfig(max_tokens=24)
+    whole = tinyloop.generate(model, prompt, cfg)
+    delivered = whole.tokens[:9]
+    answers, order = run_batch(engine, [
+        ("long", "generate", {"prompt": "import os\n", "max_tokens": 120}, None),
+        ("cont", "generate", {"prompt": prompt, "max_tokens": 24}, delivered)])
+    assert order == ["cont", "long"]
+    cont = answers["cont"]
+    assert cont["tokens"] == whole.tokens and cont["text"] == whole.text
+    assert cont["stats"]["continued_after"] == 9
+    positions = [pos for pos, _ in cont["streamed"]]
+    assert positions == list(range(9, len(whole.tokens)))  # streamed after what the client holds, never twice
+    assert model.codec.decode(delivered) + "".join(text for _, text in cont["streamed"]) == whole.text
+
+
+def test_prefix_reuse_in_the_batch_at_any_loop_count(engine):
+    """A prompt cached at 16 loops is reused by a batched request at 16 loops (the model's default is 8)."""
+    model = engine.model
+    prompt = "def parse(text):\n    return [line.split() for line in text.splitlines()]\n" * 3
+    first, _ = run_batch(engine, [("a", "generate", {"prompt": prompt, "max_tokens": 4, "loops": 16}, None)])
+    again, _ = run_batch(engine, [("b", "generate", {"prompt": prompt + "x", "max_tokens": 8, "loops": 16}, None)])
+    assert again["b"]["stats"]["prefix_hit_tokens"] > 0
+    alone = tinyloop.generate(model, prompt + "x", tinyloop.GenerateConfig(max_tokens=8, loops=16))
+    assert again["b"]["tokens"] == alone.tokens
