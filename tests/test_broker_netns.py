@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -16,33 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 from broker import launcher  # noqa: E402
 from broker.security import create_keys  # noqa: E402
+from netlab import veth_host  # noqa: E402
 from test_broker import ECHO_WORKER, Service  # noqa: E402
-
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
 @pytest.fixture
 def remote_host():
     """A namespace "remote" linked to this one by a veth pair: 10.77.x.1 here, 10.77.x.2 there."""
-    tag = uuid.uuid4().hex[:6]
-    ns, here, there = f"tl{tag}", f"tla{tag}", f"tlb{tag}"
-    subnet = f"10.77.{int(tag[:2], 16)}"
-    sh("ip", "netns", "add", ns)
-    try:
-        sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
-        sh("ip", "link", "set", there, "netns", ns)
-        sh("ip", "addr", "add", f"{subnet}.1/30", "dev", here)
-        sh("ip", "link", "set", here, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/30", "dev", there)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", there, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield ns, f"{subnet}.1"
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
+    with veth_host() as host:
+        yield host
 
 
 def test_worker_and_client_on_another_host_over_curve(remote_host, tmp_path):
