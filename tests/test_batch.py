@@ -107,8 +107,8 @@ def test_call_entry_constraints_name_the_rule(tiny_model):
         generate_batch(m, ["a", [5] * 250], GenerateConfig(max_tokens=10))
     with pytest.raises(ModeError, match=r"cache_window.*Batched"):
         generate_batch(m, ["a", "b"], GenerateConfig(cache_window=8))
-    with pytest.raises(ModeError, match=r"Beam search.*Batched"):
-        generate_batch(m, ["a", "b"], GenerateConfig(beam_size=2))
+    with pytest.raises(ConfigError, match="beam search is deterministic"):
+        generate_batch(m, ["a", "b"], GenerateConfig(beam_size=2, temperature=0.7))
     with pytest.raises(ConfigError, match="one per prompt"):
         generate_batch(m, ["a", "b"], [GenerateConfig()])
     with pytest.raises(ConfigError, match="non-empty list"):
@@ -154,3 +154,17 @@ def test_lanes_sample_with_their_own_settings(tiny_model):
     batch = generate_batch(tiny_model, prompts, cfgs)
     for p, c, r in zip(prompts, cfgs, batch):
         assert r.tokens == generate(tiny_model, p, c).tokens
+
+
+def test_beam_requests_run_beside_plain_lanes_and_equal_beam_search_alone(tiny_model):
+    """A batch that mixes beam widths with greedy and seeded lanes: every lane's output (and a beam's n-best list)
+    equals the same request run alone."""
+    prompts = ["def add(a, b):\n    return", "import os\n", "class Point:\n", [11, 12, 13]]
+    cfgs = [GenerateConfig(max_tokens=12, beam_size=3), GenerateConfig(max_tokens=20),
+            GenerateConfig(max_tokens=10, beam_size=2, loops=6), GenerateConfig(max_tokens=16, temperature=0.8, seed=5)]
+    together = generate_batch(tiny_model, prompts, cfgs)
+    for prompt, cfg, res in zip(prompts, cfgs, together):
+        alone = generate(tiny_model, prompt, cfg)
+        assert (res.tokens, res.text, res.stats.stop_reason) == (alone.tokens, alone.text, alone.stats.stop_reason)
+        if cfg.beam_size > 1:
+            assert [(h.tokens, h.logprob) for h in res.n_best] == [(h.tokens, h.logprob) for h in alone.n_best]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tinyloop
-from tinyloop import ConfigError, GenerateConfig, ModeError, beam_search, generate, generate_batch, generate_stream
+from tinyloop import ConfigError, GenerateConfig, ModeError, beam_search, generate, generate_stream
 from tinyloop.decoding import LENGTH_PENALTY
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n", [11, 12, 13], "class Point:\n    x: int = 0\n    y"]
@@ -93,7 +93,7 @@ def test_beam_streams_final_tokens_and_cancels(tiny_model):
 def test_beam_rules(tiny_model):
     with pytest.raises(ConfigError, match="temperature"):
         generate(tiny_model, "a", GenerateConfig(beam_size=2, temperature=0.7))
-    with pytest.raises(ModeError, match=r"Beam search.*Batched"):
-        generate_batch(tiny_model, ["a", "b"], GenerateConfig(beam_size=2))
+    with pytest.raises(ModeError, match=r"Beam search.*Speculative"):
+        tinyloop.generate_speculative(tiny_model, "a", tinyloop.SpeculativeConfig(2, 4, 2), GenerateConfig(beam_size=2))
     with pytest.raises(ConfigError, match="beam_size"):
         generate(tiny_model, "a", GenerateConfig(beam_size=0))

@@ -73,3 +73,16 @@ def test_prefix_reuse_in_the_batch_at_any_loop_count(engine):
     assert again["b"]["stats"]["prefix_hit_tokens"] > 0
     alone = tinyloop.generate(model, prompt + "x", tinyloop.GenerateConfig(max_tokens=8, loops=16))
     assert again["b"]["tokens"] == alone.tokens
+
+
+def test_a_beam_request_holds_lanes_of_the_batch_and_equals_beam_search_alone(engine):
+    model = engine.model
+    prompt = "def add(a, b):\n    return"
+    answers, order = run_batch(engine, [
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+        ("beam", "generate", {"prompt": prompt, "max_tokens": 12, "beam_size": 3}, None),
+        ("short", "generate", {"prompt": "import os\n", "max_tokens": 8}, None)])
+    assert order.index("beam") < order.index("long") and order.index("short") < order.index("long")
+    alone = tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=12, beam_size=3))
+    assert answers["beam"]["tokens"] == alone.tokens and answers["beam"]["text"] == alone.text
+    assert "".join(text for _, text in answers["beam"]["streamed"]) == alone.text

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from .engine.calls import check_length, checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
-from .errors import ConfigError
+from .errors import BudgetError, ConfigError
 from .prefix import PrefixPool, check_pool
 from .types import GenerateConfig, GenerateResult, OnToken
 
@@ -35,7 +35,7 @@ def lane_configs(prompts, cfg) -> list[GenerateConfig]:
 def check_batch(model, cfgs: list[GenerateConfig]) -> None:
     """The seed table's call-entry constraints that do not need the prompts. Every other setting (loops and
     early-exit thresholds included) may differ per lane: the scheduler groups lanes for the forward."""
-    cfgs[:] = [checked(model, c, "batch") for c in cfgs]  # cache_window > 0 and beam_size > 1 are rejected here
+    cfgs[:] = [checked(model, c, "batch") for c in cfgs]  # cache_window > 0 is rejected here
 
 
 def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig] | None = None,
@@ -77,10 +77,15 @@ class Scheduler:
         pool: the request goes through a PrefixPool (generate_with_pool): it reuses the pool's scaffolds and counts
         in the pool's stats."""
         model = self.model
-        cfg = checked(model, cfg, "batch")
+        cfg = checked(model, cfg, "batch" if pool is None else "prefix")  # the mode matrix's column for the call
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
-        model.admit(1, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), what="the prompt", now=False)
+        width, lanes = cfg.beam_size, self.runner.cache.lanes  # a beam request holds beam_size lanes at once
+        if width > lanes:
+            raise BudgetError(f"beam_size {width} needs {width} lanes at once, and this scheduler has {lanes}: it can "
+                              f"never fit; lower beam_size")
+        what = f"{width} x beam hypothesis" if width > 1 else "the prompt"
+        model.admit(width, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), what=what, now=False)
         seq = Sequence(model, ids, cfg, on_token)
         if pool is not None:
             check_pool(pool, model)

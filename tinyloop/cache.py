@@ -425,25 +425,28 @@ class KVCache:
             base.cell_pos[:, self._index] = self.cell_pos
 
     def reorder_lanes(self, index: torch.Tensor) -> None:
-        """Lane i takes the contents of lane index[i], for i < len(index) (beam search: children inherit their
-        parent's cache). Lanes share the blocks (reference counted); a write into a shared block copies it."""
+        """Lane i takes the contents of lane index[i], for i < len(index)."""
         order = [int(i) for i in index]
+        self.assign_lanes(list(range(len(order))), order)
+
+    def assign_lanes(self, dst: list[int], src: list[int]) -> None:
+        """Lane dst[i] takes the contents lane src[i] had, all at once (beam search: each child inherits its parent's
+        cache). Lanes share the blocks (reference counted); a write into a shared block copies it."""
         pool = self.pool
         self.changed()
         for row in self.held:
-            fresh = [list(row[i]) for i in order]
+            fresh = [list(row[i]) for i in src]
             for ids in fresh:
                 for b in ids:
                     pool.retain(b)
-            for lane, ids in enumerate(fresh):
+            for lane, ids in zip(dst, fresh):
                 for b in row[lane]:
                     pool.drop(b)
                 row[lane][:] = ids
-        n = len(order)
-        index = torch.tensor(order, device=self.device)
-        self.table[:, :n] = self.table.index_select(1, index)
+        to, frm = torch.tensor(dst, device=self.device), torch.tensor(src, device=self.device)
+        self.table[:, to] = self.table.index_select(1, frm)
         if self.cell_pos is not None:
-            self.cell_pos[:, :n] = self.cell_pos.index_select(1, index)
+            self.cell_pos[:, to] = self.cell_pos.index_select(1, frm)
 
     # --- handles keep blocks of lane 0 and lend them back later ---------------------------------------
     def share(self, slots: range, cells: int) -> Span:

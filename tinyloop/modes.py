@@ -20,7 +20,7 @@ _ROWS = {
     "int4":         ("yes", "yes", "yes", "yes", "yes", "yes"),
     "grammar":      ("yes", "yes", "no",  "no",  "yes", "yes"),
     "cache_window": ("yes", "no",  "yes", "no",  "no",  "yes"),
-    "beam":         ("yes", "no",  "no",  "no",  "no",  "no"),
+    "beam":         ("yes", "yes", "no",  "no",  "no",  "no"),
 }
 MATRIX: dict[tuple[str, str], str] = {(m, c): _ROWS[m][i] for m in MODES for i, c in enumerate(CALLS)}
 

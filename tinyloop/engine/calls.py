@@ -19,6 +19,9 @@ def checked(model, cfg: GenerateConfig | None, call: str) -> GenerateConfig:
     """The call's config, validated against the model and the mode matrix's column for `call`."""
     cfg = (cfg or GenerateConfig()).validate(model)
     check_modes(call, model.cache_mode, cfg)
+    if cfg.beam_size > 1 and (cfg.temperature != 0 or cfg.top_k != 0 or cfg.top_p != 1.0):
+        raise ConfigError("beam search is deterministic: GenerateConfig.temperature must be 0 and top_k/top_p off "
+                          f"when beam_size > 1 (got temperature={cfg.temperature}, top_k={cfg.top_k}, top_p={cfg.top_p})")
     return cfg
 
 
@@ -42,11 +45,12 @@ def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lane
     longest = max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
     loops = loops or max(c.resolved_loops(model) for c in cfgs)
     model.net.ensure_positions(longest + ring + 1)
-    n = n_lanes or min(len(prompts), BATCH_LANES)
+    widest = max(c.beam_size for c in cfgs)  # a beam request holds beam_size lanes
+    n = n_lanes or max(widest, min(sum(c.beam_size for c in cfgs), BATCH_LANES))
     if n_lanes or len(prompts) == 1:  # beam hypotheses run together, so they must fit together
         model.admit(n, longest, loops, max(window, ring), what=f"{n} x {what}" if n > 1 else what)
-    else:  # batch lanes wait for blocks or are preempted (Runner.run): each must fit on its own
-        model.admit(1, longest, loops, max(window, ring), what=f"the longest {what}", now=False)
+    else:  # batch lanes wait for blocks or are preempted (Runner.run): each request must fit on its own
+        model.admit(widest, longest, loops, max(window, ring), what=f"the longest {what}", now=False)
     cache = model.decode_cache if n == 1 and not window else model.new_cache(n, longest, window, ring)
     cache.reset()
     try:

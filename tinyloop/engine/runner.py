@@ -29,8 +29,9 @@ import torch
 
 from ..cache import KVCache
 from ..errors import BudgetError
-from . import forward as cached
 from ..memory import blocks_for, release_freed_memory
+from . import forward as cached
+from .beam import BeamGroup
 from .sequence import Sequence
 
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
@@ -157,6 +158,8 @@ class Runner:
         """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`
         tokens come from a handle instead of a prefill."""
         seq.cached, seq.first, seq.arrival = cached, first, self.arrivals
+        if seq.cfg.beam_size > 1 and seq.beam is None:
+            seq.beam = BeamGroup(seq)  # it takes beam_size lanes when admitted
         self.arrivals += 1
         self.waiting.append(seq)
 
@@ -169,7 +172,11 @@ class Runner:
         """One scheduling iteration; returns the sequences that finished in it (`seq.error` set when one had to be
         given up: it could not get a block with nothing else running)."""
         self.steps += 1
-        finished = [s for s in self.waiting + self.admitted if s.done]
+        for group in self.groups():
+            if group.root.done:  # cancelled from outside
+                group.cancel()
+        finished = [s for s in self.waiting if s.done] + [s for s in self.admitted if s.done and s.beam is None]
+        finished += [g.root for g in self.groups() if g.outcome is not None]
         for seq in finished:
             self.release(seq)
         self.admit()
@@ -183,14 +190,28 @@ class Runner:
             except BudgetError as exc:
                 finished += self.out_of_blocks(exc)
                 break
-        fresh = [s for s in self.admitted if s.logits is not None]
+        fresh = [s for s in self.admitted if s.logits is not None and s.beam is None]
         if fresh:  # every lane with fresh logits draws its token in one pass of the sampler
             for seq, token in zip(fresh, Sequence.sample_all(fresh, [s.logits for s in fresh])):
                 seq.logits = None
                 if not seq.take(token):
                     self.release(seq)
                     finished.append(seq)
+        for group in self.groups():  # beam requests: their members' logits choose the next beam
+            if group.members[0].logits is not None:
+                old, new = group.members, group.advance(self.cache)
+                at = self.admitted.index(old[0])
+                self.admitted[at:at] = new
+                for seq in old:
+                    self.admitted.remove(seq)
+                if group.outcome is not None:
+                    self.release(group.root)
+                    finished.append(group.root)
         return finished + self.decode_running()
+
+    def groups(self) -> list[BeamGroup]:
+        """The beam-search requests holding lanes, oldest first."""
+        return list({id(s.beam): s.beam for s in self.admitted if s.beam is not None}.values())
 
     def decode_running(self) -> list[Sequence]:
         """Feed one token per running lane, all in one forward, each lane at its own loops and threshold; fresh logits
@@ -221,12 +242,15 @@ class Runner:
         return []
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
-        """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up."""
-        victims = [s for s in self.admitted if s.logits is None]
-        if len(self.admitted) == 1:
-            seq = self.admitted[0]
+        """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up, and so is the
+        youngest beam-search request when only those are left (their hypotheses are not recomputed)."""
+        victims = [s for s in self.admitted if s.logits is None and s.beam is None]
+        if len(self.admitted) == 1 or not victims:
+            seq = self.admitted[-1].beam.root if self.admitted[-1].beam is not None else self.admitted[-1]
             seq.error = exc
             seq.cancel()
+            if seq.beam is not None:
+                seq.beam.cancel()
             self.release(seq)
             return [seq]
         self.preempt(victims[-1])
@@ -239,16 +263,19 @@ class Runner:
         if self.hold_back and self.admitted:
             return  # after a preemption sequences rejoin only once a running one has finished (no thrashing)
         self.hold_back = False
-        while self.waiting and self.free_lanes:
+        while self.waiting and len(self.free_lanes) >= self.waiting[0].cfg.beam_size:
             seq = self.waiting[0]
-            # its blocks now, and room for every admitted lane to cross into a new block on the next step
+            # its blocks now, and room for every admitted lane (a beam request's every lane) to cross into a new block
+            # on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
-                sum(cfg.n_slots(s.loops) for s in self.admitted + [seq])
+                sum(cfg.n_slots(s.loops) for s in self.admitted) + seq.cfg.beam_size * cfg.n_slots(seq.loops)
             if self.admitted and need > pool.room():
                 log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.arrival, need, pool.room())
                 return
             self.waiting.pop(0)
             seq.lane = self.free_lanes.pop(0)
+            if seq.beam is not None:
+                seq.beam.lanes = [seq.lane] + [self.free_lanes.pop(0) for _ in range(seq.cfg.beam_size - 1)]
             self.admitted.append(seq)
             log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
                       seq.arrival, seq.lane, len(seq.prompt), seq.loops, pool.room())
@@ -282,7 +309,15 @@ class Runner:
         self.hold_back = True
 
     def release(self, seq: Sequence) -> None:
-        """Take a sequence out of the runner; its lane's blocks go back to the pool at once."""
+        """Take a sequence out of the runner; its lane's blocks go back to the pool at once (a beam request: every
+        lane it holds)."""
+        if seq.beam is not None and seq is seq.beam.root and seq.beam.lanes:
+            self.admitted = [s for s in self.admitted if s.beam is not seq.beam]
+            for lane in seq.beam.lanes:
+                self.lane(lane).reset()
+            self.free_lanes = sorted(self.free_lanes + seq.beam.lanes)
+            seq.beam.lanes, seq.lane, self.hold_back = [], None, False
+            return
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:

@@ -45,6 +45,7 @@ class Sequence:
         self.cached, self.first, self.logits, self.arrival = 0, None, None, 0
         self.prompt_row = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
+        self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
     # --- sampling -----------------------------------------------------------------------------------------
@@ -131,6 +132,9 @@ class Sequence:
         return m.text if self.stop_reason == "stop_sequence" and m.strings else self.model.codec.decode(self.tokens)
 
     def result(self) -> GenerateResult:
+        if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
+            self.beam.cancel()
+            return self.beam.outcome
         st = self.stats
         tokens = self.tokens
         st.generated_tokens, st.stop_reason = len(tokens), self.stop_reason
