@@ -86,3 +86,17 @@ def test_a_beam_request_holds_lanes_of_the_batch_and_equals_beam_search_alone(en
     alone = tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=12, beam_size=3))
     assert answers["beam"]["tokens"] == alone.tokens and answers["beam"]["text"] == alone.text
     assert "".join(text for _, text in answers["beam"]["streamed"]) == alone.text
+
+
+def test_windowed_requests_step_beside_the_batch_and_equal_generate(engine):
+    model = engine.model
+    plain, beam = {"prompt": "def main():\n", "max_tokens": 40, "cache_window": 24}, \
+        {"prompt": "import os\n", "max_tokens": 12, "cache_window": 16, "beam_size": 2}
+    answers, order = run_batch(engine, [
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+        ("window", "generate", plain, None), ("window-beam", "generate", beam, None)])
+    assert order[-1] == "long"
+    for key, params in (("window", plain), ("window-beam", beam)):
+        cfg = tinyloop.GenerateConfig(**{k: v for k, v in params.items() if k != "prompt"})
+        alone = tinyloop.generate(model, params["prompt"], cfg)
+        assert answers[key]["tokens"] == alone.tokens, key

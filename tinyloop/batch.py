@@ -63,12 +63,17 @@ class Scheduler:
     scheduling iteration (docs/engine.md) and returns the sequences that finished in it; `seq.result()` is a
     request's GenerateResult, `seq.cancel()` stops one. Up to `lanes` requests run at once, the rest wait.
 
+    A request with a sliding window (cache_window > 0) runs in a runner of its own (one lane, or a beam's lanes) over
+    a ring cache, stepped in every step beside the batch: the forwards it would run alone, taking turns with the
+    batch's (windows differ per request; the batch's lanes share one cache layout).
+
     The model is held (BusyError otherwise) only during a step, so other calls may run between steps."""
 
     def __init__(self, model, lanes: int = DEFAULT_LANES):
         model.check_alive()
         self.model = model
         self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len))
+        self.windowed: dict[int, Runner] = {}  # id(seq) -> the runner of a windowed request
         self.pools: dict[int, PrefixPool] = {}  # id(seq) -> the pool a request goes through
 
     def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None,
@@ -77,7 +82,9 @@ class Scheduler:
         pool: the request goes through a PrefixPool (generate_with_pool): it reuses the pool's scaffolds and counts
         in the pool's stats."""
         model = self.model
-        cfg = checked(model, cfg, "batch" if pool is None else "prefix")  # the mode matrix's column for the call
+        # the mode matrix's column for the call: a windowed request runs as single decode does, in a runner of its own
+        windowed = cfg is not None and cfg.cache_window > 0 and pool is None
+        cfg = checked(model, cfg, "single" if windowed else "batch" if pool is None else "prefix")
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
         width, lanes = cfg.beam_size, self.runner.cache.lanes  # a beam request holds beam_size lanes at once
@@ -85,18 +92,29 @@ class Scheduler:
             raise BudgetError(f"beam_size {width} needs {width} lanes at once, and this scheduler has {lanes}: it can "
                               f"never fit; lower beam_size")
         what = f"{width} x beam hypothesis" if width > 1 else "the prompt"
-        model.admit(width, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), what=what, now=False)
+        model.admit(width, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), cfg.cache_window, what=what,
+                    now=False)
         seq = Sequence(model, ids, cfg, on_token)
         if pool is not None:
             check_pool(pool, model)
             pool.prune()
             seq.prefixes, self.pools[id(seq)] = pool.lookup(model), pool
-        self.runner.add(seq)
+        if windowed:
+            model.net.ensure_positions(len(ids) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
+            cache = model.new_cache(cfg.beam_size, model.max_seq_len, cfg.cache_window)  # a beam: all its lanes
+            runner = self.windowed[id(seq)] = Runner(model, cache)
+            runner.add(seq)
+        else:
+            self.runner.add(seq)
         return seq
 
     def step(self) -> list[Sequence]:
         with self.model.busy():
             done = self.runner.step()
+            for key, runner in list(self.windowed.items()):
+                done += runner.step()
+                if runner.idle:
+                    del self.windowed[key]
         for seq in done:
             pool = self.pools.pop(id(seq), None)
             if pool is not None:
@@ -104,4 +122,4 @@ class Scheduler:
         return done
 
     def idle(self) -> bool:
-        return self.runner.idle
+        return self.runner.idle and not self.windowed

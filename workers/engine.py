@@ -1,9 +1,9 @@
 """The model side of a worker: one Model, its scheduler (continuous batching), its handle
 registry and prefix pool, and one function per protocol op that calls the runtime's public API.
 
-`generate`, `chat` and prefix-pool requests, beam search and continued streams among them, join the
-scheduler's batch (`join`, then `step` until they finish); the others (speculative, a sliding window,
-warm starts) still run alone through `run`, once the batch has drained (workers/worker.py).
+`generate`, `chat` and prefix-pool requests, beam search, sliding windows and continued streams among
+them, join the scheduler's batch (`join`, then `step` until they finish); speculative decoding and warm
+starts still run alone through `run`, once the batch has drained (workers/worker.py).
 
 An op the worker does not know answers "unsupported_op".
 """
@@ -170,7 +170,7 @@ class ModelEngine:
         if op not in BATCHED_OPS or any(k in params for k in SPECULATIVE_FIELDS):
             return False
         cfg = self.config(params)  # validated once, by the scheduler's submit
-        if cfg.cache_window or (delivered and len(delivered) >= cfg.max_tokens):
+        if delivered and len(delivered) >= cfg.max_tokens:  # nothing left to generate: `run` answers it
             return False
         with runtime_errors():
             if op == "chat":
