@@ -100,3 +100,31 @@ def test_windowed_requests_step_beside_the_batch_and_equal_generate(engine):
         cfg = tinyloop.GenerateConfig(**{k: v for k, v in params.items() if k != "prompt"})
         alone = tinyloop.generate(model, params["prompt"], cfg)
         assert answers[key]["tokens"] == alone.tokens, key
+
+
+def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch):
+    """A request whose own postprocess fails (here its stream sink raises at its 4th token, and another's grammar
+    mask raises) gets its error; its batch-mates' answers are those of a clean run."""
+    model = engine.model
+    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n"]
+    clean, _ = run_batch(engine, [(f"c{i}", "generate", {"prompt": p, "max_tokens": 12}, None)
+                                  for i, p in enumerate(prompts)])
+
+    def sink(token, pos, text):
+        if pos == 3:
+            raise RuntimeError("the client's stream broke")
+
+    assert engine.join("bad-stream", "generate", {"prompt": prompts[0], "max_tokens": 12}, sink, never)
+    assert engine.join("bad-mask", "generate", {"prompt": prompts[1], "max_tokens": 12}, None, never)
+    bad = next(job.seq for job in engine.batch.values() if job.key == "bad-mask")
+    monkeypatch.setattr(bad, "masked", lambda logits: 1 / 0)
+    for i in (2, 3):
+        assert engine.join(f"ok{i}", "generate", {"prompt": prompts[i], "max_tokens": 12}, None, never)
+    answers = {}
+    while len(answers) < 4:
+        answers.update(engine.step())
+    assert answers["bad-stream"].code == "runtime_error" and "stream broke" in answers["bad-stream"].message
+    assert answers["bad-mask"].code == "runtime_error" and "ZeroDivisionError" in answers["bad-mask"].message
+    for i in (2, 3):
+        assert answers[f"ok{i}"]["tokens"] == clean[f"c{i}"]["tokens"]
+    assert tinyloop.generate(model, prompts[0], tinyloop.GenerateConfig(max_tokens=4)).stats.generated_tokens == 4

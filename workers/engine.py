@@ -208,8 +208,8 @@ class ModelEngine:
         # announce the prompt's prefixes again now that its blocks are surely cached (at join they may not be yet):
         # a heartbeat sent after this answer must list them, since the broker forgets its own note of them then
         self.remember(params["prompt"], job.ids, seq.loops)
-        if seq.error is not None:
-            return job.key, EngineError(Codes.BUDGET, str(seq.error))
+        if seq.error is not None:  # given up: out of blocks, or a fault of its own (its batch-mates went on)
+            return job.key, engine_error(seq.error)
         try:
             with runtime_errors():
                 result = self.result(seq.result())
@@ -310,18 +310,19 @@ class ModelEngine:
         tinyloop.free_handle(handle)
 
 
+def engine_error(exc: Exception) -> EngineError:
+    """A runtime exception as the wire's error code (anything else is a runtime_error naming its type)."""
+    for kind, code in ((tinyloop.ModeError, Codes.MODE_ERROR), (tinyloop.ConfigError, Codes.CONFIG_ERROR),
+                       (tinyloop.HandleError, Codes.HANDLE_UNKNOWN), (tinyloop.BudgetError, Codes.BUDGET)):
+        if isinstance(exc, kind):
+            return EngineError(code, str(exc))
+    return EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}")
+
+
 @contextmanager
 def runtime_errors():
     """The runtime's exceptions as the wire's error codes."""
     try:
         yield
-    except tinyloop.ModeError as exc:
-        raise EngineError(Codes.MODE_ERROR, str(exc)) from None
-    except tinyloop.ConfigError as exc:
-        raise EngineError(Codes.CONFIG_ERROR, str(exc)) from None
-    except tinyloop.HandleError as exc:
-        raise EngineError(Codes.HANDLE_UNKNOWN, str(exc)) from None
-    except tinyloop.BudgetError as exc:
-        raise EngineError(Codes.BUDGET, str(exc)) from None
     except tinyloop.TinyLoopError as exc:
-        raise EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from None
+        raise engine_error(exc) from None

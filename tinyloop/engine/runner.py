@@ -190,24 +190,62 @@ class Runner:
             except BudgetError as exc:
                 finished += self.out_of_blocks(exc)
                 break
-        fresh = [s for s in self.admitted if s.logits is not None and s.beam is None]
-        if fresh:  # every lane with fresh logits draws its token in one pass of the sampler
-            for seq, token in zip(fresh, Sequence.sample_all(fresh, [s.logits for s in fresh])):
-                seq.logits = None
-                if not seq.take(token):
-                    self.release(seq)
-                    finished.append(seq)
-        for group in self.groups():  # beam requests: their members' logits choose the next beam
-            if group.members[0].logits is not None:
-                old, new = group.members, group.advance(self.cache)
-                at = self.admitted.index(old[0])
-                self.admitted[at:at] = new
-                for seq in old:
-                    self.admitted.remove(seq)
-                if group.outcome is not None:
-                    self.release(group.root)
-                    finished.append(group.root)
+        finished += self.postprocess()
         return finished + self.decode_running()
+
+    def postprocess(self) -> list[Sequence]:
+        """Every lane with fresh logits takes its next token (one pass of the sampler for all of them) and every beam
+        request chooses its next beam; returns the requests that finished. A fault while one request samples,
+        matches stops, advances its grammar or streams fails that request alone (seq.error); the others go on."""
+        finished = []
+        fresh = [s for s in self.admitted if s.logits is not None and s.beam is None]
+        try:
+            tokens: list = Sequence.sample_all(fresh, [s.logits for s in fresh]) if fresh else []
+        except Exception:  # noqa: BLE001 (a lane's own fault broke the shared pass: draw each alone to find it)
+            tokens = [self.guarded(s.sample, s.logits) for s in fresh]
+        for seq, token in zip(fresh, tokens):
+            seq.logits = None
+            alive = token if isinstance(token, Exception) else self.guarded(seq.take, token)
+            if isinstance(alive, Exception):
+                finished.append(self.fail(seq, alive))
+            elif not alive:
+                self.release(seq)
+                finished.append(seq)
+        for group in self.groups():  # beam requests: their members' logits choose the next beam
+            if group.members[0].logits is None:
+                continue
+            old = group.members
+            new = self.guarded(group.advance, self.cache)
+            if isinstance(new, Exception):
+                finished.append(self.fail(group.root, new))
+                continue
+            at = self.admitted.index(old[0])
+            self.admitted[at:at] = new
+            for seq in old:
+                self.admitted.remove(seq)
+            if group.outcome is not None:
+                self.release(group.root)
+                finished.append(group.root)
+        return finished
+
+    @staticmethod
+    def guarded(fn: Callable, *args: object) -> object:
+        """fn(*args), or the exception it raised (a request's own fault, answered to that request alone)."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("a request failed in its own postprocess: %s: %s", type(exc).__name__, exc)
+            return exc
+
+    def fail(self, seq: Sequence, exc: Exception) -> Sequence:
+        """Give a request up on a fault of its own; its blocks go back at once."""
+        root = seq.beam.root if seq.beam is not None else seq
+        root.error = exc
+        root.cancel()
+        if root.beam is not None:
+            root.beam.cancel()
+        self.release(root)
+        return root
 
     def groups(self) -> list[BeamGroup]:
         """The beam-search requests holding lanes, oldest first."""
@@ -246,13 +284,7 @@ class Runner:
         youngest beam-search request when only those are left (their hypotheses are not recomputed)."""
         victims = [s for s in self.admitted if s.logits is None and s.beam is None]
         if len(self.admitted) == 1 or not victims:
-            seq = self.admitted[-1].beam.root if self.admitted[-1].beam is not None else self.admitted[-1]
-            seq.error = exc
-            seq.cancel()
-            if seq.beam is not None:
-                seq.beam.cancel()
-            self.release(seq)
-            return [seq]
+            return [self.fail(self.admitted[-1], exc)]
         self.preempt(victims[-1])
         return []
 
