@@ -206,6 +206,8 @@ def build_request(op: str, params: dict, stream: bool, timeout: float, request_i
     `received` (a re-send): the tokens of this request already received."""
     request_id = request_id or new_request_id()
     resend = {"received": received} if received is not None else {}
+    if isinstance(params.get("logit_bias"), dict):  # msgpack maps on the wire have string keys, as JSON's do
+        params = {**params, "logit_bias": {str(k): v for k, v in params["logit_bias"].items()}}
     try:
         frames = protocol.encode(
             CLIENT_TO_BROKER, "request", id=request_id, op=op, params=params, stream=stream, timeout_s=timeout, **resend

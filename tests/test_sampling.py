@@ -2,6 +2,7 @@
 drawing as it would alone; the right distribution; safe at the extremes the field table admits."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tinyloop
@@ -57,3 +58,45 @@ def test_extreme_settings_stay_finite_and_batch_mates_are_untouched():
     results = tinyloop.generate_batch(model, ["def f(x):"] * 3, [greedy, tiny_t, tiny_penalty])
     assert results[0].tokens == alone and results[1].tokens == alone
     assert results[2].stats.generated_tokens >= 1 and results[2].stats.stop_reason in ("max_tokens", "eos")
+
+
+def test_presence_frequency_bias_and_bans_adjust_their_rows_only():
+    from tinyloop.sampling import adjust
+
+    rows = torch.zeros(2, 10)
+    plain = LaneSampling(1.0, 0, 1.0, 1.0, [], None)
+    lane = LaneSampling(1.0, 0, 1.0, 1.0, [1, 5, 5, 7], None, presence_penalty=0.5, frequency_penalty=1.0,
+                        output=[5, 5, 7], bias={2: 3.0}, banned=[9])
+    out = adjust(rows, [plain, lane])
+    assert torch.equal(out[0], rows[0])
+    assert out[1, 5] == -2.5 and out[1, 7] == -1.5 and out[1, 2] == 3.0 and out[1, 9] == float("-inf")
+    assert out[1, 1] == 0.0  # a prompt token: the presence and frequency penalties count the output only
+
+
+def test_min_p_keeps_tokens_near_the_top():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    kept = torch.isfinite(filter_rows(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                                      torch.tensor([0.15])))
+    assert kept.tolist() == [[True, True, True, False, False]]  # p >= 0.15 x 0.5
+
+
+def test_ignore_eos_min_tokens_and_stop_token_ids(bundled_model):
+    model, eos = bundled_model, bundled_model.eos_id
+    forced = {eos: 100.0}  # the model would end at once
+    ended = tinyloop.generate(model, "def f(x):", tinyloop.GenerateConfig(max_tokens=8, logit_bias=forced))
+    assert ended.tokens == [] and ended.stats.stop_reason == "eos"
+    kept = tinyloop.generate(model, "def f(x):", tinyloop.GenerateConfig(max_tokens=8, logit_bias=forced, ignore_eos=True))
+    assert kept.stats.generated_tokens == 8 and kept.stats.stop_reason == "max_tokens"
+    held = tinyloop.generate(model, "def f(x):", tinyloop.GenerateConfig(max_tokens=8, logit_bias=forced, min_tokens=5))
+    assert held.stats.generated_tokens == 5 and held.stats.stop_reason == "eos" and eos not in held.tokens
+    free = tinyloop.generate(model, "def f(x):", tinyloop.GenerateConfig(max_tokens=12)).tokens
+    stop = free[3]
+    cut = tinyloop.generate(model, "def f(x):", tinyloop.GenerateConfig(max_tokens=12, stop_token_ids=[stop]))
+    assert cut.tokens == free[:free.index(stop)] and cut.stats.stop_reason == "stop_sequence"
+    late = tinyloop.generate(model, "def f(x):",
+                             tinyloop.GenerateConfig(max_tokens=12, stop_token_ids=[stop], min_tokens=6))
+    assert len(late.tokens) >= 6 and stop not in late.tokens[:6]
+    with pytest.raises(tinyloop.ConfigError, match="logit_bias"):
+        tinyloop.generate(model, "x", tinyloop.GenerateConfig(logit_bias={10**6: 1.0}))
+    with pytest.raises(tinyloop.ConfigError, match="presence_penalty"):
+        tinyloop.generate(model, "x", tinyloop.GenerateConfig(presence_penalty=float("nan")))

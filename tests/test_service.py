@@ -179,3 +179,22 @@ def test_loadtest_concurrency_sweep_json_and_plot(service, tmp_path):
     import matplotlib.image
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(str(png)).ndim == 3
+
+
+def test_the_samplers_further_controls_over_the_wire(service, model):
+    """ignore_eos, min_tokens, stop_token_ids, logit_bias (integer keys from Python), min_p and the presence /
+    frequency penalties travel in a request and act as in process."""
+    eos = model.eos_id
+    with Client(service.frontend, timeout=60) as client:
+        kept = client.generate(PROMPT, max_tokens=8, logit_bias={eos: 100.0}, ignore_eos=True)
+        held = client.generate(PROMPT, max_tokens=8, logit_bias={eos: 100.0}, min_tokens=5)
+        free = client.generate(PROMPT, max_tokens=12)
+        cut = client.generate(PROMPT, max_tokens=12, stop_token_ids=[free.tokens[3]])
+        shaped = client.generate(PROMPT, max_tokens=12, temperature=0.9, seed=3, min_p=0.1, presence_penalty=0.5,
+                                 frequency_penalty=0.3)
+    assert len(kept.tokens) == 8 and kept.stats["stop_reason"] == "max_tokens"
+    assert len(held.tokens) == 5 and held.stats["stop_reason"] == "eos"
+    assert cut.tokens == free.tokens[:free.tokens.index(free.tokens[3])]
+    local = tinyloop.GenerateConfig(max_tokens=12, temperature=0.9, seed=3, min_p=0.1, presence_penalty=0.5,
+                                    frequency_penalty=0.3)
+    assert shaped.tokens == tinyloop.generate(model, PROMPT, local).tokens

@@ -103,6 +103,27 @@ def plain_map(max_keys: int) -> Check:
     return check
 
 
+def token_bias(max_items: int, lo: float, hi: float) -> Check:
+    """A map of token id -> additive logit bias (ids as integers, or as decimal strings, which is how JSON keys
+    arrive), at most max_items entries, each bias a number in [lo, hi]."""
+    bias = number_in(lo, hi)
+
+    def check(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return f"must be a map of token id to bias, got {type(value).__name__}"
+        if len(value) > max_items:
+            return f"must have at most {max_items} entries"
+        for key, b in value.items():
+            if not (is_int(key) and 0 <= key < 2**31) and not (isinstance(key, str) and key.isdigit() and len(key) < 11):
+                return f"keys must be token ids, got {key!r}"
+            error = bias(b)
+            if error:
+                return f"bias of token {key}: {error}"
+        return None
+
+    return check
+
+
 def list_of(item_check: Check, max_len: int) -> Check:
     def check(value: Any) -> str | None:
         if not isinstance(value, (list, tuple)):
@@ -135,6 +156,14 @@ GENERATE_FIELDS: dict[str, Check] = {
     "beam_size": int_in(1, 64),
     "cache_window": int_in(0, 1 << 20),
     "early_exit_threshold": number_in(0.0, 1e6),
+    # the sampler's further controls (the ones vLLM's clients send, docs/gateway.md)
+    "min_p": number_in(0.0, 1.0),
+    "presence_penalty": number_in(-2.0, 2.0),
+    "frequency_penalty": number_in(-2.0, 2.0),
+    "logit_bias": token_bias(1024, -100.0, 100.0),
+    "ignore_eos": boolean,
+    "min_tokens": int_in(0, 1 << 16),
+    "stop_token_ids": list_of(int_in(0, 2**31 - 1), 64),
 }
 
 # SpeculativeConfig's settings (verify_loops None: the request's loops).

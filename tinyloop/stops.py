@@ -25,13 +25,16 @@ class StopMatcher:
         self.text = ""
         self.emitted = 0
 
-    def push(self, token: int) -> tuple[list[int], bool]:
-        """Add a token; return the tokens now safe to stream and whether a stop sequence completed."""
+    def push(self, token: int, can_stop: bool = True) -> tuple[list[int], bool]:
+        """Add a token; return the tokens now safe to stream and whether a stop sequence completed (never while not
+        `can_stop`: before min_tokens)."""
         self.tokens.append(token)
         searched_to = len(self.text)
         if self.detok is not None:
             self.text += self.detok.push(token)
         self.text_len.append(len(self.text))
+        if not can_stop:
+            return self._release(self._safe_tokens()), False
         for seq in self.token_seqs:
             if self.tokens[-len(seq):] == seq:
                 return self._cut_tokens(len(self.tokens) - len(seq)), True

@@ -30,6 +30,13 @@ class GenerateConfig:
     beam_size: int = 1
     cache_window: int = field(default_factory=lambda: env_number("TINYLOOP_CACHE_WINDOW", int, 0, 0))
     early_exit_threshold: float = field(default_factory=lambda: env_number("TINYLOOP_EARLY_EXIT", float, 0.0, 0.0))
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0: off)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit (-100 bans, 100 forces)
+    ignore_eos: bool = False  # EOS is a token like any other: generate max_tokens
+    min_tokens: int = 0  # EOS, stop_token_ids and stop sequences end nothing before this many tokens
+    stop_token_ids: Sequence = ()  # tokens that end the output like EOS (not part of it)
 
     def validate(self, model=None) -> "GenerateConfig":
         """Every setting against its rule in tinyloop/fields.py, then the rules that need the model; ConfigError names
@@ -42,6 +49,12 @@ class GenerateConfig:
                 raise ConfigError(f"GenerateConfig.{name} {error}")
         if model is not None and self.loops is not None and self.loops > model.cfg.max_loops:
             raise ConfigError(f"GenerateConfig.loops must be an integer in 1..{model.cfg.max_loops}, got {self.loops!r}")
+        if model is not None:
+            vocab = model.cfg.vocab_size
+            for name, tokens in (("logit_bias", [int(t) for t in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+                bad = [t for t in tokens if t >= vocab]
+                if bad:
+                    raise ConfigError(f"GenerateConfig.{name}: token id(s) {bad[:5]} outside the vocabulary 0..{vocab - 1}")
         return self
 
     def resolved_loops(self, model) -> int:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..sampling import LaneSampling, penalise, sample
+from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
 
@@ -25,7 +25,7 @@ class Sequence:
         self.loops, self.threshold = cfg.resolved_loops(model), cfg.early_exit_threshold
         self.gen = make_generator(cfg.seed)
         self.history = list(prompt)  # prompt + tokens taken: what the repetition penalty sees
-        self.matcher = StopMatcher(model.codec, cfg.stop_sequences)
+        self.matcher = StopMatcher(model.codec, list(cfg.stop_sequences) + [[t] for t in cfg.stop_token_ids])
         self.grammar = None
         if cfg.grammar is not None:
             from ..grammar import GrammarState  # xgrammar imports transformers (~1 s): only when a grammar is asked for
@@ -50,14 +50,21 @@ class Sequence:
 
     # --- sampling -----------------------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
-        """Logits [V] after the repetition penalty over history + extra (speculative drafts pass their path)."""
-        if self.cfg.repetition_penalty == 1.0:
+        """Logits [V] after every adjustment the config asks for (penalties, logit bias, tokens banned until
+        min_tokens), with `extra` tokens taken after the history (speculative drafts pass their path)."""
+        lane = self.sampling(extra)
+        if lane.repetition_penalty == 1.0 and not lane.adjusts:
             return logits
-        return penalise(logits.unsqueeze(0), [self.history + list(extra)], [self.cfg.repetition_penalty])[0]
+        return adjust(logits.unsqueeze(0), [lane])[0]
 
-    def sampling(self) -> LaneSampling:
+    def sampling(self, extra: list[int] = ()) -> LaneSampling:
         c = self.cfg
-        return LaneSampling(c.temperature, c.top_k, c.top_p, c.repetition_penalty, self.history, self.gen)
+        seen = self.history + list(extra) if extra else self.history
+        early = self.count + len(extra) < c.min_tokens  # EOS and stop tokens may not end the output yet
+        banned = ([] if c.ignore_eos else [self.model.eos_id]) + list(c.stop_token_ids) if early else []
+        return LaneSampling(c.temperature, c.top_k, c.top_p, c.repetition_penalty, seen, self.gen, c.min_p,
+                            c.presence_penalty, c.frequency_penalty, seen[len(self.prompt):],
+                            {int(k): float(v) for k, v in c.logit_bias.items()}, banned)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [V] with the tokens the grammar forbids now at -inf."""
@@ -84,9 +91,9 @@ class Sequence:
         self.count += 1
         if self.grammar is not None:
             self.grammar.accept(token)
-        if token == self.model.eos_id:  # under a grammar EOS is only allowed once the output is complete
+        if token == self.model.eos_id and not self.cfg.ignore_eos:  # under a grammar: only once the output is complete
             return self.finish("grammar_complete" if self.grammar is not None else "eos")
-        ready, stopped = self.matcher.push(token)
+        ready, stopped = self.matcher.push(token, can_stop=self.count >= self.cfg.min_tokens)
         if not self.emit(ready):
             return self.finish("cancelled")
         if stopped:
