@@ -4,12 +4,14 @@ Sequences may be added at any time (`add`); one `step()` is one scheduling itera
 as in Orca and vLLM), and both the in-process calls (`run`: add, then step until done) and the worker drive it.
 One step:
   1. drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
-  2. admit waiting sequences, oldest first, while a lane is free and the pool's free blocks cover them
+  2. admit waiting sequences, oldest first, while a lane is free (a beam request: beam_size lanes) and the pool's
+     free blocks cover them
      (a preempted sequence is recomputed here, exactly);
   3. prefill: pieces of admitted prompts, the shortest rest first, up to `chunk` prompt tokens in all (a piece never
      crosses a multiple of `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards);
-  4. sample: every sequence with fresh logits takes its next token (stops, grammar, streaming, max_tokens);
-     a finished one leaves at once and gives its blocks back;
+  4. postprocess: every sequence with fresh logits takes its next token, drawn for all of them in one pass of the
+     sampler (stops, grammar, streaming, max_tokens), and every beam request chooses its next beam (engine/beam.py);
+     a finished one leaves at once and gives its blocks back; a fault of one request's own fails it alone;
   5. decode: the running lanes feed one token each in one forward, each lane at its own loop count and early-exit
      threshold (the model's one forward takes them per lane).
 When a forward finds the pool exhausted, the youngest sequence without fresh logits gives its blocks back and
