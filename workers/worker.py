@@ -187,6 +187,10 @@ class WorkerProcess:
                 # Paranoid Pirate: the broker went quiet. Reconnect with a growing back-off.
                 log.warning("worker %s: broker silent for %.1fs, reconnecting in %.1fs", self.name, now - last_heard, reconnect_delay)
                 self.abandon_running("the broker went silent")
+                # Close the old socket first: were the link to return during the back-off, its pending connect would
+                # deliver the queued "ready", and the broker would hand requests to a socket about to be replaced.
+                self.dealer.close(linger=0)
+                self.dealer = None
                 time.sleep(reconnect_delay)
                 reconnect_delay = min(reconnect_delay * 2, self.reconnect_max_s)
                 self.connect()
