@@ -246,7 +246,8 @@ class Broker:
 
     def run(self) -> None:
         """Serve until stop() is called (or SIGTERM/SIGINT when installed), then drain and close."""
-        log.info("broker listening: clients %s, workers %s", self.frontend_endpoint, self.backend_endpoint)
+        # debug: `tinyloop broker` or `serve` prints the endpoints once, for the user
+        log.debug("broker listening: clients %s, workers %s", self.frontend_endpoint, self.backend_endpoint)
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)

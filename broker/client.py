@@ -24,7 +24,12 @@ after `heartbeat * liveness` seconds of silence), opens a fresh socket under the
 identity and re-sends every request that has no final reply yet, under the same id and with
 the tokens it already received, so a restarted broker continues streams where they broke
 and a live one replays only what was lost. Token positions are checked on arrival, so a
-token is never handed out twice.
+token is never handed out twice. A client that has never heard from any broker, though, fails
+its requests after `connect_timeout` (8 s) with a RequestTimeout naming the endpoint: a wrong
+endpoint or a broker that is not running is said in seconds, not at each request's deadline.
+
+A request that cannot be sent as it is (a field out of range, a string holding a lone
+surrogate, a value msgpack cannot write) raises InvalidRequest before anything is sent.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ CLIENT_GRACE_S = 2.0
 # Lazy Pirate: probe a broker silent this long while requests are open; reconnect after LIVENESS silences.
 HEARTBEAT_S = 1.0
 LIVENESS = 3
+# A client that has never heard from its broker fails its requests after this long, naming the endpoint (a wrong
+# endpoint, or no broker there); once it has heard from one, it rides out a broker restart until the deadline.
+CONNECT_TIMEOUT_S = 8.0
 
 log = logging.getLogger(__name__)
 
@@ -286,13 +294,16 @@ class _Core:
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT_S, grace: float = CLIENT_GRACE_S,
                  curve_dir: str | None = None, context: zmq.Context | None = None, heartbeat: float = HEARTBEAT_S,
-                 liveness: int = LIVENESS):
+                 liveness: int = LIVENESS, connect_timeout: float = CONNECT_TIMEOUT_S):
         self.endpoint = endpoint
         self.timeout = timeout
         self.grace = grace
         self.curve_dir = curve_dir
         self.heartbeat = heartbeat
         self.liveness = liveness
+        self.connect_timeout = connect_timeout
+        self.heard = False  # anything ever arrived from a broker on this endpoint
+        self.waiting_since = time.monotonic()  # since when requests are open without pause
         self.ctx = context or self.context_class.instance()
         self.identity = new_identity()
         self.inbox: dict[str, Any] = {}  # request id -> its box of messages not yet consumed
@@ -330,7 +341,7 @@ class _Core:
             request_id, frames = build_request(op, params, stream, timeout, request_id)
         now = time.monotonic()
         if not self.open:
-            self.last_heard = now  # silence while nothing was open says nothing about the broker
+            self.last_heard = self.waiting_since = now  # silence while nothing was open says nothing about the broker
         self.open[request_id] = Outgoing(op, params, stream, now + timeout)
         self.inbox.setdefault(request_id, self._new_box())
         return request_id, frames, now + timeout + self.grace
@@ -381,6 +392,8 @@ class _Core:
     def _check_broker(self, lost: bool) -> None:
         """Lazy Pirate: probe a silent broker; on a lost connection reconnect and re-send."""
         now = time.monotonic()
+        if not self.heard and now - self.waiting_since > self.connect_timeout:
+            return self._unreachable()
         silent = now - self.last_heard
         if lost or silent > self.heartbeat * self.liveness:
             self._reconnect("the connection dropped" if lost else f"no answer for {silent:.1f}s")
@@ -400,8 +413,22 @@ class _Core:
             if not self._send_nowait(outgoing.frames(request_id, now)):  # queued until the connection is up
                 break  # no room: the next reconnect tries again
 
+    def _unreachable(self) -> None:
+        """No broker ever answered: fail every open request now, naming the endpoint, rather than each at its
+        deadline. (A cancel follows each request, should a broker appear and read them after all.)"""
+        keys = " (and with CURVE: does it hold this client's key?)" if self.curve_dir else ""
+        message = (f"no answer from a broker at {self.endpoint} within {self.connect_timeout:.0f}s: is it running, "
+                   f"and is this its frontend endpoint?{keys}")
+        for request_id, outgoing in list(self.open.items()):
+            del self.open[request_id]
+            if outgoing.op is not None:
+                self.cancel_quietly(request_id)
+            self._put(self.inbox[request_id],
+                      protocol.Message("error", {"id": request_id, "code": Codes.TIMEOUT, "message": message}))
+
     def _file(self, frames: list[bytes]) -> None:
         self.last_heard = time.monotonic()
+        self.heard = True
         try:
             msg = protocol.decode(BROKER_TO_CLIENT, frames, max_bytes=1 << 30)
         except ProtocolError:

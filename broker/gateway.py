@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import re
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,14 +29,15 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from broker import client as bc
 from broker.metrics import LATENCY_BUCKETS
-from broker.openai_schema import (APIError, Plan, chat_choice, chat_logprobs, chat_plan, completion_choice,
-                                  completion_plan, finish_reason, usage)
+from broker.openai_schema import (APIError, Plan, WorkLimits, chat_choice, chat_logprobs, chat_plan,
+                                  completion_choice, completion_plan, finish_reason, usage)
 
 log = logging.getLogger("tinyloop.gateway")
 
@@ -66,9 +68,29 @@ def load_api_keys(keys: tuple[str, ...] | list[str], key_file: str | None) -> li
     return found
 
 
-def service_error(err: bc.ServiceError) -> APIError:
+# The runtime's words for a prompt that does not fit (tinyloop/engine/calls.py check_length), said as OpenAI says it.
+CONTEXT_LENGTH = re.compile(r"length (\d+) \+ max_tokens (\d+) exceeds max_seq_len (\d+)")
+
+
+def context_length_error(message: str, kind: str) -> APIError | None:
+    found = CONTEXT_LENGTH.search(message)
+    if found is None:
+        return None
+    prompt, completion, limit = map(int, found.groups())
+    where = "messages" if kind == "chat" else "prompt"
+    return APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{prompt + completion} tokens ({prompt} in the {where}, {completion} in the completion). "
+                         f"Please reduce the length of the {where} or the completion (max_tokens).",
+                    param=where, code="context_length_exceeded")
+
+
+def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
     status = STATUS_FOR_CODE.get(err.code, 500)
     message = err.message.split(": ", 1)[1] if ": " in err.message else err.message
+    if err.code == "config_error":
+        too_long = context_length_error(message, kind)
+        if too_long is not None:
+            return too_long
     # Name the field when the wire schema or the runtime did ("field 'loops'", "GenerateConfig.loops").
     found = re.search(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)", message)
     param = next((g for g in found.groups() if g), None) if found else None
@@ -98,8 +120,10 @@ class Gateway:
     """One gateway: a broker connection, readiness, auth and the ASGI app (`self.app`)."""
 
     def __init__(self, connect: str, *, api_keys: list[str] = (), model_name: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, timeout: float = 300.0, curve_dir: str | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, timeout: float = 300.0, curve_dir: str | None = None,
+                 limits: WorkLimits = WorkLimits()):
         self.connect = connect
+        self.limits = limits
         self.api_keys = [k.encode() for k in api_keys]
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
@@ -117,7 +141,8 @@ class Gateway:
             Route("/v1/models/{name:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
-        ], lifespan=self.lifespan, exception_handlers={APIError: self.on_api_error, ClientDisconnect: self.on_gone})
+        ], lifespan=self.lifespan, exception_handlers={APIError: self.on_api_error, ClientDisconnect: self.on_gone,
+                                                       HTTPException: self.on_http_error, Exception: self.on_crash})
 
     # ------------------------------------------------------------------ lifecycle and readiness
 
@@ -183,6 +208,18 @@ class Gateway:
         self.metrics.requests.labels(request.url.path, str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+    async def on_http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own errors (404 no such path, 405 wrong method) in OpenAI's shape, not plain text."""
+        what = {404: f"no such endpoint: {request.url.path} (see docs/gateway.md)",
+                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return await self.on_api_error(request, APIError(exc.status_code, what, code=code, headers=exc.headers))
+
+    async def on_crash(self, request: Request, exc: Exception) -> Response:
+        """A bug in the gateway: the client still gets an OpenAI error (Starlette re-raises it; uvicorn logs it)."""
+        return await self.on_api_error(request, APIError(500, f"internal error in the gateway: {type(exc).__name__}",
+                                                         code="internal_error"))
+
     async def on_gone(self, request: Request, exc: ClientDisconnect) -> Response:
         # Nobody is listening any more; 499 (nginx's "client closed request") only shows in logs and metrics.
         self.metrics.requests.labels(request.url.path, "499").inc()
@@ -214,13 +251,25 @@ class Gateway:
             body = json.loads(b"".join(chunks))
         except ValueError as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply to be read as JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        # A "\\ud800" escape is valid JSON but no text: nothing downstream (msgpack, the tokenizer, this error's own
+        # JSON reply) could encode it. One pass over the body, before any field echoes it back.
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"request body holds invalid Unicode: a lone surrogate {exc.object[exc.start]!r} "
+                                "(half of a UTF-16 pair) in a string; send UTF-8 text", code="invalid_unicode") from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
         return body
 
     async def intake(self, request: Request, make_plan) -> Plan:
         self.authorize(request)
         plan = make_plan(await self.read_json(request))
+        plan.check_work(self.limits)
         if plan.model is not None and plan.model not in self.served_models():
             raise APIError(404, f"The model '{plan.model}' does not exist (served: {self.served_models()})",
                            param="model", code="model_not_found")
@@ -268,9 +317,13 @@ class Gateway:
         self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - t0)
 
     async def run_all(self, plan: Plan) -> list[tuple[int, int, dict]]:
-        """Every choice of every prompt as its own broker request, all at once."""
+        """Every choice of every prompt as its own broker request, at most BATCH_WINDOW of them on the service at
+        once, so that one call never fills the broker's queue with its own choices (and gets 429 for its own load)."""
+        gate = asyncio.Semaphore(bc.BATCH_WINDOW)
+
         async def one(index: int, p: int, params: dict) -> tuple[int, int, dict]:
-            reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
+            async with gate:
+                reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
             return index, p, reply.result
 
         try:
@@ -281,7 +334,7 @@ class Gateway:
                 for t in tasks:  # one failed: stop the others on the service as well
                     t.cancel()
         except bc.ServiceError as err:
-            raise service_error(err) from None
+            raise service_error(err, plan.kind) from None
 
     async def until_disconnect(self, request: Request, work):
         """Await `work` unless the client hangs up first; then cancel it (and so its broker requests)."""
@@ -309,7 +362,8 @@ class Gateway:
         events: asyncio.Queue = asyncio.Queue()
         # With logprobs (scored after generation) or echo a choice is sent whole when it is done.
         token_stream = not plan.logprobs and not plan.echo
-        jobs = [asyncio.ensure_future(self.pump(plan, index, params, token_stream, events))
+        gate = asyncio.Semaphore(bc.BATCH_WINDOW)
+        jobs = [asyncio.ensure_future(self.pump(plan, index, params, token_stream, events, gate))
                 for index, _p, params in plan.requests()]
         t0 = time.perf_counter()
         try:
@@ -321,29 +375,31 @@ class Gateway:
         if first[1] == "error":
             for job in jobs:
                 job.cancel()
-            raise service_error(first[2])
+            raise service_error(first[2], plan.kind)
         gen = self.sse(request, plan, rid, jobs, events, first, t0)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def pump(self, plan: Plan, index: int, params: dict, token_stream: bool, events: asyncio.Queue) -> None:
-        """One broker request -> (index, kind, payload) events: token, done or error."""
+    async def pump(self, plan: Plan, index: int, params: dict, token_stream: bool, events: asyncio.Queue,
+                   gate: asyncio.Semaphore) -> None:
+        """One broker request -> (index, kind, payload) events: token, done or error; it waits for the call's gate."""
         try:
-            if token_stream:
-                messages = self.client._messages(plan.op, params, True, plan.timeout or self.timeout)
-                try:
-                    async for msg in messages:
-                        if msg.type == "error":
-                            raise bc.error_from_reply(msg.fields)
-                        if msg.type == "token":
-                            await events.put((index, "token", bc.TokenEvent(msg["token"], msg["pos"], msg["text"])))
-                        else:
-                            await events.put((index, "done", msg["result"]))
-                finally:
-                    await messages.aclose()  # a cancelled pump cancels its broker request
-            else:
-                reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
-                await events.put((index, "done", reply.result))
+            async with gate:
+                if token_stream:
+                    messages = self.client._messages(plan.op, params, True, plan.timeout or self.timeout)
+                    try:
+                        async for msg in messages:
+                            if msg.type == "error":
+                                raise bc.error_from_reply(msg.fields)
+                            if msg.type == "token":
+                                await events.put((index, "token", bc.TokenEvent(msg["token"], msg["pos"], msg["text"])))
+                            else:
+                                await events.put((index, "done", msg["result"]))
+                    finally:
+                        await messages.aclose()  # a cancelled pump cancels its broker request
+                else:
+                    reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
+                    await events.put((index, "done", reply.result))
         except bc.ServiceError as err:
             await events.put((index, "error", err))
 
@@ -373,7 +429,7 @@ class Gateway:
             while True:
                 index, kind, payload = event
                 if kind == "error":
-                    err, failed = service_error(payload), True
+                    err, failed = service_error(payload, plan.kind), True
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 if kind == "token":
@@ -411,9 +467,31 @@ class Gateway:
                 job.cancel()
 
 
-def run_gateway(connect: str, host: str, port: int, **options: Any) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both and finishes open requests)."""
+def listen(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before anything else starts: a port in use fails here, at once, with
+    the OSError naming it (uvicorn would log it and exit later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted gateway takes its port back at once
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
+
+
+def run_gateway(connect: str, sock: socket.socket, ready_file: str | None = None, **options: Any) -> None:
+    """Serve on a bound socket (`listen`) until SIGINT/SIGTERM (uvicorn handles both and finishes open requests).
+    `ready_file`: written (JSON: the URL) once the socket listens, for the process that started the gateway."""
     import uvicorn
 
     gateway = Gateway(connect, **options)
-    uvicorn.run(gateway.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    host, port = sock.getsockname()[:2]
+    if ready_file:  # connections made from now on wait in the socket's backlog until uvicorn takes them
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"url": f"http://{f'[{host}]' if ':' in host else host}:{port}"}))
+        tmp.rename(ready_file)
+    config = uvicorn.Config(gateway.app, log_level="warning", timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.protocol import FATAL_WORKER_EXITS
+from broker.protocol import WorkerExit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,17 +41,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def service_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "scripts.service_cli", *args]
+def service_command(*args: str, module: str = "scripts.service_cli") -> list[str]:
+    return [sys.executable, "-m", module, *args]
 
 
-def spawn(args: list[str], log_path: str | Path | None = None, root: Path = REPO_ROOT) -> subprocess.Popen:
-    """Start `python -m scripts.service_cli ARGS...` of the tree at `root`; output goes to log_path (or is
-    inherited)."""
+def spawn(args: list[str], log_path: str | Path | None = None, root: Path = REPO_ROOT,
+          module: str = "scripts.service_cli") -> subprocess.Popen:
+    """Start `python -m MODULE ARGS...` of the tree at `root`; output goes to log_path (or is inherited). Paths in
+    ARGS must be absolute (the child runs in `root`): the CLI resolves them against the caller's directory."""
     out = open(log_path, "ab") if log_path else None
     try:
         return subprocess.Popen(
-            service_command(*args),
+            service_command(*args, module=module),
             env=child_env(root),
             cwd=str(root),
             stdout=out,
@@ -64,7 +65,30 @@ def spawn(args: list[str], log_path: str | Path | None = None, root: Path = REPO
             out.close()
 
 
-def wait_for_file(path: str | Path, proc: subprocess.Popen, timeout: float) -> dict:
+def last_words(log_path: str | Path | None) -> str:
+    """The last non-empty line of a child's log (what it said as it exited), or "" without one."""
+    if log_path is None or not Path(log_path).exists():
+        return ""
+    with open(log_path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))  # the tail is enough; a log may be large
+        lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def exit_reason(name: str, code: int, log_path: str | Path | None = None, when: str = "") -> str:
+    """'worker w1 exited with code 5 (bad_config) during startup: <its last log line>' (a worker's code is a
+    WorkerExit; `when` says when it exited)."""
+    if code < 0:  # Popen's way of saying a signal ended it
+        how = f"was killed by {signal.Signals(-code).name}"
+    else:
+        meaning = f" ({WorkerExit(code).name.lower()})" if name.startswith("worker") and code in set(WorkerExit) else ""
+        how = f"exited with code {code}{meaning}"
+    words = last_words(log_path)
+    return f"{name} {how}{when}" + (f": {words}" if words else "")
+
+
+def wait_for_file(path: str | Path, proc: subprocess.Popen, timeout: float, name: str = "the process",
+                  log_path: str | Path | None = None) -> dict:
     """Wait for a JSON file a child writes when it is up (e.g. the broker's --ready-file)."""
     deadline = time.monotonic() + timeout
     path = Path(path)
@@ -75,16 +99,20 @@ def wait_for_file(path: str | Path, proc: subprocess.Popen, timeout: float) -> d
             except ValueError:
                 pass  # half-written; try again
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with code {proc.returncode} before it was ready")
+            raise RuntimeError(exit_reason(name, proc.returncode, log_path, " before it was ready"))
         time.sleep(0.02)
     raise TimeoutError(f"{path} did not appear within {timeout}s")
 
 
-def wait_for_workers(frontend: str, count: int, timeout: float, procs: list[subprocess.Popen] | None = None,
-                     curve_dir: str | None = None) -> dict:
-    """Poll the broker's status until `count` workers are ready; returns the last status."""
+def wait_for_workers(frontend: str, count: int, timeout: float,
+                     procs: dict[str, subprocess.Popen] | list[subprocess.Popen] | None = None,
+                     curve_dir: str | None = None, logs: dict[str, Path | None] | None = None) -> dict:
+    """Poll the broker's status until `count` workers are ready; returns the last status. A process of `procs` (by
+    name, with its log in `logs`) that exits meanwhile fails the wait at once: whatever its exit code, it did not
+    start, and waiting longer cannot help."""
     from broker.client import Client, RequestTimeout
 
+    named = procs if isinstance(procs, dict) else {f"process {p.pid}": p for p in procs or []}
     deadline = time.monotonic() + timeout
     with Client(frontend, curve_dir=curve_dir) as client:
         while True:
@@ -94,9 +122,10 @@ def wait_for_workers(frontend: str, count: int, timeout: float, procs: list[subp
                     return status
             except RequestTimeout:
                 pass
-            for proc in procs or []:
-                if proc.poll() is not None and proc.returncode in FATAL_WORKER_EXITS:
-                    raise RuntimeError(f"a worker exited with code {proc.returncode} during startup")
+            for name, proc in named.items():
+                if proc.poll() is not None:
+                    log_path = (logs or {}).get(name)
+                    raise RuntimeError(exit_reason(name, proc.returncode, log_path, " during startup"))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} worker(s) did not become ready within {timeout}s")
             time.sleep(0.1)
@@ -157,10 +186,12 @@ class LocalService:
         self.broker = spawn(["broker", "--frontend", self.frontend, "--backend", self.backend, "--ready-file", str(ready),
                              "--heartbeat-interval", str(self.heartbeat_interval), *self.broker_args],
                             self.log_dir / "broker.log", self.root)
-        self.info = wait_for_file(ready, self.broker, 30)
+        self.info = wait_for_file(ready, self.broker, 30, "the broker", self.log_dir / "broker.log")
         for i in range(1, self.n_workers + 1):
             self.start_worker(f"w{i}")
-        wait_for_workers(self.frontend, self.n_workers, self.startup_timeout, list(self.workers.values()))
+        wait_for_workers(self.frontend, self.n_workers, self.startup_timeout,
+                         {f"worker {name}": proc for name, proc in self.workers.items()},
+                         logs={f"worker {name}": self.log_dir / f"{name}.log" for name in self.workers})
 
     def start_worker(self, name: str, *extra: str) -> subprocess.Popen:
         self.workers[name] = spawn(["worker", "--connect", self.backend, "--name", name,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyloop.fields import SPECULATIVE_FIELDS, Check, boolean, int_in, is_int, number_in
+from tinyloop.fields import DEFAULT_MAX_TOKENS, SPECULATIVE_FIELDS, Check, boolean, int_in, is_int, number_in
 
 # Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field, checked there.
 EXTRA_FIELDS = ("loops", "early_exit_threshold", "cache_window", "top_k", "repetition_penalty", *SPECULATIVE_FIELDS)
@@ -86,6 +86,15 @@ def must_be_neutral(body: dict, name: str, neutral: tuple) -> None:
 # ------------------------------------------------------------------------------ requests
 
 
+@dataclass(frozen=True)
+class WorkLimits:
+    """What one HTTP call may fan out to (docs/gateway.md, "Bounded work"); `tinyloop gateway` sets each."""
+
+    max_requests: int = 128  # broker requests: prompts x n
+    max_tokens: int = 1 << 20  # tokens to generate: prompts x n x max_tokens
+    max_prompt: int = 1 << 21  # prompt characters (a text prompt) or ids (a token prompt), x n
+
+
 @dataclass
 class Plan:
     """What one OpenAI call turns into: len(prompts) x n broker requests with common params."""
@@ -104,6 +113,25 @@ class Plan:
     echo: bool = False
     score_only: bool = False  # max_tokens 0 with echo: only the prompt's log-probabilities
     timeout: float | None = None
+
+    def check_work(self, limits: "WorkLimits") -> None:
+        """Refuse (400, naming the limit) a call whose fan-out asks for more than `limits` allow, before any broker
+        request exists: the count of generations, their tokens, and the prompt text they carry."""
+        requests = len(self.prompts) * self.n
+        tokens = requests * self.params.get("max_tokens", DEFAULT_MAX_TOKENS)
+        sizes = [sum(len(m["content"]) for m in p) if self.kind == "chat" else len(p) for p in self.prompts]
+        prompt = sum(sizes) * self.n
+        where = "messages" if self.kind == "chat" else "prompt"
+        asked = f"{len(self.prompts)} prompt(s) x n {self.n}"
+        for value, limit, option, what, param in (
+                (requests, limits.max_requests, "--max-fanout", "generations", where if len(self.prompts) > 1 else "n"),
+                (tokens, limits.max_tokens, "--max-work-tokens", "tokens (prompts x n x max_tokens)", "max_tokens"),
+                (prompt, limits.max_prompt, "--max-prompt-size", "prompt characters or token ids (prompts x n x "
+                                                                  "prompt length)", where)):
+            if value > limit:
+                raise APIError(400, f"this request asks for {value} {what} ({asked}); the gateway's limit is {limit} "
+                                    f"per request ({option}): send fewer prompts or choices, or less work each",
+                               param=param, code="limit_exceeded")
 
     def requests(self) -> list[tuple[int, int, dict]]:
         """(choice index, prompt index, params) for every broker request. Choice j of a seeded

@@ -86,9 +86,11 @@ class WorkerExit(IntEnum):
     LOAD_FAILED = 2  # the model cannot be loaded (a missing or bad artifact, bad options)
     OVER_BUDGET = 3  # the memory plan exceeds the budget
     REFUSED_BY_BROKER = 4  # the broker will not use it (its plan or handle cap breaks the broker's limits)
+    BAD_CONFIG = 5  # its options or files break a rule (a prefix file, --max-lanes, more scaffolds than handles)
 
 
-FATAL_WORKER_EXITS = frozenset({WorkerExit.LOAD_FAILED, WorkerExit.OVER_BUDGET, WorkerExit.REFUSED_BY_BROKER})
+FATAL_WORKER_EXITS = frozenset({WorkerExit.LOAD_FAILED, WorkerExit.OVER_BUDGET, WorkerExit.REFUSED_BY_BROKER,
+                                WorkerExit.BAD_CONFIG})
 
 
 class ProtocolError(Exception):
@@ -391,7 +393,14 @@ def validate(direction: str, msg_type: str, fields: dict, request_id: str | None
 def encode(direction: str, msg_type: str, **fields: Any) -> list[bytes]:
     """Validate and pack one message into its two frames. Raises ProtocolError on a bad field."""
     clean = validate(direction, msg_type, fields)
-    body = msgpack.packb({"type": msg_type, **clean}, use_bin_type=True)
+    try:
+        body = msgpack.packb({"type": msg_type, **clean}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        # What the field checks do not look into (a grammar's JSON schema, a chat message) may still hold a value
+        # msgpack cannot write: a lone surrogate (UnicodeEncodeError is a ValueError), an integer past 64 bits,
+        # nesting past msgpack's limit, a type it does not know.
+        raise ProtocolError(Codes.INVALID_FIELD, f"message '{msg_type}' cannot be encoded: {type(exc).__name__}: "
+                                                 f"{str(exc)[:200]}", fields.get("id")) from None
     return [PROTOCOL_TAG, body]
 
 

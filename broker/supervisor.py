@@ -9,8 +9,12 @@
 * A broker that dies is restarted on the same endpoints (at most MAX_RESTARTS_IN_WINDOW
   times a minute, like workers). Workers reconnect and re-register by themselves; clients
   re-send what had no final reply (broker/client.py), so a broker restart costs latency.
-* Ctrl-C or SIGTERM stops the broker first, which lets in-flight requests finish (or
-  answers them with an error), then the workers.
+  The HTTP gateway (`--http-port`) is restarted the same way.
+* Start-up fails fast: a broker, gateway or worker that exits before the service is ready
+  stops `serve` at once (exit 1), naming it, its exit code and its last log line. Only
+  after start-up are crashed workers restarted.
+* Ctrl-C or SIGTERM stops the gateway first, then the broker, which lets in-flight requests
+  finish (or answers them with an error), then the workers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from broker import launcher
 from broker.protocol import FATAL_WORKER_EXITS, WorkerExit
@@ -37,8 +42,10 @@ MAX_RESTARTS_IN_WINDOW = 5
 class Supervisor:
     def __init__(self, *, n_workers: int, frontend: str, backend: str, worker_args: list[str],
                  broker_args: list[str], log_dir: str | None = None, log_level: str = "info",
-                 curve_dir: str | None = None):
+                 curve_dir: str | None = None, gateway_args: list[str] | None = None):
         self.n_workers = n_workers
+        self.gateway_args = gateway_args  # None: no HTTP gateway
+        self.gateway: subprocess.Popen | None = None
         self.frontend = frontend
         self.backend = backend
         self.worker_args = worker_args
@@ -49,7 +56,6 @@ class Supervisor:
         self.broker: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, list[float]] = {}
-        self.broker_restarts = 0
         self.state_dir: Path | None = None  # the broker's ready file lives here
         self.stopping = False
 
@@ -98,9 +104,17 @@ class Supervisor:
              "--log-level", self.log_level, *self.broker_args],
             self.log_path("broker"),
         )
-        info = launcher.wait_for_file(ready_file, self.broker, timeout)
+        info = launcher.wait_for_file(ready_file, self.broker, timeout, "the broker", self.log_path("broker"))
         self.frontend, self.backend = info["frontend"], info["backend"]
         return info
+
+    def start_gateway(self, timeout: float = 30.0) -> dict:
+        """The HTTP gateway, listening once this returns (it reaches the broker by itself)."""
+        ready_file = self.state_dir / "gateway.json"
+        ready_file.unlink(missing_ok=True)
+        self.gateway = launcher.spawn(["--ready-file", str(ready_file), "--log-level", self.log_level,
+                                       *self.gateway_args], self.log_path("gateway"), module="scripts.gateway_cli")
+        return launcher.wait_for_file(ready_file, self.gateway, timeout, "the gateway", self.log_path("gateway"))
 
     def start_worker(self, name: str) -> None:
         self.workers[name] = launcher.spawn(
@@ -123,12 +137,16 @@ class Supervisor:
                 if refused is not None:
                     return refused
             info = self.start_broker()
-            for i in range(1, self.n_workers + 1):
-                self.start_worker(f"w{i}")
             self.say(f"broker listening for clients on {info['frontend']}, workers on {info['backend']}"
                      + (f", metrics {info['metrics']}/metrics" if info.get("metrics") else ""))
-            launcher.wait_for_workers(info["frontend"], self.n_workers, startup_timeout, list(self.workers.values()),
-                                      curve_dir=self.curve_dir)
+            if self.gateway_args is not None:  # before the workers: a gateway that cannot start fails in seconds
+                self.say(f"gateway listening on {self.start_gateway()['url']}/v1")
+            for i in range(1, self.n_workers + 1):
+                self.start_worker(f"w{i}")
+            launcher.wait_for_workers(info["frontend"], self.n_workers, startup_timeout,
+                                      {f"worker {name}": proc for name, proc in self.workers.items()},
+                                      curve_dir=self.curve_dir,
+                                      logs={f"worker {name}": self.log_path(name) for name in self.workers})
             self.say(f"all {self.n_workers} workers ready; submit with: tinyloop submit --connect {info['frontend']} \"prompt\"")
             return self.supervise()
         except (RuntimeError, TimeoutError) as exc:
@@ -140,24 +158,16 @@ class Supervisor:
     def supervise(self) -> int:
         while not self.stopping:
             time.sleep(0.2)
-            if self.broker.poll() is not None and not self.stopping:
-                code = self.broker.returncode
-                if not self.restart_allowed("broker"):
-                    self.say(f"the broker keeps dying ({MAX_RESTARTS_IN_WINDOW} restarts in {RESTART_WINDOW_S:.0f}s); stopping")
-                    return 1
-                self.say(f"the broker (pid {self.broker.pid}) died with code {code}; restarting it on the same endpoints")
-                try:
-                    self.start_broker()
-                except (RuntimeError, TimeoutError) as exc:
-                    self.say(f"the broker could not be restarted: {exc}; stopping")
-                    return 1
-                self.broker_restarts += 1
+            if not (self.revive("broker", self.broker, self.start_broker, " on the same endpoints")
+                    and self.revive("gateway", self.gateway, self.start_gateway)):
+                return 1
             for name, proc in list(self.workers.items()):
                 if proc.poll() is None or self.stopping:
                     continue
                 code = proc.returncode
                 if code in FATAL_WORKER_EXITS:
-                    self.say(f"worker {name} exited with code {code} (refused or cannot load); not restarting it")
+                    self.say(f"{launcher.exit_reason(f'worker {name}', code, self.log_path(name))}; not restarting it "
+                             "(it would fail the same way)")
                     del self.workers[name]
                 elif self.restart_allowed(name):
                     self.say(f"worker {name} (pid {proc.pid}) died with code {code}; restarting it")
@@ -170,6 +180,22 @@ class Supervisor:
                 return 1
         return 0
 
+    def revive(self, name: str, proc: subprocess.Popen | None, start: Callable[[], dict], where: str = "") -> bool:
+        """Restart the broker or the gateway if it died (at most MAX_RESTARTS_IN_WINDOW times a minute); False when
+        it cannot be, and `serve` stops."""
+        if proc is None or proc.poll() is None or self.stopping:
+            return True
+        if not self.restart_allowed(name):
+            self.say(f"the {name} keeps dying ({MAX_RESTARTS_IN_WINDOW} restarts in {RESTART_WINDOW_S:.0f}s); stopping")
+            return False
+        self.say(f"the {name} (pid {proc.pid}) died with code {proc.returncode}; restarting it{where}")
+        try:
+            start()
+        except (RuntimeError, TimeoutError) as exc:
+            self.say(f"the {name} could not be restarted: {exc}; stopping")
+            return False
+        return True
+
     def _on_signal(self, signum, frame) -> None:
         if not self.stopping:
             self.say(f"{signal.Signals(signum).name}: stopping (in-flight requests finish first)")
@@ -177,6 +203,8 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self.stopping = True
+        if self.gateway is not None:
+            launcher.stop(self.gateway, timeout=40.0)  # open HTTP requests finish while the broker still serves
         if self.broker is not None:
             launcher.stop(self.broker, timeout=40.0)  # the broker drains in-flight requests first
         for proc in self.workers.values():

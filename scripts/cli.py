@@ -20,17 +20,18 @@ def fail(err: Exception) -> None:
 @click.argument("prompt")
 @click.option("--model", "model_path", default=None,
               help="A .tinyloop artifact or a Hugging Face model directory (Ouro, Huginn; default: the bundled model).")
-@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate at most.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Longest sequence (prompt + output) to allocate for.")
 @click.option("--loops", type=int, default=None, help="Loop count (default: the model's).")
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--repetition-penalty", default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--temperature", default=0.0, show_default=True, help="Sampling temperature (0: greedy).")
+@click.option("--top-k", default=0, show_default=True, help="Sample among the k likeliest tokens (0: all).")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling: the smallest set of this mass.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, help="CTRL-style penalty for repeated tokens (1 = off).")
+@click.option("--seed", type=int, default=None, help="Sampler seed: the same seed gives the same output.")
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
-@click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None)
-@click.option("--cache-window", type=int, default=None)
+@click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None,
+              help="KV cache mode (default: $TINYLOOP_CACHE_MODE or fp16).")
+@click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
 @click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
 @click.option("--beam-size", type=int, default=1, show_default=True, help="Beam search width (greedy only).")
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
@@ -192,7 +193,8 @@ def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
 
 
 @main.command()
-@click.option("--model", "model_path", default=None, help="Path to a .tinyloop artifact (default: the bundled model).")
+@click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
+              help="Path to a .tinyloop artifact (default: the bundled model); sections that start services pass it on.")
 @click.option("--section", "sections", multiple=True, help="Run only these sections (repeatable).")
 @click.option("--quick", is_flag=True, help="Fewer tokens and repeats (a smoke run).")
 @click.option("--peers", is_flag=True, help="TinyLoop against transformers and llama.cpp on the dense twin, and the "
@@ -238,15 +240,16 @@ def modes() -> None:
 
 
 @main.command()
-@click.option("--out", default="default.tinyloop", show_default=True)
-@click.option("--steps", default=900, show_default=True)
-@click.option("--lr", default=3e-3, show_default=True)
-@click.option("--seq-len", default=256, show_default=True)
-@click.option("--batch-size", default=16, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("--out", default="default.tinyloop", show_default=True, help="The artifact to write.")
+@click.option("--steps", default=900, show_default=True, help="Optimizer steps.")
+@click.option("--lr", default=3e-3, show_default=True, help="Peak learning rate.")
+@click.option("--seq-len", default=256, show_default=True, help="Tokens per training sequence.")
+@click.option("--batch-size", default=16, show_default=True, help="Sequences per step.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the initialisation and the data order.")
 @click.option("--init-from", default=None, help="Continue from a .ckpt written by an earlier run.")
-@click.option("--state-init", type=click.Choice(["zeros", "embed", "normal"]), default=None)
-@click.option("--init-sigma", type=float, default=None)
+@click.option("--state-init", type=click.Choice(["zeros", "embed", "normal"]), default=None,
+              help="Initial recurrent state of the loop (default: the model config's).")
+@click.option("--init-sigma", type=float, default=None, help="Standard deviation of a 'normal' initial state.")
 def train(out, steps, lr, seq_len, batch_size, seed, init_from, state_init, init_sigma) -> None:
     """Train a looped model on the Python standard library. The bundled model's recipe (docs/model.md):
     `tinyloop train --out stage1.tinyloop` then

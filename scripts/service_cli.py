@@ -19,6 +19,19 @@ import click
 
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+# Option types that refuse what cannot work before anything starts (click prints "Invalid value", exit 2).
+PORT = click.IntRange(0, 65535)
+SECONDS = click.FloatRange(0, 24 * 3600, min_open=True)
+HEARTBEAT_S = click.FloatRange(0.01, 3600)  # 0 would spin the loops and declare every peer dead at once
+# Paths are resolved against the caller's directory: the children run in the repository root.
+FILE = click.Path(exists=True, dir_okay=False, resolve_path=True)
+DIRECTORY = click.Path(exists=True, file_okay=False, resolve_path=True)
+
+
+def log_level_option(fn):
+    return click.option("--log-level", default="info", show_default=True,
+                        type=click.Choice(LOG_LEVELS, case_sensitive=False), help="Log level of this process.")(fn)
 
 
 def setup_logging(level: str) -> None:
@@ -40,27 +53,32 @@ def byte_size(ctx, param, value):  # click callback
 def worker_options(fn):
     """Options shared by `worker` and `serve` (the latter passes them on to each worker)."""
     options = [
-        click.option("--model", "model_path", default=None, help="A .tinyloop artifact or a Hugging Face model directory (default: the bundled model)."),
-        click.option("--max-seq-len", default=2048, show_default=True, help="Longest sequence a request may reach."),
+        click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
+                     help="A .tinyloop artifact or a Hugging Face model directory (default: the bundled model)."),
+        click.option("--max-seq-len", default=2048, show_default=True, type=click.IntRange(2, 1 << 20),
+                     help="Longest sequence a request may reach."),
         click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None,
                      help="KV cache mode (default: $TINYLOOP_CACHE_MODE or fp16)."),
         click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
-        click.option("--max-handles", default=8, show_default=True, help="Live-handle cap per worker (LRU eviction at the cap)."),
+        click.option("--max-handles", default=8, show_default=True, type=click.IntRange(0, 1 << 20),
+                     help="Live-handle cap per worker (LRU eviction at the cap; prefix-file scaffolds count too; "
+                          "0: no warm-start handles, build_handle is refused)."),
         click.option("--vram-budget", default=None, callback=byte_size,
                      help="Memory budget per worker, e.g. 2GiB (default: free VRAM on CUDA, available RAM on CPU)."),
-        click.option("--prefix-file", default=None, type=click.Path(exists=True, dir_okay=False),
+        click.option("--prefix-file", default=None, type=FILE,
                      help='JSON list of scaffolds for the prefix pool: [{"prefix": "...", "loops": 8}, ...].'),
-        click.option("--heartbeat-interval", default=1.0, show_default=True, help="Seconds between heartbeats."),
-        click.option("--threads", type=int, default=None,
+        click.option("--heartbeat-interval", default=1.0, show_default=True, type=HEARTBEAT_S,
+                     help="Seconds between heartbeats."),
+        click.option("--threads", type=click.IntRange(1, 4096), default=None,
                      help="torch CPU threads per worker (serve default: cores / workers, so workers do not fight)."),
-        click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
-              help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts)."),
-        click.option("--max-lanes", default=16, show_default=True,
+        click.option("--curve-dir", default=None, type=DIRECTORY,
+                     help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts)."),
+        click.option("--max-lanes", default=16, show_default=True, type=click.IntRange(1, 4096),
                      help="Requests a worker batches at once (continuous batching; more wait on the broker)."),
         click.option("--weights", default=None, metavar="FORMAT",
                      help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own). On the "
                           "CPU int8 / int4 products quantise activations to int8 (TINYLOOP_ACT_QUANT=off: weight-only)."),
-        click.option("--prefill-chunk", type=int, default=None,
+        click.option("--prefill-chunk", type=click.IntRange(0), default=None,
                      help="Prompt tokens per prefill forward, interleaved with decode steps (0: a prompt in one "
                           "forward; default $TINYLOOP_PREFILL_CHUNK or 256)."),
     ]
@@ -88,53 +106,70 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @click.command("broker")
 @click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True, help="Endpoint clients connect to.")
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Endpoint workers connect to.")
-@click.option("--max-queue", default=64, show_default=True, help="Waiting requests before new ones get 'busy'.")
-@click.option("--heartbeat-interval", default=1.0, show_default=True)
-@click.option("--default-timeout", default=300.0, show_default=True, help="Deadline (s) of requests that set none.")
-@click.option("--max-message-bytes", default=1 << 20, show_default=True)
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Waiting requests before new ones get 'busy'.")
+@click.option("--heartbeat-interval", default=1.0, show_default=True, type=HEARTBEAT_S,
+              help="Seconds between heartbeats to workers (one missed 3 times in a row is dropped).")
+@click.option("--default-timeout", default=300.0, show_default=True, type=SECONDS,
+              help="Deadline (s) of requests that set none.")
+@click.option("--max-message-bytes", default=1 << 20, show_default=True, type=click.IntRange(4096, 1 << 30),
+              help="Larger client messages get the error too_large.")
 @click.option("--max-worker-memory", default=None, callback=byte_size,
               help="Refuse workers whose announced memory plan exceeds this, e.g. 4GiB.")
-@click.option("--max-handles-limit", type=int, default=None, help="Refuse workers whose handle cap exceeds this.")
-@click.option("--max-attempts", default=3, show_default=True,
+@click.option("--max-handles-limit", type=click.IntRange(0), default=None,
+              help="Refuse workers whose handle cap exceeds this.")
+@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
               help="Workers a request may lose (each loss re-queues or continues it) before it fails with worker_lost.")
-@click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz on this port (0: any free port).")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True)
-@click.option("--ready-file", default=None, help="Write the bound endpoints here as JSON once listening.")
-@click.option("--ready-max-error-rate", default=0.5, show_default=True,
+@click.option("--metrics-port", type=PORT, default=None,
+              help="Serve /metrics, /healthz and /readyz on this port (0: any free port).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address of the metrics endpoint.")
+@click.option("--ready-file", default=None, type=click.Path(dir_okay=False, resolve_path=True),
+              help="Write the bound endpoints here as JSON once listening, instead of printing them (for the "
+                   "process that started this broker).")
+@click.option("--ready-max-error-rate", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="/readyz fails while this share of recent requests failed on the service's side.")
-@click.option("--ready-window", default=60.0, show_default=True, help="Seconds of requests the error rate looks at.")
-@click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
+@click.option("--ready-window", default=60.0, show_default=True, type=SECONDS,
+              help="Seconds of requests the error rate looks at.")
+@click.option("--curve-dir", default=None, type=DIRECTORY,
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--affinity/--no-affinity", default=True, show_default=True,
               help="Cache-aware routing: a request goes to the worker whose prefix cache holds its prompt's prefix.")
-@click.option("--affinity-wait", default=0.5, show_default=True,
+@click.option("--affinity-wait", default=0.5, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds a request may wait for the busy worker holding its prompt prefix (when no other waits).")
-@click.option("--log-level", default="info", show_default=True)
+@log_level_option
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
                    max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
                    ready_max_error_rate,
                    ready_window, curve_dir, affinity, affinity_wait, log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
+    import zmq
+
     from broker.broker import Broker
     from broker.metrics import serve_http
 
     setup_logging(log_level)
-    broker = Broker(frontend, backend, max_queue=max_queue, heartbeat_interval=heartbeat_interval,
-                    default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
-                    max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
-                    max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate, ready_window_s=ready_window,
-                    curve_dir=curve_dir, affinity=affinity, affinity_wait_s=affinity_wait)
+    try:
+        broker = Broker(frontend, backend, max_queue=max_queue, heartbeat_interval=heartbeat_interval,
+                        default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
+                        max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
+                        max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate,
+                        ready_window_s=ready_window, curve_dir=curve_dir, affinity=affinity,
+                        affinity_wait_s=affinity_wait)
+    except zmq.ZMQError as exc:  # an endpoint in use or malformed: one line, not a traceback (serve names it)
+        click.echo(f"error: the broker cannot listen on {frontend} / {backend}: {exc}", err=True)
+        sys.exit(1)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
         server = serve_http(broker.metrics, metrics_host, metrics_port)
         info["metrics"] = f"http://{metrics_host}:{server.server_address[1]}"
     broker.install_signal_handlers()
-    click.echo(f"broker: clients connect to {info['frontend']}, workers to {info['backend']}"
-               + (f", metrics at {info['metrics']}/metrics" if info["metrics"] else ""), err=True)
-    if ready_file:
+    if ready_file:  # the process that started it announces the endpoints (`serve` does, once)
         tmp = Path(ready_file + ".tmp")
         tmp.write_text(json.dumps(info))
         tmp.rename(ready_file)  # atomic: readers never see half a file
+    else:
+        click.echo(f"broker: clients connect to {info['frontend']}, workers to {info['backend']}"
+                   + (f", metrics at {info['metrics']}/metrics" if info["metrics"] else ""), err=True)
     broker.run()
 
 
@@ -146,7 +181,7 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--name", default=None, help="Worker name in logs and status (default: worker-PID).")
 @worker_options
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
-@click.option("--log-level", default="info", show_default=True)
+@log_level_option
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
                    prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, plan_only,
                    log_level) -> None:
@@ -168,22 +203,28 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 
 
 @click.command("serve")
-@click.option("--workers", "n_workers", default=2, show_default=True, help="Worker processes (one model each).")
-@click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True)
-@click.option("--backend", default=DEFAULT_BACKEND, show_default=True)
-@click.option("--max-queue", default=64, show_default=True)
-@click.option("--metrics-port", type=int, default=None, help="Serve /metrics, /healthz and /readyz on this port.")
-@click.option("--max-attempts", default=3, show_default=True, help="Workers a request may lose before it fails.")
+@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(1, 256),
+              help="Worker processes (one model each).")
+@click.option("--frontend", default=DEFAULT_FRONTEND, show_default=True, help="Endpoint clients connect to.")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Endpoint workers connect to.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Waiting requests before new ones get 'busy'.")
+@click.option("--metrics-port", type=PORT, default=None, help="Serve /metrics, /healthz and /readyz on this port.")
+@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
+              help="Workers a request may lose before it fails.")
 @worker_options
 @click.option("--device-budget", default=None, callback=byte_size,
               help="Memory all workers on the device may use together (default: free VRAM on CUDA, available RAM on CPU).")
 @click.option("--skip-plan-check", is_flag=True, help="Do not check the summed memory plans of all workers first.")
-@click.option("--log-dir", default=None, help="Write broker and worker logs here (default: inherit the terminal).")
-@click.option("--startup-timeout", default=300.0, show_default=True)
-@click.option("--log-level", default="info", show_default=True)
-@click.option("--http-port", type=int, default=None, help="Also start the OpenAI HTTP gateway on this port (docs/gateway.md).")
-@click.option("--http-host", default="127.0.0.1", show_default=True)
-@click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="Gateway API keys, one per line.")
+@click.option("--log-dir", default=None, type=click.Path(file_okay=False, resolve_path=True),
+              help="Write broker and worker logs here (default: inherit the terminal).")
+@click.option("--startup-timeout", default=300.0, show_default=True, type=SECONDS,
+              help="Seconds the workers may take to load their model and report ready.")
+@log_level_option
+@click.option("--http-port", type=PORT, default=None,
+              help="Also start the OpenAI HTTP gateway on this port (0: any free port; docs/gateway.md).")
+@click.option("--http-host", default="127.0.0.1", show_default=True, help="Address the gateway listens on.")
+@click.option("--api-key-file", default=None, type=FILE, help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
                   max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
                   weights, prefill_chunk, device_budget, max_attempts,
@@ -199,26 +240,31 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
         threads = max(1, (os.cpu_count() or 1) // n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
                         heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk)
+    gateway = None
+    if http_port is not None:  # the gateway waits for the broker by itself (its /health says when it is ready)
+        if "*" in frontend:
+            raise click.BadParameter("--http-port needs a fixed --frontend endpoint (no '*' port)",
+                                     param_hint="--frontend")
+        gateway = gateway_args(frontend, http_host, http_port, api_key_file=api_key_file, curve_dir=curve_dir)
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
                                          "--max-attempts", str(max_attempts)]
                             + (["--metrics-port", str(metrics_port)] if metrics_port is not None else [])
                             + (["--curve-dir", curve_dir] if curve_dir else []),
-                            curve_dir=curve_dir,
+                            curve_dir=curve_dir, gateway_args=gateway,
                             log_dir=log_dir, log_level=log_level)
-    gateway = None
-    if http_port is not None:  # the gateway waits for the broker by itself (its /health says when it is ready)
-        from broker.launcher import stop
-        from scripts.gateway_cli import start_gateway
+    sys.exit(supervisor.run(check_plan=not skip_plan_check, device_budget=device_budget,
+                            startup_timeout=startup_timeout))
 
-        gateway = start_gateway(frontend, http_host, http_port, api_key_file=api_key_file, curve_dir=curve_dir,
-                                log_path=supervisor.log_path("gateway"), log_level=log_level)
-    try:
-        code = supervisor.run(check_plan=not skip_plan_check, device_budget=device_budget, startup_timeout=startup_timeout)
-    finally:
-        if gateway is not None:
-            stop(gateway)
-    sys.exit(code)
+
+def gateway_args(frontend: str, host: str, port: int, *, api_key_file: str | None = None,
+                 curve_dir: str | None = None) -> list[str]:
+    """The `tinyloop gateway` arguments of `serve --http-port`'s gateway child (broker/supervisor.py starts and
+    restarts it, as it does the broker)."""
+    args = ["--connect", frontend, "--host", host, "--port", str(port)]
+    args += ["--api-key-file", api_key_file] if api_key_file else []
+    args += ["--curve-dir", curve_dir] if curve_dir else []
+    return args
 
 
 # ------------------------------------------------------------------------------------ submit / status
@@ -242,14 +288,15 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.argument("prompt")
 @click.option("--connect", default=DEFAULT_FRONTEND, show_default=True, help="The broker's frontend endpoint.")
 @click.option("--op", default="generate", show_default=True,
-              type=click.Choice(["generate", "generate_pool", "speculative"]))
-@click.option("--max-tokens", default=64, show_default=True)
-@click.option("--loops", type=int, default=None)
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
+              type=click.Choice(["generate", "generate_pool", "speculative"]),
+              help="generate_pool: through the workers' prefix pool (--prefix-file).")
+@click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate at most.")
+@click.option("--loops", type=int, default=None, help="Loop count (default: the model's).")
+@click.option("--temperature", default=0.0, show_default=True, help="Sampling temperature (0: greedy).")
+@click.option("--top-k", default=0, show_default=True, help="Sample among the k likeliest tokens (0: all).")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling: the smallest set of this mass.")
 @click.option("--repetition-penalty", type=float, default=None, help="CTRL-style penalty for repeated tokens (1 = off).")
-@click.option("--seed", type=int, default=None)
+@click.option("--seed", type=int, default=None, help="Sampler seed: the same seed gives the same output.")
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--beam-size", type=int, default=None, help="Beam search width (greedy only).")
@@ -269,7 +316,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
     prints nothing there); the stats line and errors go to stderr."""
-    from broker.client import Client, ServiceError, build_request, generate_params
+    from broker.client import Client, InvalidRequest, ServiceError, build_request, generate_params
 
     config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
@@ -312,7 +359,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
         if exc.code == "config_error" and "max_seq_len" in str(exc):  # the runtime's wording names load_model
             hint = " (for the service: lower --max-tokens, or start `tinyloop serve` with a larger --max-seq-len)"
         click.echo(f"error: {exc}{hint}", err=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(exc, InvalidRequest) else 1)  # 2: the request itself is wrong, as for `generate`
 
 
 def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, imported lazily (no zmq at import)
@@ -331,9 +378,9 @@ def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, impo
 
 
 @click.command("status")
-@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--timeout", default=5.0, show_default=True)
+@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True, help="The broker's frontend endpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Print the broker's whole status as JSON.")
+@click.option("--timeout", default=5.0, show_default=True, type=SECONDS, help="Seconds to wait for the answer.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def status_command(connect, as_json, timeout, curve_dir) -> None:
@@ -368,7 +415,7 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 
 
 @click.command("loadtest")
-@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True)
+@click.option("--connect", default=DEFAULT_FRONTEND, show_default=True, help="The broker's frontend endpoint.")
 @click.option("--mode", type=click.Choice(["closed", "open"]), default="closed", show_default=True,
               help="closed: fixed concurrency; open: Poisson arrivals at --rate.")
 @click.option("--concurrency", default="4", show_default=True,
@@ -376,9 +423,10 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--rate", default=2.0, show_default=True, help="Requests per second (open loop).")
 @click.option("--requests", "n_requests", type=int, default=None, help="Requests to send [default: 32; --soak: 10000].")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable; default: a few code snippets).")
-@click.option("--max-tokens", default=16, show_default=True)
-@click.option("--op", default="generate", show_default=True, type=click.Choice(["generate", "generate_pool", "ping"]))
-@click.option("--timeout", default=120.0, show_default=True)
+@click.option("--max-tokens", default=16, show_default=True, help="Tokens per request.")
+@click.option("--op", default="generate", show_default=True, type=click.Choice(["generate", "generate_pool", "ping"]),
+              help="ping: a round trip through a worker without the model (the broker's routing rate).")
+@click.option("--timeout", default=120.0, show_default=True, help="Deadline (s) of each request.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the arrival process.")
 @click.option("--json", "json_path", default=None, help="Write the results here as JSON.")
 @click.option("--plot", "plot_path", default=None,
@@ -395,7 +443,8 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--prefix-routing", is_flag=True,
               help="Start services itself and compare cache-aware routing with and without affinity: 2 workers, "
                    "4 scaffolds x (--requests / 4) suffixes.")
-@click.option("--model", "model_path", default=None, help="Model for --side-by-side (default: bundled).")
+@click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
+              help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
               help="--side-by-side: torch threads per model (default: cores for one model, cores/2 for each of two).")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),

@@ -130,7 +130,7 @@ def test_submit_validates_before_printing_anything(service):
                          (["--max-tokens", "250"], "--max-seq-len"),
                          (["--grammar", "[a-"], "Unclosed '['")]:
         out = submit(service, "def add(a, b):", *args)
-        assert out.returncode == 1 and needle in out.stderr, (args, out.stderr)
+        assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)  # bad input, as for generate
         assert out.stdout == "" and out.stderr.startswith("error: ") and "/project/" not in out.stderr
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
@@ -72,9 +72,13 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
             "tokenizer": codec.to_json(), "chat": json.dumps(codec.chat_dict()), "beta": "" if beta is None else repr(float(beta)),
             "loss_vs_loops": json.dumps({str(k): v for k, v in (loss_vs_loops or {}).items()}),
             "provenance": json.dumps(provenance or {}), "data_sha256": ""}
-    save_file(tensors, str(path), metadata=meta)
-    meta["data_sha256"] = _data_digest(path)
-    save_file(tensors, str(path), metadata=meta)  # same tensors, same data bytes; header now holds the digest
+    try:
+        save_file(tensors, str(path), metadata=meta)
+        meta["data_sha256"] = _data_digest(path)
+        save_file(tensors, str(path), metadata=meta)  # same tensors, same data bytes; header now holds the digest
+    except (OSError, SafetensorError) as exc:  # a missing directory, no permission, a full disk
+        why = f"no such directory {path.parent}" if not path.parent.is_dir() else str(exc)
+        raise ArtifactError(f"{path}: cannot write the artifact: {why}") from None
 
 
 def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tensor]]:

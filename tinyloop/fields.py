@@ -50,13 +50,23 @@ def number_in(lo: float, hi: float, lo_open: bool = False) -> Check:
     return check
 
 
+def unicode_error(value: str) -> str | None:
+    """None when `value` is valid Unicode text, else where it is not. JSON and Python strings may hold a lone
+    surrogate ("\\ud800"), which no UTF-8 encoder (msgpack, the tokenizer, an HTTP response) can write."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"must be valid Unicode text, got a lone surrogate {value[exc.start]!r} at character {exc.start}"
+    return None
+
+
 def text(max_len: int, min_len: int = 0) -> Check:
     def check(value: Any) -> str | None:
         if not isinstance(value, str):
             return f"must be a string, got {type(value).__name__}"
         if not min_len <= len(value) <= max_len:
             return f"length must be in [{min_len}, {max_len}], got {len(value)}"
-        return None
+        return unicode_error(value)
 
     return check
 
@@ -140,6 +150,7 @@ def list_of(item_check: Check, max_len: int) -> Check:
 
 
 MAX_LOOPS = 4096  # the most loops any request may name; a model's own max_loops is usually far lower
+DEFAULT_MAX_TOKENS = 64  # GenerateConfig.max_tokens when a request sets none (the gateway bounds work with it)
 
 # GenerateConfig's settings. `grammar` is checked for its form here; what it says is checked where it is compiled
 # (tinyloop/grammar.py), which in process also takes a GrammarPrefix (a stream continuation).

@@ -81,7 +81,19 @@ def compile_grammar(codec, vocab_size: int, grammar) -> xgr.CompiledGrammar:
     except ConfigError:
         raise
     except Exception as exc:  # xgrammar reports bad input as RuntimeError / ValueError subclasses
-        raise ConfigError(f"GenerateConfig.grammar: invalid {kind}: {library_message(exc)}") from None
+        how = f" ({how_read(grammar)})" if isinstance(grammar, str) and kind == "regex" else ""
+        raise ConfigError(f"GenerateConfig.grammar: invalid {kind}: {library_message(exc)}{how}") from None
+
+
+def how_read(grammar: str) -> str:
+    """Why a grammar string was taken for a regex, for its error: a user who meant JSON hears why it is not."""
+    note = "a grammar string is EBNF when it contains '::=', a JSON schema when it parses as a JSON object, else a regex"
+    if grammar.lstrip().startswith("{"):  # it looks like JSON, so it failed to parse as JSON
+        try:
+            json.loads(grammar)
+        except ValueError as exc:
+            return f"{note}; this one is not valid JSON: {exc.msg} at character {exc.pos}"
+    return note
 
 
 def library_message(exc: Exception) -> str:

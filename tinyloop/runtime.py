@@ -162,6 +162,9 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     token prefix of later prompts at the same loop count, until the pool needs the blocks (None: TINYLOOP_PREFIX_CACHE,
     default off in-process; a worker turns it on).
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load_model(path={path!r}): expected the path of a .tinyloop artifact or a Hugging Face "
+                          f"model directory (str or os.PathLike), or None for the bundled model, got {type(path).__name__}")
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 2:
         raise ConfigError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
     if memory_budget is None:

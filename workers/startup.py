@@ -41,6 +41,12 @@ class WorkerOptions:
     weights: str | None = None  # weight format, 'int8' or 'int4:64' (None: the artifact's own; tinyloop/formats.py)
 
 
+def refuse(opts: WorkerOptions, why: BaseException) -> int:
+    """A configuration no restart can fix: say why on stderr (serve names the last line) and exit fatally."""
+    print(f"worker {opts.name}: refusing to start: {why}", file=sys.stderr, flush=True)
+    return WorkerExit.BAD_CONFIG
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run a worker until it is stopped; returns the process exit code."""
     import torch
@@ -64,7 +70,10 @@ def run_worker(opts: WorkerOptions) -> int:
         budget, budget_what = opts.vram_budget, "--vram-budget"
     else:
         budget, budget_what = available, available_what(device)
-    prefixes = load_prefix_file(opts.prefix_file) if opts.prefix_file else []
+    try:
+        prefixes = load_prefix_file(opts.prefix_file) if opts.prefix_file else []
+    except SystemExit as exc:  # it says what is wrong with the file
+        return refuse(opts, exc)
     # The plan comes from the artifact's header before anything large is loaded; the model then gets exactly the
     # planned block pool (weights + pool + workspace: load_model's memory_budget).
     try:
@@ -103,8 +112,11 @@ def run_worker(opts: WorkerOptions) -> int:
         return WorkerExit.LOAD_FAILED
     if opts.prefill_chunk is not None:
         model.prefill_chunk = opts.prefill_chunk
-    engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
-                         prefixes=prefixes, lanes=opts.max_lanes)
+    try:
+        engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
+                             prefixes=prefixes, lanes=opts.max_lanes)
+    except (SystemExit, tinyloop.TinyLoopError) as exc:  # scaffolds past --max-handles, a scaffold's loops, lanes
+        return refuse(opts, exc)
     process = WorkerProcess(engine, opts.connect, name=opts.name, heartbeat_interval=opts.heartbeat_interval,
                             heartbeat_liveness=opts.heartbeat_liveness, curve_dir=opts.curve_dir)
     engine.set_identity(process.identity)
