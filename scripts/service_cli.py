@@ -439,7 +439,10 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--batching", is_flag=True,
               help="Start services itself and compare continuous batching: service vs in-process generate_batch vs "
                    "the service of --before; open-loop TTFT/TPOT with and without chunked prefill; mixed depth.")
-@click.option("--before", default="517ca22", show_default=True, help="--batching: the revision to compare with.")
+@click.option("--before", default="517ca22", show_default=True, help="--batching, --behind-long: the revision to compare with.")
+@click.option("--behind-long", is_flag=True,
+              help="Start 1-worker services itself (this tree and --before) and time 4 short requests sent right after "
+                   "one long beam / speculative / grammar request.")
 @click.option("--prefix-routing", is_flag=True,
               help="Start services itself and compare cache-aware routing with and without affinity: 2 workers, "
                    "4 scaffolds x (--requests / 4) suffixes.")
@@ -453,7 +456,7 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="Weight format of the models the load test starts, in its workers and in-process: fp32, bf16, "
                    "int8, int4 or int4:GROUP.")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     plot_path, soak, side_by_side, batching, before, prefix_routing, model_path, threads,
+                     plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, model_path, threads,
                      curve_dir, weights) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     import os
@@ -486,6 +489,10 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
 
         results = batching_side_by_side(before=before, n_requests=n_requests or 64, max_tokens=max_tokens,
                                         concurrency=concurrency, echo=click.echo)
+    elif behind_long:
+        from scripts.load.behind import behind_long_side_by_side
+
+        results = behind_long_side_by_side(before=before, echo=click.echo)
     elif prefix_routing:
         results = loadtest.prefix_routing_side_by_side(model_path=model_path, n_suffixes=max(1, (n_requests or 64) // 4),
                                                        max_tokens=max_tokens, concurrency=concurrency,
