@@ -10,7 +10,7 @@ import torch
 
 from .env import env_number
 from .errors import ConfigError
-from .fields import GENERATE_FIELDS
+from .fields import DEFAULT_MAX_TOKENS, GENERATE_FIELDS
 
 OnToken = Callable[[int, int], bool]
 
@@ -18,7 +18,7 @@ OnToken = Callable[[int, int], bool]
 @dataclass
 class GenerateConfig:
     """Per-call settings. Defaults for loops, early exit and cache window come from the environment."""
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     loops: int | None = field(default_factory=lambda: env_number("TINYLOOP_LOOPS", int, None, 1))
     temperature: float = 0.0
     top_k: int = 0
