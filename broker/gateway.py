@@ -36,8 +36,8 @@ from starlette.routing import Route
 
 from broker import client as bc
 from broker.metrics import LATENCY_BUCKETS
-from broker.openai_schema import (APIError, Plan, WorkLimits, chat_choice, chat_logprobs, chat_plan,
-                                  completion_choice, completion_plan, finish_reason, usage)
+from broker.openai_schema import (APIError, Plan, WorkLimits, chat_choice, chat_plan,
+                                  completion_choice, completion_plan, finish_reason, running_usage, usage)
 
 log = logging.getLogger("tinyloop.gateway")
 
@@ -132,6 +132,7 @@ class Gateway:
         self.client: bc.AsyncClient | None = None
         self.status: dict = {}
         self.status_at = 0.0
+        self.seen_models: set[str] = set()
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
         self.app = Starlette(routes=[
@@ -161,6 +162,7 @@ class Gateway:
             try:
                 self.status = await self.client.status(timeout=2.0)
                 self.status_at = time.monotonic()
+                self.seen_models.update(model_id(w["model"]) for w in self.status.get("workers", []) if w.get("model"))
             except bc.ServiceError:
                 pass  # stays stale; ready_workers() turns 0 after STATUS_STALE_S
             except Exception:  # never let the poller die: readiness would freeze
@@ -174,10 +176,20 @@ class Gateway:
         return sum(1 for w in self.status.get("workers", []) if w.get("state") != "leaving")
 
     def served_models(self) -> list[str]:
+        """The model ids served: --model-name, else every id a worker has announced since the gateway started. An id
+        stays listed once seen (a client that read the list early keeps a name that works while its workers
+        restart); before any worker has announced one the list is empty and /v1/models answers 503."""
         if self.model_name:
             return [self.model_name]
-        names = {model_id(w.get("model", "")) for w in self.status.get("workers", [])}
-        return sorted(names) or [BUNDLED_MODEL_ID]
+        return sorted(self.seen_models)
+
+    def known_models(self) -> list[str]:
+        """served_models(), or a 503 while no worker has said what it serves (rather than a guess that changes)."""
+        names = self.served_models()
+        if not names:
+            raise APIError(503, "no worker has announced its model yet (the service is starting)",
+                           code="no_worker_ready", headers={"Retry-After": "1"})
+        return names
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -195,12 +207,12 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
-        return JSONResponse({"object": "list", "data": [self.model_card(m) for m in self.served_models()]})
+        return JSONResponse({"object": "list", "data": [self.model_card(m) for m in self.known_models()]})
 
     async def model(self, request: Request) -> Response:
         self.authorize(request)
         name = request.path_params["name"]
-        if name not in self.served_models():
+        if name not in self.known_models():
             raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
         return JSONResponse(self.model_card(name))
 
@@ -270,8 +282,9 @@ class Gateway:
         self.authorize(request)
         plan = make_plan(await self.read_json(request))
         plan.check_work(self.limits)
-        if plan.model is not None and plan.model not in self.served_models():
-            raise APIError(404, f"The model '{plan.model}' does not exist (served: {self.served_models()})",
+        served = self.known_models()
+        if plan.model is not None and plan.model not in served:
+            raise APIError(404, f"The model '{plan.model}' does not exist (served: {served})",
                            param="model", code="model_not_found")
         if self.ready_workers() == 0:
             raise APIError(503, "no worker is ready to serve (starting, stopping, or the broker is unreachable)",
@@ -403,10 +416,12 @@ class Gateway:
         except bc.ServiceError as err:
             await events.put((index, "error", err))
 
-    def chunk(self, plan: Plan, rid: str, choice: dict) -> str:
+    def chunk(self, plan: Plan, rid: str, choice: dict, usage_so_far: dict | None = None) -> str:
         body = self.base(plan, rid)
         body["object"] = "text_completion" if plan.kind == "completion" else "chat.completion.chunk"
         body["choices"] = [choice]
+        if usage_so_far is not None:
+            body["usage"] = usage_so_far
         return f"data: {json.dumps(body)}\n\n"
 
     def piece(self, plan: Plan, index: int, text: str, *, first: bool = False, logprobs: Any = None,
@@ -422,9 +437,15 @@ class Gateway:
                   t0: float) -> AsyncIterator[str]:
         started: set[int] = set()
         results: list[tuple[int, int, dict]] = []
+        streamed: dict[int, int] = {}  # tokens streamed so far, per choice (continuous usage stats)
         open_choices = len(jobs)
         event, failed = first, False
         self.metrics.in_flight.inc()
+
+        def chunk(choice: dict) -> str:
+            so_far = running_usage(results, streamed, plan) if plan.continuous_usage else None
+            return self.chunk(plan, rid, choice, so_far)
+
         try:
             while True:
                 index, kind, payload = event
@@ -435,19 +456,21 @@ class Gateway:
                 if kind == "token":
                     if not started:
                         self.metrics.ttft.observe(time.perf_counter() - t0)
+                    streamed[index] = streamed.get(index, 0) + 1
                     if payload.text or index not in started:
-                        yield self.chunk(plan, rid, self.piece(plan, index, payload.text, first=index not in started))
+                        yield chunk(self.piece(plan, index, payload.text, first=index not in started))
                     started.add(index)
                 else:  # done: what was not streamed yet, then the finish reason
                     prompt = plan.prompts[index // plan.n]
                     results.append((index, index // plan.n, payload))
-                    if index not in started:  # a whole choice (logprobs, or nothing streamed)
-                        whole = completion_choice(index, payload, plan, prompt) if plan.kind == "completion" else None
-                        text = whole["text"] if whole else payload.get("text", "")
-                        lp = (whole["logprobs"] if whole else chat_logprobs(payload)) if plan.logprobs else None
-                        yield self.chunk(plan, rid, self.piece(plan, index, text, first=True, logprobs=lp))
+                    if index not in started:  # a whole choice (logprobs, echo, or nothing streamed)
+                        chat = plan.kind == "chat"
+                        whole = chat_choice(index, payload, plan) if chat else completion_choice(index, payload, plan,
+                                                                                                  prompt)
+                        text = whole["message"]["content"] if chat else whole["text"]
+                        yield chunk(self.piece(plan, index, text, first=True, logprobs=whole["logprobs"]))
                         started.add(index)
-                    yield self.chunk(plan, rid, self.piece(plan, index, "", finish=finish_reason(payload)))
+                    yield chunk(self.piece(plan, index, "", finish=finish_reason(payload)))
                     open_choices -= 1
                     if open_choices == 0:
                         if plan.include_usage:

@@ -10,13 +10,24 @@ This module must not import torch (it runs in the gateway); its value checks are
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyloop.fields import DEFAULT_MAX_TOKENS, SPECULATIVE_FIELDS, Check, boolean, int_in, is_int, number_in
+from tinyloop.fields import (DEFAULT_MAX_TOKENS, GENERATE_FIELDS, SPECULATIVE_FIELDS, Check, boolean, int_in, is_int,
+                             list_of, number_in, plain_map, text)
 
 # Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field, checked there.
-EXTRA_FIELDS = ("loops", "early_exit_threshold", "cache_window", "top_k", "repetition_penalty", *SPECULATIVE_FIELDS)
+EXTRA_FIELDS = ("loops", "early_exit_threshold", "cache_window", *SPECULATIVE_FIELDS)
+# Sampler fields (OpenAI's penalties and logit_bias, vLLM's extra sampling parameters) that map 1:1 onto the wire's
+# GenerateConfig fields, checked here with their rules from tinyloop/fields.py so a bad value is a 400 naming it.
+SAMPLER_FIELDS = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
+                  "min_tokens", "stop_token_ids")
+# vLLM's extra fields that both endpoints take (docs/gateway.md says what each does here).
+VLLM_FIELDS = {"top_k", *SAMPLER_FIELDS, "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"}
+GUIDED_FIELDS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "regex"}  # vLLM -> grammar key
 # OpenAI fields accepted and ignored: they change nothing about the output.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                   "safety_identifier")
@@ -106,11 +117,13 @@ class Plan:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     params: dict = field(default_factory=dict)  # common wire params (config, scoring, extras)
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    echo_text: str = ""  # chat echo: the last (assistant) message, put before each choice's content
     score_only: bool = False  # max_tokens 0 with echo: only the prompt's log-probabilities
     timeout: float | None = None
 
@@ -148,7 +161,7 @@ class Plan:
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known - set(EXTRA_FIELDS) - set(IGNORED_FIELDS))
+    unknown = sorted(set(body) - known - VLLM_FIELDS - set(EXTRA_FIELDS) - set(IGNORED_FIELDS))
     if unknown:
         raise APIError(400, f"unrecognized request argument(s): {unknown} (see docs/gateway.md for the supported "
                             f"fields and TinyLoop's extra fields)", param=unknown[0], code="unrecognized_argument")
@@ -179,7 +192,7 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
-def _grammar(body: dict) -> dict | None:
+def _response_format(body: dict) -> dict | None:
     """response_format -> the runtime's grammar (docs/grammar.md): json_schema or any JSON object."""
     rf = body.get("response_format")
     if rf is None:
@@ -198,11 +211,63 @@ def _grammar(body: dict) -> dict | None:
     raise bad("response_format", "type must be one of text, json_object, json_schema")
 
 
+def _choice_regex(param: str, choices: Any) -> str:
+    """guided_choice: the output is exactly one of the strings (a regex of escaped alternatives)."""
+    error = list_of(text(1024, 1), 256)(choices) or (None if choices else "must not be empty")
+    if error:
+        raise bad(param, error)
+    return "|".join(re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", c) for c in choices)
+
+
+def _guided_grammar(param: str, kind: str, value: Any) -> dict:
+    if kind == "choice":
+        return {"regex": _choice_regex(param, value)}
+    if not isinstance(value, str) and not (kind == "json" and isinstance(value, dict)):
+        raise bad(param, "must be a JSON schema (an object or a string)" if kind == "json" else "must be a string")
+    return {GUIDED_FIELDS[kind]: value}
+
+
+def _guided(body: dict) -> list[tuple[str, dict]]:
+    """vLLM's structured-output spellings -> (field, the runtime's grammar): `guided_json` / `guided_regex` /
+    `guided_choice` / `guided_grammar` (EBNF), or the same keys without the prefix inside `structured_outputs`."""
+    must_be_neutral(body, "guided_whitespace_pattern", (None,))
+    nested = get_checked(body, "structured_outputs", plain_map(16), {})
+    unknown = sorted(k for k, v in nested.items() if k not in GUIDED_FIELDS and v not in (None, False))
+    if unknown:
+        raise APIError(400, f"'structured_outputs.{unknown[0]}' is not supported by this server (supported: "
+                            f"{list(GUIDED_FIELDS)})", param=f"structured_outputs.{unknown[0]}",
+                       code="unsupported_parameter")
+    asked = [(f"guided_{k}", k, body.get(f"guided_{k}")) for k in GUIDED_FIELDS]
+    asked += [(f"structured_outputs.{k}", k, nested.get(k)) for k in GUIDED_FIELDS]
+    return [(param, _guided_grammar(param, kind, v)) for param, kind, v in asked if v is not None]
+
+
+def _grammar(body: dict) -> dict | None:
+    """The one grammar a request may ask for, in any of its spellings; two at once is a 400 naming the second."""
+    asked = _guided(body)
+    fmt = _response_format(body)
+    if fmt is not None:
+        asked.insert(0, ("response_format", fmt))
+    if len(asked) > 1:
+        raise bad(asked[1][0], f"asks for a second structured output besides '{asked[0][0]}'; give one")
+    return asked[0][1] if asked else None
+
+
+def _sampler(body: dict) -> dict:
+    """vLLM's and OpenAI's further sampling fields -> wire fields, each checked by its GenerateConfig rule."""
+    params = {name: get_checked(body, name, GENERATE_FIELDS[name]) for name in SAMPLER_FIELDS}
+    top_k = body.get("top_k")
+    if top_k is not None:  # vLLM's "off" is -1, TinyLoop's is 0
+        params["top_k"] = get_checked({"top_k": 0 if top_k == -1 else top_k}, "top_k", GENERATE_FIELDS["top_k"])
+    # Special tokens never reach the text here, so the spaces between them change nothing.
+    get_bool(body, "spaces_between_special_tokens", True)
+    must_be_neutral(body, "skip_special_tokens", (True, None))
+    must_be_neutral(body, "include_stop_str_in_output", (False, None))
+    return {k: v for k, v in params.items() if v is not None}
+
+
 def _common(body: dict, kind: str) -> tuple[dict, dict]:
     """Fields shared by both endpoints -> (wire params, plan fields)."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        must_be_neutral(body, name, (0, 0.0, None))
-    must_be_neutral(body, "logit_bias", (None, {}))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")
@@ -211,11 +276,14 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad("stream_options", "must be an object, and is only allowed with stream: true")
     include_usage = bool(options and get_bool(options, "include_usage"))
+    # vLLM's: every chunk carries the usage so far (only together with include_usage, as in vLLM)
+    continuous_usage = include_usage and get_bool(options, "continuous_usage_stats")
     params: dict[str, Any] = {
         # OpenAI's defaults, not TinyLoop's: temperature 1 (sampling), top_p 1.
         "temperature": get_num(body, "temperature", 0.0, 2.0, 1.0),
         "top_p": get_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
     }
+    params.update(_sampler(body))
     stops = _stop(body)
     if stops:
         params["stop_sequences"] = stops
@@ -227,7 +295,7 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
             params[name] = body[name]
     timeout = get_num(body, "timeout", 0.0, 24 * 3600.0, None, lo_open=True)
     plan = dict(kind=kind, model=model, n=get_int(body, "n", 1, MAX_N, 1), stream=stream, include_usage=include_usage,
-                seed=get_int(body, "seed", 0, 2**63 - 1 - MAX_N), timeout=timeout,
+                continuous_usage=continuous_usage, seed=get_int(body, "seed", 0, 2**63 - 1 - MAX_N), timeout=timeout,
                 op="speculative" if any(body.get(k) is not None for k in SPECULATIVE_FIELDS) else "generate")
     return params, plan
 
@@ -241,8 +309,10 @@ def completion_plan(body: dict) -> Plan:
     _check_fields(body, COMPLETION_FIELDS)
     must_be_neutral(body, "suffix", (None, ""))
     params, plan = _common(body, "completion")
-    if body.get("best_of") not in (None, 1, plan["n"]):
-        raise APIError(400, "'best_of' other than n is not supported", param="best_of", code="unsupported_parameter")
+    best_of = get_int(body, "best_of", plan["n"], MAX_N)  # vLLM's rule: best_of >= n
+    if best_of not in (None, plan["n"]):  # choosing n of best_of by log-probability is not implemented
+        raise APIError(400, f"'best_of' greater than n is not supported by this server (got best_of {best_of}, "
+                            f"n {plan['n']}); ask for n choices instead", param="best_of", code="unsupported_parameter")
     prompts = _prompts(body)
     top = get_int(body, "logprobs", 0, 20)
     echo = get_bool(body, "echo")
@@ -266,7 +336,22 @@ def completion_plan(body: dict) -> Plan:
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                "stream_options", "logprobs", "top_logprobs", "stop", "seed", "frequency_penalty", "presence_penalty",
-               "logit_bias", "response_format", "tools", "tool_choice", "timeout"}
+               "logit_bias", "response_format", "tools", "tool_choice", "timeout", "echo", "add_generation_prompt",
+               "continue_final_message", "chat_template_kwargs"}
+
+
+def _template_options(body: dict) -> None:
+    """vLLM's chat-template fields. The worker renders every chat with an open assistant turn and no extra template
+    variables (the wire's chat op has no field for them), so only those values are accepted; any other is a 400."""
+    get_bool(body, "add_generation_prompt", True)
+    get_bool(body, "continue_final_message")
+    must_be_neutral(body, "add_generation_prompt", (True, None))
+    must_be_neutral(body, "continue_final_message", (False, None))
+    kwargs = get_checked(body, "chat_template_kwargs", plain_map(64), {})
+    if kwargs:
+        name = f"chat_template_kwargs.{sorted(kwargs)[0]}"
+        raise APIError(400, f"'{name}' is not supported by this server: the worker renders chats with the model's "
+                            "template and no extra variables", param=name, code="unsupported_parameter")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -295,10 +380,15 @@ def chat_plan(body: dict) -> Plan:
     _check_fields(body, CHAT_FIELDS)
     must_be_neutral(body, "tools", (None, []))
     must_be_neutral(body, "tool_choice", (None, "none"))
+    _template_options(body)
     params, plan = _common(body, "chat")
     messages = _messages(body)
-    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-        raise bad("max_completion_tokens", "and max_tokens are the same setting; give one")
+    # vLLM's chat echo: a last assistant message (the answer's start) is put before each choice's content.
+    echo = get_bool(body, "echo")
+    echo_text = messages[-1]["content"] if echo and messages[-1]["role"] == "assistant" else ""
+    both = body.get("max_tokens"), body.get("max_completion_tokens")
+    if None not in both and both[0] != both[1]:  # benchmarks send both, equal
+        raise bad("max_completion_tokens", "and max_tokens are the same setting; give one, or both equal")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, name, 1, 1 << 16)
     if max_tokens is not None:  # else the runtime's default
@@ -309,8 +399,8 @@ def chat_plan(body: dict) -> Plan:
         raise bad("top_logprobs", "needs logprobs: true")
     if logprobs:
         params.update(logprobs=True, top_logprobs=top or 0)
-    return Plan(prompts=[messages], params=params, logprobs=logprobs, top_logprobs=top or 0,
-                **{**plan, "op": "chat"})
+    return Plan(prompts=[messages], params=params, logprobs=logprobs, top_logprobs=top or 0, echo=bool(echo_text),
+                echo_text=echo_text, **{**plan, "op": "chat"})
 
 
 # ------------------------------------------------------------------------------ responses
@@ -360,7 +450,7 @@ def completion_choice(index: int, result: dict, plan: Plan, prompt: Any) -> dict
 
 
 def chat_choice(index: int, result: dict, plan: Plan) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": result.get("text", "")},
+    return {"index": index, "message": {"role": "assistant", "content": plan.echo_text + result.get("text", "")},
             "finish_reason": finish_reason(result), "logprobs": chat_logprobs(result) if plan.logprobs else None}
 
 
@@ -374,3 +464,13 @@ def usage(results: list[tuple[int, int, dict]], plan: Plan) -> dict:
         completion += 0 if plan.score_only else stats.get("generated_tokens", len(result.get("tokens", [])))
     prompt = sum(prompt_tokens.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def running_usage(results: list[tuple[int, int, dict]], streamed: dict[int, int], plan: Plan) -> dict:
+    """A stream's usage so far (stream_options.continuous_usage_stats): finished choices as `usage` counts them, plus
+    the tokens streamed of the others. A prompt's tokens are counted once its first choice has finished, since only
+    the worker's result says how many the prompt (or the rendered chat) has."""
+    u = usage(results, plan)
+    finished = {index for index, _p, _r in results}
+    more = sum(count for index, count in streamed.items() if index not in finished)
+    return {**u, "completion_tokens": u["completion_tokens"] + more, "total_tokens": u["total_tokens"] + more}

@@ -24,7 +24,7 @@ from scripts.service_cli import DEFAULT_FRONTEND, DIRECTORY, FILE, PORT, SECONDS
               help="File with accepted keys, one per line (# comments allowed).")
 @click.option("--model-name", default=None,
               help="Model id to serve under (default: from the workers: tinyloop-default for the bundled model, "
-                   "else the artifact's file name without .tinyloop).")
+                   "else the artifact's file name without .tinyloop; /v1/models is 503 until a worker has said which).")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1),
               help="Larger request bodies get 413.")
 @click.option("--timeout", default=300.0, show_default=True, type=SECONDS,

@@ -259,8 +259,9 @@ def test_error_statuses(svc, oai):
         openai.OpenAI(base_url=svc.url + "/v1", api_key="wrong", max_retries=0).models.list()
     # 400 naming the field: gateway rules, wire rules, runtime rules.
     for body, param in [({**ok, "temperature": 5}, "temperature"), ({**ok, "prompt": []}, "prompt"),
-                        ({**ok, "loopz": 3}, "loopz"), ({**ok, "loops": 99}, "loops"), ({**ok, "top_k": -1}, "top_k"),
-                        ({**ok, "presence_penalty": 1.0}, "presence_penalty"), ({**ok, "max_tokens": 0}, "max_tokens")]:
+                        ({**ok, "loopz": 3}, "loopz"), ({**ok, "loops": 99}, "loops"), ({**ok, "top_k": -2}, "top_k"),
+                        ({**ok, "presence_penalty": 2.5}, "presence_penalty"), ({**ok, "max_tokens": 0}, "max_tokens"),
+                        ({**ok, "best_of": 3}, "best_of"), ({**ok, "logit_bias": {"x": 1}}, "logit_bias")]:
         r = svc.post("/v1/completions", body)
         assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
     r = svc.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
