@@ -92,7 +92,7 @@ def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
         if too_long is not None:
             return too_long
     # Name the field when the wire schema or the runtime did ("field 'loops'", "GenerateConfig.loops").
-    found = re.search(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)", message)
+    found = re.search(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)|^(chat_template_kwargs)", message)
     param = next((g for g in found.groups() if g), None) if found else None
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return APIError(status, message, param=param, code=err.code, headers=headers)

@@ -340,18 +340,19 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "continue_final_message", "chat_template_kwargs"}
 
 
-def _template_options(body: dict) -> None:
-    """vLLM's chat-template fields. The worker renders every chat with an open assistant turn and no extra template
-    variables (the wire's chat op has no field for them), so only those values are accepted; any other is a 400."""
-    get_bool(body, "add_generation_prompt", True)
+def _template_options(body: dict) -> dict:
+    """vLLM's chat-template fields -> the chat op's wire fields: add_generation_prompt and chat_template_kwargs (the
+    template's own variables, e.g. Ouro's enable_thinking) travel to the worker; continue_final_message is not
+    supported (only its no-op value is accepted)."""
     get_bool(body, "continue_final_message")
-    must_be_neutral(body, "add_generation_prompt", (True, None))
     must_be_neutral(body, "continue_final_message", (False, None))
-    kwargs = get_checked(body, "chat_template_kwargs", plain_map(64), {})
+    out: dict = {}
+    if not get_bool(body, "add_generation_prompt", True):
+        out["add_generation_prompt"] = False
+    kwargs = get_checked(body, "chat_template_kwargs", plain_map(16), {})
     if kwargs:
-        name = f"chat_template_kwargs.{sorted(kwargs)[0]}"
-        raise APIError(400, f"'{name}' is not supported by this server: the worker renders chats with the model's "
-                            "template and no extra variables", param=name, code="unsupported_parameter")
+        out["chat_template_kwargs"] = kwargs
+    return out
 
 
 def _messages(body: dict) -> list[dict]:
@@ -380,8 +381,9 @@ def chat_plan(body: dict) -> Plan:
     _check_fields(body, CHAT_FIELDS)
     must_be_neutral(body, "tools", (None, []))
     must_be_neutral(body, "tool_choice", (None, "none"))
-    _template_options(body)
+    template = _template_options(body)
     params, plan = _common(body, "chat")
+    params.update(template)
     messages = _messages(body)
     # vLLM's chat echo: a last assistant message (the answer's start) is put before each choice's content.
     echo = get_bool(body, "echo")

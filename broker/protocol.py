@@ -322,6 +322,9 @@ for _op in ("generate", "speculative"):
 CHAT_MESSAGE = plain_map(8)
 OPS["chat"] = {
     "messages": Field(list_of(CHAT_MESSAGE, 1024)),
+    # the chat template's options: an open assistant turn (default true), and the template's own variables
+    "add_generation_prompt": Field(boolean, required=False),
+    "chat_template_kwargs": Field(plain_map(16), required=False),
     **{k: v for k, v in OPS["speculative"].items() if k != "prompt"},
 }
 

@@ -141,8 +141,7 @@ def test_an_eval_harness_echo_and_logprobs_request(svc):
 def test_vllm_fields_that_cannot_be_honoured_are_refused_by_name(svc):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for body, param in [({"best_of": 3}, "best_of"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-                        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
-                        ({"add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs"),
                         ({"continue_final_message": True}, "continue_final_message"),
                         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
                         ({"guided_regex": "a+", "guided_json": {}}, "guided_regex"),
@@ -159,3 +158,13 @@ def test_guided_choice_and_chat_echo(svc):
     res = svc.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0,
                                             "echo": True})
     assert res["choices"][0]["message"]["content"].startswith("    return")
+
+
+def test_chat_template_options_reach_the_template(svc, model):
+    """add_generation_prompt and chat_template_kwargs travel to the worker, which renders the chat with them."""
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    closed = svc.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0,
+                                               "add_generation_prompt": False,
+                                               "chat_template_kwargs": {"enable_thinking": False}})
+    assert closed["usage"]["prompt_tokens"] == len(chat_ids(model, msgs, add_generation_prompt=False))
+    assert len(chat_ids(model, msgs, add_generation_prompt=False)) != len(chat_ids(model, msgs))

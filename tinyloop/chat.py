@@ -117,7 +117,11 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
 
 
 def apply_chat_template(model, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-    """The prompt string for `messages` with this model's template and its special tokens."""
+    """The prompt string for `messages` with this model's template and its special tokens; `extra` are the template's
+    own variables (chat_template_kwargs)."""
+    taken = sorted(set(extra) & {"messages", "add_generation_prompt", "bos_token", "eos_token"})
+    if taken:
+        raise ConfigError(f"chat_template_kwargs: the variable(s) {taken} are set by the renderer itself")
     codec = model.codec
     return render_chat(template_for(model), messages, add_generation_prompt=add_generation_prompt,
                        bos_token=codec.bos_token, eos_token=codec.eos_token, **extra)

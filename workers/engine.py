@@ -34,6 +34,7 @@ log = logging.getLogger("tinyloop.worker")
 TokenSink = Callable[[int, int, str], None]
 PREFIX_OPS = ("generate", "generate_pool")  # ops whose prompts the prefix cache keeps (docs/service.md "Routing")
 BATCHED_OPS = ("generate", "chat", "generate_pool")  # ops that join the continuous batch (the others run alone)
+CHAT_ONLY = ("messages", "add_generation_prompt", "chat_template_kwargs")  # a chat's fields no generate op takes
 
 
 @dataclass
@@ -174,7 +175,7 @@ class ModelEngine:
             return False
         with runtime_errors():
             if op == "chat":
-                text, ids = chat_prompt(self.model, params["messages"])
+                text, ids = self.chat_prompt(params)
                 params = {**params, "prompt": ids, "prompt_text": text}
             ids = self.model.encode_prompt(params["prompt"])  # once: the scheduler and the prefix notes share it
             cont = continuation(self, params, ids, delivered) if delivered else None
@@ -283,10 +284,15 @@ class ModelEngine:
 
     def op_chat(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         """Render the messages with the model's chat template, then generate (speculatively if asked)."""
-        text, ids = chat_prompt(self.model, params["messages"])
-        rest = {k: v for k, v in params.items() if k != "messages"}
+        text, ids = self.chat_prompt(params)
+        rest = {k: v for k, v in params.items() if k not in CHAT_ONLY}
         op = self.op_speculative if any(k in params for k in SPECULATIVE_FIELDS) else self.op_generate
         return {**op({**rest, "prompt": ids}, on_token, should_stop), "prompt_text": text}
+
+    def chat_prompt(self, params: dict) -> tuple[str, list[int]]:
+        """A chat request's rendered prompt and its ids, with the template options it sent."""
+        return chat_prompt(self.model, params["messages"], params.get("add_generation_prompt", True),
+                           **params.get("chat_template_kwargs", {}))
 
     def scored(self, params: dict, result: dict) -> dict:
         """Add the log-probabilities (and echoed prompt) a request asked for, by scoring prompt + output
