@@ -33,6 +33,25 @@ def child_env(root: Path = REPO_ROOT) -> dict:
     return env
 
 
+def physical_cores() -> int:
+    """Physical cores this process may run on (its CPU affinity, SMT siblings counted once): a decode step is bound
+    by memory reads and FMA units, which two hyperthreads of one core share, so threads beyond cores only contend."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))  # no topology (not Linux, or hidden): count the logical CPU
+    return max(1, len(cores))
+
+
+def threads_per_worker(workers: int) -> int:
+    """The default torch threads of each of N CPU workers on one machine: its physical cores divided between them."""
+    return max(1, physical_cores() // max(1, workers))
+
+
 def _die_with_parent() -> None:
     # Linux only; elsewhere children simply outlive a killed launcher.
     try:

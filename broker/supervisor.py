@@ -80,7 +80,9 @@ class Supervisor:
         plan = json.loads(proc.stdout.strip().splitlines()[-1])
         if device_budget is not None:
             plan["available_bytes"], plan["available_what"] = device_budget, "--device-budget"
-        need = plan["total_bytes"] * self.n_workers
+        # Each worker may use its whole --vram-budget (its pool takes what the plan leaves of it), else its plan.
+        per_worker = max(plan["total_bytes"], plan.get("budget_bytes") or 0)
+        need = per_worker * self.n_workers
         if need > plan["available_bytes"]:
             self.say(
                 f"refusing to start: {self.n_workers} workers on {plan['device']} need {need / 2**20:.1f} MiB "
@@ -88,7 +90,7 @@ class Supervisor:
                 f"{plan['table']}"
             )
             return WorkerExit.OVER_BUDGET  # as a worker over its budget exits
-        self.say(f"memory plan: {self.n_workers} x {plan['total_bytes'] / 2**20:.1f} MiB fits in "
+        self.say(f"memory plan: {self.n_workers} x {per_worker / 2**20:.1f} MiB fits in "
                  f"{plan['available_bytes'] / 2**20:.1f} MiB ({plan['available_what']})")
         return None
 

@@ -231,13 +231,12 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
                   skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
+    from broker.launcher import threads_per_worker
     from broker.supervisor import Supervisor
-
-    import os
 
     setup_logging(log_level)
     if threads is None and (device or "cpu").startswith("cpu"):
-        threads = max(1, (os.cpu_count() or 1) // n_workers)  # N workers share the cores instead of oversubscribing
+        threads = threads_per_worker(n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
                         heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk)
     gateway = None

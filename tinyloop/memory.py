@@ -140,6 +140,20 @@ def available_bytes(device: torch.device | str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def process_bytes(device: torch.device | str) -> int:
+    """What this process holds before a model: its resident memory on CPU (the interpreter, torch and the runtime:
+    `import torch` alone is ~280 MiB), the allocator's reserve on a CUDA device. A budget that is everything a
+    worker may use counts it (workers/startup.py)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def available_what(device: torch.device | str) -> str:
     """What available_bytes measures on this device, for messages."""
     return f"free VRAM on {device}" if torch.device(device).type == "cuda" else "available RAM"

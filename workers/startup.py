@@ -13,7 +13,7 @@ import importlib
 import json
 import logging
 import sys
-import threading
+import time
 from dataclasses import dataclass
 
 from broker.protocol import WorkerExit
@@ -47,6 +47,29 @@ def refuse(opts: WorkerOptions, why: BaseException) -> int:
     return WorkerExit.BAD_CONFIG
 
 
+# Shorter than one cache block (16 tokens), so the prefix cache keeps nothing of it.
+WARM_UP_PROMPT = "def warm_up(x):"
+
+
+def warm_up(model) -> None:
+    """One short generate before "ready", in the thread that will compute (workers/worker.py: run): it builds the
+    C kernels or finds them in the cache (tinyloop/kernels/cpu.py; a cold build takes 10-20 s), starts the OpenMP
+    threads and pays the first forward's one-time costs, so the first request after ready runs at full speed."""
+    import tinyloop
+
+    t0 = time.perf_counter()
+    tinyloop.generate(model, WARM_UP_PROMPT, tinyloop.GenerateConfig(max_tokens=2))
+    log.info("warmed up in %.2f s", time.perf_counter() - t0)
+
+
+def pool_budget(plan, vram_budget: int | None) -> int:
+    """load_model's memory_budget (weights, workspace and the block pool, which gets the rest): with --vram-budget,
+    what the budget leaves after the process baseline and the handle states, so the pool takes the worker's whole
+    share; without one, exactly the planned pool."""
+    outside = plan.bytes_of("process baseline") + plan.bytes_of("handle states")
+    return (vram_budget if vram_budget is not None else plan.total_bytes) - outside
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run a worker until it is stopped; returns the process exit code."""
     import torch
@@ -56,7 +79,7 @@ def run_worker(opts: WorkerOptions) -> int:
     from tinyloop.env import env_choice
     from tinyloop.formats import parse_spec
     from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
-    from tinyloop.memory import available_bytes, available_what
+    from tinyloop.memory import available_bytes, available_what, process_bytes
     from tinyloop.runtime import default_device, weight_format_for
 
     from workers.engine import ModelEngine, load_prefix_file
@@ -66,6 +89,10 @@ def run_worker(opts: WorkerOptions) -> int:
         torch.set_num_threads(opts.threads)
     device = opts.device or str(default_device())
     available = available_bytes(device)  # measured before the model takes its share
+    # A grammar request needs xgrammar (it imports transformers: ~1 s, ~50 MiB). Import it now, so that the first
+    # such request does not stall every lane of the batch while it loads, and so that the baseline counts it.
+    importlib.import_module("tinyloop.grammar")
+    baseline = process_bytes(device)  # the process itself, before any weights: part of what the budget covers
     if opts.vram_budget is not None:
         budget, budget_what = opts.vram_budget, "--vram-budget"
     else:
@@ -85,13 +112,15 @@ def run_worker(opts: WorkerOptions) -> int:
         dtype = torch.bfloat16 if device.startswith("cuda") else dtype
         plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=1,
                                     max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group)
+        plan.items.insert(0, ("process baseline (interpreter, torch, runtime; measured at start)", baseline))
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return WorkerExit.LOAD_FAILED
     model_name = str(opts.model_path or "bundled default model")
     if opts.plan_only:
         print(json.dumps({"total_bytes": plan.total_bytes, "items": plan.items, "device": device, "table": plan.table(),
-                          "available_bytes": available, "available_what": available_what(device)}))
+                          "available_bytes": available, "available_what": available_what(device),
+                          "budget_bytes": opts.vram_budget}))
         return 0
     if plan.total_bytes > budget:
         print(
@@ -105,13 +134,14 @@ def run_worker(opts: WorkerOptions) -> int:
         # left in the pool, and the heartbeat tells the broker what that is.
         caching = env_choice("TINYLOOP_PREFIX_CACHE", ("on", "off"), "on") == "on"
         model = tinyloop.load_model(opts.model_path, opts.max_seq_len, device=device, cache_mode=cache_mode,
-                                    memory_budget=plan.total_bytes - plan.bytes_of("handle states"),
+                                    memory_budget=pool_budget(plan, opts.vram_budget),
                                     prefix_caching=caching, weights=fmt, group=group)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return WorkerExit.LOAD_FAILED
     if opts.prefill_chunk is not None:
         model.prefill_chunk = opts.prefill_chunk
+    warm_up(model)
     try:
         engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
                              prefixes=prefixes, lanes=opts.max_lanes)
@@ -121,10 +151,6 @@ def run_worker(opts: WorkerOptions) -> int:
                             heartbeat_liveness=opts.heartbeat_liveness, curve_dir=opts.curve_dir)
     engine.set_identity(process.identity)
     process.install_signal_handlers()
-    # A grammar request needs xgrammar (it imports transformers, ~1 s). Import it beside serving, so that the first
-    # such request does not stall every lane of the batch while it loads.
-    threading.Thread(target=importlib.import_module, args=("tinyloop.grammar",), name="import-grammar",
-                     daemon=True).start()
     log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s), ops %s", opts.name, device,
              plan.total_bytes / 2**20, budget / 2**20, budget_what, engine.ops)
     return process.run()

@@ -2,10 +2,12 @@
 
 Two threads, because a generation may take seconds and heartbeats must not wait for it:
 
-* the I/O thread (the caller of WorkerProcess.run) owns the DEALER socket to the broker:
+* the I/O thread (started by WorkerProcess.run) owns the DEALER socket to the broker:
   it sends "ready" and heartbeats, receives requests and cancels, and forwards whatever
   the compute thread produced. It reconnects when the broker goes quiet (Paranoid Pirate).
-* the compute thread drives the engine and hands its token/done/error messages to the I/O
+  It sleeps in a poll between messages and never runs torch, so it takes no core from the compute.
+* the compute thread (the caller of WorkerProcess.run, the thread that loaded the model: see `run`
+  for why) drives the engine and hands its token/done/error messages to the I/O
   thread over an inproc socket (ZeroMQ sockets must not be shared between threads). An engine
   with a scheduler (`join` / `step`: workers/engine.py) batches requests continuously: between
   two steps the thread takes the requests that arrived, and a request joins the running batch
@@ -128,13 +130,28 @@ class WorkerProcess:
         self.dealer: zmq.Socket | None = None
         self.last_ready_at = 0.0
 
-    # ------------------------------------------------------------------ I/O thread
-
     def run(self) -> int:
+        """Serve until stopped; returns the exit code. The compute loop runs in the calling thread, the I/O loop
+        beside it: the model was loaded in this thread, so its OpenMP thread pool is the only one in the process.
+        libgomp spins between parallel regions only while the threads of all its pools fit the cores; a second
+        pool (compute in a new thread beside the loader's) throttled it to ~100 spins, every region of a decode
+        step then woke its threads through the kernel, and batch-1 decode ran 4-6x slower than `generate`."""
         outbox = self.ctx.socket(zmq.PULL)
         outbox.bind(self.outbox_endpoint)
-        compute = threading.Thread(target=self.compute_loop, name="compute", daemon=True)
-        compute.start()
+        result: list[int] = []
+        compute_done = threading.Event()
+        io = threading.Thread(target=lambda: result.append(self.io_loop(outbox, compute_done)), name="io", daemon=True)
+        io.start()
+        try:
+            self.compute_loop()  # returns once the I/O loop has ended; an engine bug propagates (the process exits)
+        finally:
+            compute_done.set()
+        io.join()
+        return result[0] if result else WorkerExit.OK
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def io_loop(self, outbox: zmq.Socket, compute_done: threading.Event) -> int:
         self.connect()
         exit_code = WorkerExit.OK
         reconnect_delay = self.heartbeat_interval
@@ -196,7 +213,7 @@ class WorkerProcess:
                 self.connect()
                 last_heard = time.monotonic()
         self.jobs.put(None)
-        compute.join(timeout=5)
+        compute_done.wait(timeout=5)
         self.dealer.close(linger=1000)  # let the final replies and goodbye leave
         outbox.close(linger=0)
         return exit_code

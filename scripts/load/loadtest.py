@@ -165,8 +165,9 @@ def format_summary(r: dict) -> str:
 # ------------------------------------------------------------------------------ side by side
 
 
-def one_token_side_by_side(model_path: str | None, frontend: str, prompt: str, reps: int, threads: int) -> tuple[list, list]:
-    """Latency of a one-token request: in-process generate versus through the broker, interleaved
+def interleaved(model_path: str | None, frontend: str, prompt: str, reps: int, threads: int, max_tokens: int = 1,
+                loops: int | None = None) -> tuple[list, list]:
+    """(wall s, decode ms) of each request: in-process generate versus through the broker, interleaved
     (direct, broker, direct, ...) so that both see the same machine load."""
     import torch
 
@@ -174,22 +175,46 @@ def one_token_side_by_side(model_path: str | None, frontend: str, prompt: str, r
 
     torch.set_num_threads(threads)
     model = tinyloop.load_model(model_path, 512)
-    cfg = tinyloop.GenerateConfig(max_tokens=1)
+    cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops)
+    params = {"max_tokens": max_tokens, **({"loops": loops} if loops else {})}
     direct, brokered = [], []
     try:
-        with Client(frontend, timeout=60) as client:
+        with Client(frontend, timeout=120) as client:
             for i in range(reps + 3):  # the first 3 rounds warm both paths up
                 t0 = time.perf_counter()
-                tinyloop.generate(model, prompt, cfg)
+                result = tinyloop.generate(model, prompt, cfg)
                 t1 = time.perf_counter()
-                client.generate(prompt, max_tokens=1)
+                reply = client.generate(prompt, **params)
                 t2 = time.perf_counter()
                 if i >= 3:
-                    direct.append(t1 - t0)
-                    brokered.append(t2 - t1)
+                    direct.append((t1 - t0, result.stats.decode_ms))
+                    brokered.append((t2 - t1, reply.stats["decode_ms"]))
     finally:
         tinyloop.free_model(model)
     return direct, brokered
+
+
+def decode_side_by_side(*, model_path: str | None = None, reps: int = 10, max_tokens: int = 64, loops: int = 8,
+                        threads: int | None = None, root: str | None = None,
+                        echo: Callable[[str], None] = print) -> dict:
+    """Batch-1 decode of one request through a 1-worker service against the same generate in process, with the
+    same torch threads (default: all cores), interleaved. The ratio of the medians of the engines' decode_ms is the
+    worker's own cost (threads, I/O), without the broker's round trip. root: the tree whose service runs."""
+    from broker.launcher import REPO_ROOT, LocalService, physical_cores
+
+    threads = threads or physical_cores()
+    args = ["--max-seq-len", "512", "--max-handles", "0", "--threads", str(threads)]
+    args += ["--model", model_path] if model_path else []
+    load_before = os.getloadavg()
+    with LocalService(1, args, root=root or REPO_ROOT) as svc:
+        direct, brokered = interleaved(model_path, svc.frontend, DEFAULT_PROMPTS[0], reps, threads, max_tokens, loops)
+    d = summarize([ms for _, ms in direct])
+    b = summarize([ms for _, ms in brokered])
+    ratio = b["p50"] / d["p50"]
+    echo(f"      {max_tokens} tokens at {loops} loops, {threads} threads: decode p50 in process {d['p50']:.0f} ms, "
+         f"worker {b['p50']:.0f} ms ({ratio:.2f}x); load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    return {"threads": threads, "max_tokens": max_tokens, "loops": loops, "direct_decode_ms": d,
+            "worker_decode_ms": b, "ratio_p50": ratio, "load_average": [load_before, os.getloadavg()]}
 
 
 def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tokens: int = 16, concurrency: int = 4,
@@ -197,23 +222,29 @@ def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tok
     """threads: torch threads per model (default: all cores for one model, cores / 2 for each of two)."""
     from broker.launcher import LocalService
 
-    cores = os.cpu_count() or 1
+    from broker.launcher import physical_cores
+
+    cores = physical_cores()
     base_args = ["--max-seq-len", "512", "--max-handles", "0"] + (["--model", model_path] if model_path else [])
     prompt = DEFAULT_PROMPTS[0]
     reps = max(10, n_requests)
     results: dict[str, Any] = {"cores": cores, "threads": threads, "load_average": os.getloadavg()}
     per_model = lambda n: threads or max(1, cores // n)  # noqa: E731
 
-    echo(f"[1/3] one-token request: direct generate vs through the broker ({reps} sequential requests each)")
+    echo(f"[1/4] one-token request: direct generate vs through the broker ({reps} sequential requests each)")
     with LocalService(1, base_args + ["--threads", str(per_model(1))]) as svc:
-        direct, brokered = one_token_side_by_side(model_path, svc.frontend, prompt, reps, per_model(1))
-    d, b = summarize([t * 1000 for t in direct]), summarize([t * 1000 for t in brokered])
+        direct, brokered = interleaved(model_path, svc.frontend, prompt, reps, per_model(1))
+    d, b = summarize([t * 1000 for t, _ in direct]), summarize([t * 1000 for t, _ in brokered])
     results["one_token"] = {"direct_ms": d, "broker_ms": b, "overhead_ms_p50": b["p50"] - d["p50"],
                             "ratio_p50": b["p50"] / d["p50"]}
     echo(f"      direct  p50 {d['p50']:.2f} ms   broker p50 {b['p50']:.2f} ms   "
          f"overhead {b['p50'] - d['p50']:.2f} ms ({b['p50'] / d['p50']:.2f}x)")
 
-    echo(f"[2/3] throughput, closed loop, concurrency {concurrency}, {n_requests} requests x {max_tokens} tokens: 1 vs 2 workers")
+    echo("[2/4] batch-1 decode: in-process generate vs the same request through a 1-worker service")
+    results["decode"] = decode_side_by_side(model_path=model_path, reps=max(5, n_requests // 4),
+                                            threads=per_model(1), echo=echo)
+
+    echo(f"[3/4] throughput, closed loop, concurrency {concurrency}, {n_requests} requests x {max_tokens} tokens: 1 vs 2 workers")
     throughput = {}
     for n in (1, 2):
         with LocalService(n, base_args + ["--threads", str(per_model(n))]) as svc:
@@ -227,7 +258,7 @@ def side_by_side(*, model_path: str | None = None, n_requests: int = 32, max_tok
     echo(f"      2 workers / 1 worker: {results['throughput']['ratio_2_vs_1']:.2f}x tokens/s on {cores} cores")
 
     pings = max(2000, n_requests)
-    echo(f"[3/3] routing rate: {pings} 'ping' requests (no model work), closed loop, concurrency 32, 2 workers")
+    echo(f"[4/4] routing rate: {pings} 'ping' requests (no model work), closed loop, concurrency 32, 2 workers")
     with LocalService(2, base_args + ["--threads", "1"]) as svc:
         run_load(svc.frontend, mode="closed", concurrency=8, n_requests=100, op="ping")  # warm up
         routing = run_load(svc.frontend, mode="closed", concurrency=32, n_requests=pings, op="ping")
@@ -298,7 +329,9 @@ def soak(*, n_requests: int = 10_000, every: int = 1000, max_tokens: int = 4, co
     allocator pools, compiled kernels, the broker's bounded reply cache filling), in MiB per 1,000 requests."""
     from broker.launcher import LocalService
 
-    args = ["--max-seq-len", "256", "--threads", str(threads or max(1, (os.cpu_count() or 1) // workers))]
+    from broker.launcher import threads_per_worker
+
+    args = ["--max-seq-len", "256", "--threads", str(threads or threads_per_worker(workers))]
     args += ["--model", model_path] if model_path else []
     samples: list[dict] = []
     with LocalService(workers, args) as svc:
