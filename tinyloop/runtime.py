@@ -15,6 +15,7 @@ from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_toke
 from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
 from .fields import is_int
+from .kernels import cpu as cpu_kernels
 from .formats import DEFAULT_GROUP, check_format, parse_spec
 from .memory import available_bytes, blocks_for, release_freed_memory, weight_bytes_of, workspace_bytes
 from .model import LoopedLM, quantize_weights, release_linears, shapes_only, weight_bytes, weight_format
@@ -178,6 +179,8 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"cache_mode {cache_mode!r} not one of {CACHE_MODES}")
     device = check_device(device) if device is not None else default_device()
+    if device.type == "cpu":
+        cpu_kernels.available()  # build (or find in the cache) the compiled kernels now, not inside the first call
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ConfigError(f"load_model(dtype={dtype!r}): expected a torch floating dtype (torch.float32, "
                           "torch.float16 or torch.bfloat16)")
