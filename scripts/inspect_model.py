@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from tinyloop.artifact import DEFAULT_ARTIFACT, read_artifact
-from tinyloop.cache import CACHE_MODES, bytes_per_token_slot
+from tinyloop.cache import CACHE_MODES, bytes_per_token_slot, check_mode
 from tinyloop.config import ModelConfig
+from tinyloop.errors import ConfigError
 from tinyloop.hf import config_and_dtype, is_hf_dir, load_hf
 from tinyloop.formats import FORMATS
 from tinyloop.memory import plan_memory, weight_bytes_of
@@ -32,6 +33,11 @@ def plan_table(cfg: ModelConfig, dtype: torch.dtype, max_seq_len: int, loops: in
             f"({cfg.n_slots(loops)} KV slots per token)",
             f"  {'cache':<6} {'KV per token':>14} {'KV per sequence':>16} {'weights':>11} {'total, 1 seq':>13}"]
     for mode in CACHE_MODES:
+        try:
+            check_mode(cfg, mode)
+        except ConfigError:  # (int4 store-h for normalised keys or value embeddings)
+            rows.append(f"  {mode:<6} {'not for this model':>31}")
+            continue
         per_token = bytes_per_token_slot(cfg, mode, dbytes) * cfg.n_slots(loops)
         plan = plan_memory(cfg, max_seq_len, mode, dtype=dtype, loops=loops)
         rows.append(f"  {mode:<6} {per_token / 2**10:>11.1f} KiB {plan.bytes_of('KV') / 2**20:>12,.0f} MiB "

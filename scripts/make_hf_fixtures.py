@@ -11,15 +11,25 @@ Where the reference code comes from (read, never copied into TinyLoop):
   on transformers >= 4.56); the model math is the hub file's.
 - Huginn-0125: `raven_modeling_minimal.py` and `raven_config_minimal.py` of github.com/seal-rg/recurrent-pretraining
   (recpre/, commit 59e0b69).
+- Parcae: the `parcae_lm` and `receval` packages of github.com/sandyresearch/parcae (commit dee8363), as they are:
+  the model is parcae_lm's, its save / load and cached generation receval's ModelingParcae.
+- Nanbeige4.2: `modeling_nanbeige.py` and `configuration_nanbeige.py`, the remote code of Nanbeige/Nanbeige4.2-3B
+  as kept in github.com/johnhalloran321/Nanbeige4.2-3B-mps-fix (patch/, commit a164cc1): that copy carries
+  compatibility fixes for newer transformers (cache length API, rope_scaling without "type", tied-weights keys,
+  position ids in generation); the model math is the hub file's. Its causal-LM class lacks GenerationMixin, which
+  transformers adds to remote code at load time; the fixture adds it the same way.
 
-Lay them out as two packages under one directory and pass it:
+Lay them out as packages under one directory and pass it:
     REF/ouro_ref/{__init__.py,modeling_ouro.py,configuration_ouro.py}
     REF/huginn_ref/{__init__.py,raven_modeling_minimal.py,raven_config_minimal.py}
-    /work/refenv/bin/python scripts/make_hf_fixtures.py --ref REF [--out tests/data/hf]
+    REF/parcae_lm/..., REF/receval/...       (git archive HEAD parcae_lm receval | tar -x -C REF)
+    REF/nanbeige_ref/{__init__.py,modeling_nanbeige.py,configuration_nanbeige.py}
+    /work/refenv/bin/python scripts/make_hf_fixtures.py --ref REF [--out tests/data/hf] [--only parcae]
 
-What it writes, per architecture (ouro, huginn): a model directory (config.json, generation_config.json,
-safetensors weights in bfloat16 — Ouro in one file, Huginn in shards with an index —, tokenizer.json,
-tokenizer_config.json with a chat template) and `<arch>_reference.safetensors` + `<arch>_reference.json` with:
+What it writes, per architecture (ouro, huginn, parcae, nanbeige): a model directory (config.json, generation_config.json,
+safetensors weights in bfloat16 — Ouro in one file, Huginn in shards with an index; Parcae's own layout: a torch
+pickle pytorch_model.bin —, tokenizer.json, tokenizer_config.json with a chat template) and
+`<arch>_reference.safetensors` + `<arch>_reference.json` with:
 logits of a prompt at every loop count (fp32, from the bf16 weights upcast), greedy continuations with the
 reference's own KV cache, and its early-exit choices (Ouro: exit-gate CDF threshold; Huginn: latent-difference
 adaptive compute). The weights are random but not trivial: norms, biases and the exit gate are perturbed so that
@@ -34,7 +44,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 VOCAB = 384
 PROMPTS = {"a": 12, "b": 7, "c": 19}  # prompt name -> length (random ids, fixed seed)
@@ -221,6 +231,145 @@ def huginn(ref: Path, out: Path) -> None:
     write_reference(out, "huginn", rec, meta, d)
 
 
+def parcae(ref: Path, out: Path) -> None:
+    """Parcae in the 140M config's shape (prelude / core / coda 2 / 2 / 2, diagonal injection, like-init state, qk-norm,
+    ReLU^2 MLP, value embeddings, prelude norm, tied embeddings), tiny, saved by receval's ModelingParcae."""
+    from parcae_lm.models.parcae import ParcaeConfig
+    from parcae_lm.tokenizer import Tokenizer as ParcaeTokenizer
+    from receval.models.parcae import ModelingParcae
+
+    torch.manual_seed(0)
+    tok = make_gpt4_tokenizer(["<|bos|>", "<|eos|>", "<|pad|>"])  # the shape of parcae's scripts/tok_train.py
+    cfg = ParcaeConfig(name="parcae-tiny", block_size=256, vocab_size=VOCAB, padding_multiple=64, n_embd=64,
+                       num_attention_heads=4, num_key_value_heads=4, intermediate_size=256, bias=False,
+                       tie_embeddings=True, block_class_name="TransformerPreNormBlock", norm_class_name="RMSNorm",
+                       norm_eps=1e-5, mlp_class_name="BaseMLP", nonlin_name="ReLU2", qk_norm=True, prelude_norm=True,
+                       init_strategy="scaled-zero", init_orthogonal=True, injection_type="diagonal",
+                       state_init="like-init", recurrent_embedding_dimension=64,
+                       recurrent_intermediation_embedding_dimension=256, n_layers_in_recurrent_block=2,
+                       n_layers_in_prelude=2, n_layers_in_coda=2, mean_recurrence=4, mean_backprop_depth=2,
+                       recurrent_iteration_method="per-sequence", attn_impl="sdpa")
+    model = ModelingParcae(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # its init zeroes the output projections: random weights everywhere instead
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                std = 0.05 if "wte" in name else 0.5 if "value_embeds" in name else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=g) * std)  # (the tied head keeps logits near 1)
+            elif "norm" in name or "ln_" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:  # the diagonal injection's A_log and dt_bias
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    bf16_round(model)
+    d = out / "parcae-tiny"
+    d.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16)
+    model.save_pretrained(d)  # config.json + pytorch_model.bin
+    model.float()
+    model.freqs_cis = model._precompute_freqs_cis()  # saved as a weight (bf16 now): rebuilt in fp32
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({  # what its Tokenizer.save (save_pretrained) writes
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>", "model_max_length": 256}, indent=2) + "\n")
+
+    ps = prompts()
+    rec, meta = {}, {"arch": "parcae", "max_loops": 8, "prompts": ps, "greedy": {}, "exit": {}}
+    with torch.no_grad():
+        x = torch.tensor([ps["a"]])
+        state = model.initialize_state(model.transformer.wte(x))  # its like-init draw, recorded
+        rec["state0"] = state[0].float()
+        model.initialize_state = lambda e: state.to(e.dtype)
+        rec["state0_logits_L4"] = model.forward_for_generation(x, num_steps=4)["logits"][0].float()
+        del model.initialize_state
+        model.config.state_init = "zero"  # the deterministic state (TinyLoop's init_scale=0) for everything else
+        for L in range(1, 9):
+            rec[f"logits_L{L}"] = model.forward_for_generation(x, num_steps=L)["logits"][0].float()
+        for L in (2, 4, 6):
+            for name in ("a", "b"):
+                p = torch.tensor([ps[name]])
+                gen = model.generate(p, max_new_tokens=NEW_TOKENS, do_sample=False, num_steps=L, use_cache=True)
+                meta["greedy"][f"{name}_L{L}"] = gen[0, p.shape[1]:].tolist()
+    ptok = ParcaeTokenizer.from_directory(d)
+    text = ["hello world", "def f(x):\n    return x", "The quick brown fox."]
+    meta["tokens"] = {t: ptok.encode(t, bos=True, return_tensors=False) for t in text}  # as it trains and evaluates
+    meta["bos_eos"] = [ptok.bos_id, ptok.eos_id]
+    save_file({k: v.contiguous() for k, v in rec.items()}, str(out / "parcae_reference.safetensors"))
+    (out / "parcae_reference.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print("parcae written:", sorted(rec), "greedy", meta["greedy"].get("a_L4"))
+
+
+CHATML_TEMPLATE = (  # written for the fixture (ChatML, as Nanbeige's chats are framed), not the checkpoint's own
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def nanbeige(ref: Path, out: Path) -> None:
+    """Nanbeige4.2 in the published 3B config's form (the whole stack looped num_loops = 2 times, the final norm
+    after every pass, grouped-query heads of their own width, untied head), tiny."""
+    from transformers import GenerationMixin
+
+    from nanbeige_ref.configuration_nanbeige import NanbeigeConfig
+    from nanbeige_ref.modeling_nanbeige import NanbeigeForCausalLM
+
+    # what transformers does to remote code at load time (the same class name, so config.json names it)
+    Nanbeige = type("NanbeigeForCausalLM", (NanbeigeForCausalLM, GenerationMixin), {})
+
+    torch.manual_seed(0)
+    tok = make_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None)
+    # head_dim 24 with hidden 64 and 4 heads: q is 96 wide, as the 3B's 48 x 128 beside hidden 3072
+    cfg = NanbeigeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_loops=2,
+                         skip_loop_final_norm=False, rope_theta=70_000_000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, attn_implementation="eager")
+    cfg.auto_map = {"AutoConfig": "configuration_nanbeige.NanbeigeConfig",
+                    "AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM"}
+    model = Nanbeige(cfg).eval()
+    perturb(model)
+    with torch.no_grad():  # a less flat next-token distribution (logits std ~0.2 at its init), as a trained model's
+        model.lm_head.weight.mul_(5)
+    bf16_round(model)
+    d = out / "nanbeige-tiny"
+    save_dir(model, tok, d, {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+                             "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 256}, None)
+    (d / "chat_template.jinja").write_text(CHATML_TEMPLATE)  # where newer transformers save a template
+    for layer in model.model.layers:  # its RoPE table is a buffer, bf16-rounded by the save: rebuilt in fp32
+        rope = layer.self_attn.rotary_emb
+        rope.inv_freq = 1.0 / (rope.base ** (torch.arange(0, rope.dim, 2, dtype=torch.int64).float() / rope.dim))
+
+    ps = prompts()
+    rec, meta = {}, {"arch": "nanbeige", "max_loops": 4, "prompts": ps, "greedy": {}, "exit": {}}
+    with torch.no_grad():
+        x = torch.tensor([ps["a"]])
+        for L in range(1, 5):  # every loop count the converted model allows (max_loops = 2 x num_loops)
+            model.config.num_loops = L
+            rec[f"logits_L{L}"] = model(x, use_cache=False).logits[0].float()
+        for L in (1, 2, 3):
+            model.config.num_loops = L
+            for name in ("a", "b"):
+                p = torch.tensor([ps[name]])
+                gen = model.generate(p, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True, eos_token_id=None,
+                                     pad_token_id=0)
+                meta["greedy"][f"{name}_L{L}"] = gen[0, p.shape[1]:].tolist()
+        model.config.num_loops = 2
+    write_reference(out, "nanbeige", rec, meta, d)
+
+
+def make_gpt4_tokenizer(specials: list[str]) -> Tokenizer:
+    """A GPT-4-style byte-level BPE (split regex, then ByteLevel), no post-processor."""
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    split = pre_tokenizers.Split(Regex(r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}"""
+                                       r"""\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False, min_frequency=0,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return tok
+
+
 def write_reference(out: Path, arch: str, rec: dict, meta: dict, d: Path) -> None:
     text = ["hello world", "def f(x):\n    return x", "The quick brown fox."]
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -239,14 +388,16 @@ def write_reference(out: Path, arch: str, rec: dict, meta: dict, d: Path) -> Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref", required=True, help="directory holding the ouro_ref/ and huginn_ref/ packages")
+    ap.add_argument("--ref", required=True, help="directory holding the ouro_ref/, huginn_ref/ and parcae packages")
+    ap.add_argument("--only", choices=["ouro", "huginn", "parcae", "nanbeige"], action="append", help="build only these")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "data" / "hf"))
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.ref).resolve()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ouro(Path(args.ref), out)
-    huginn(Path(args.ref), out)
+    for build in (ouro, huginn, parcae, nanbeige):
+        if not args.only or build.__name__ in args.only:
+            build(Path(args.ref), out)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,11 @@ def check_mode(cfg: ModelConfig, mode: str) -> None:
         raise ConfigError(f"cache_mode {mode!r} not one of {CACHE_MODES}")
     if mode == "int4" and cfg.d_model % INT4_GROUP:
         raise ConfigError(f"cache_mode int4 needs d_model divisible by {INT4_GROUP}, got {cfg.d_model}")
+    if mode == "int4" and (cfg.qk_norm or cfg.value_embeds):
+        # store-h recomputes K and V from h through wk and wv alone (engine/forward.py: Cached.decode)
+        raise ConfigError("cache_mode int4 (store-h) recomputes K and V from the attention input by the projections "
+                          "alone, and this model's keys are normalised (qk_norm) or its values carry value "
+                          "embeddings: use cache_mode fp16 or int8")
 
 
 def entry_layout(cfg: ModelConfig, mode: str, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

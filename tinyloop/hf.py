@@ -1,22 +1,12 @@
-"""Hugging Face model directories of looped models (Ouro, Huginn-0125) as configurations of the TinyLoop family.
+"""Checkpoint directories of looped models (Ouro, Huginn-0125, ...) as configurations of the TinyLoop family.
 
 A directory holds config.json, safetensors weights (one file, or shards listed by model.safetensors.index.json),
-tokenizer.json and tokenizer_config.json (special tokens, chat template). `read_hf_config` maps config.json to a
-ModelConfig: every architectural difference is a field (docs/hf.md lists them). `iter_weights` streams the tensors
-shard by shard, renamed and reshaped to TinyLoop's layout, checking names, shapes and dtypes on the way;
-`load_hf` gathers them for load_model and `convert` writes a .tinyloop artifact without ever holding more than
-one shard beside what it has written.
-
-How the architectures map (the reference code is the Hugging Face remote code of each; tests/data/hf holds tiny
-checkpoints made with it and its recorded outputs):
-- Ouro (`model_type` "ouro"): the whole stack is the looped core (no prelude or coda), the state starts as the
-  embedding and feeds the next loop unchanged (injection "none"), every loop ends with the final norm (loop_norm),
-  sandwich norms on each branch output, an exit gate read by the cumulative exit distribution (exit_rule "cdf").
-- Huginn (`model_type` "huginn_raven"): prelude / recurrent block / coda, embeddings scaled by sqrt(d), adapter
-  injection W [s ; e], a random state (truncated normal, scale settable), sandwich norms on the residual sum, q/k
-  biases, the final norm used before the coda too, and its interleaved ("complex-like") RoPE. The RoPE layout is
-  converted, not branched on: query and key rows are permuted within each head so that TinyLoop's half-split
-  rotation computes the same rotation (attention scores are invariant under one permutation of q and k).
+tokenizer.json and tokenizer_config.json (special tokens, chat template). What is the same for every family lives
+here: `read_hf_config` asks the family registry (tinyloop/models/) which family a config.json is and maps it to a
+ModelConfig through that family's module; `iter_weights` streams the tensors shard by shard, renamed and reshaped
+by the family's `tensors`, checking names, shapes and dtypes on the way; `load_hf` gathers them for load_model and
+`convert` writes a .tinyloop artifact without ever holding more than one shard beside what it has written. Each
+family's own mapping (and its exit rule and KV policy across loops) is in its module, tinyloop/models/<family>.py.
 """
 from __future__ import annotations
 
@@ -24,7 +14,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,13 +24,10 @@ from safetensors import safe_open
 from .artifact import FORMAT, FORMAT_VERSION, ArtifactInfo, _expected_shapes, read_config
 from .config import ModelConfig
 from .errors import ArtifactError, ConfigError
+from .models import family_of, loadable
+from .models.family import Raw
 from .tokenizer import TextCodec
 
-SUPPORTED = ("ouro", "huginn_raven")
-# Extra loop counts a converted model accepts beyond the checkpoint's default (both references run any count).
-MAX_LOOPS_FACTOR = 2
-# Huginn's initial state: std sqrt(2 / (5 d)) times the embedding scale sqrt(d), truncated at 3 std, times init_scale.
-HUGINN_INIT_STD = math.sqrt(2 / 5)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED = ("freqs_cis", "rotary_emb.inv_freq")  # position tables some checkpoints save; TinyLoop builds its own
 
@@ -75,77 +62,44 @@ def checkpoint_dtype(raw: dict) -> torch.dtype | None:
 
 
 def read_hf_config(path) -> ModelConfig:
-    """config.json -> ModelConfig. ArtifactError names an unsupported model_type or an option TinyLoop lacks.
-    Huginn's random initial state gets the reference's default scale (init_scale 1.0; load_model changes it)."""
+    """config.json -> ModelConfig, through its family's module. ArtifactError names an unsupported model_type or an
+    option TinyLoop lacks. Huginn's random initial state gets the reference's default scale (init_scale 1.0;
+    load_model changes it)."""
     raw = read_raw(path)
-    kind = raw.get("model_type")
-    if kind not in SUPPORTED:
-        raise ArtifactError(f"{path}: config.json has model_type {kind!r}; TinyLoop loads {', '.join(SUPPORTED)}")
-
-    def get(key, default=None, *alts):
-        for k in (key, *alts):
-            if k in raw and raw[k] is not None:
-                return raw[k]
-        if default is None:
-            raise ArtifactError(f"{path}: config.json lacks {key!r}, which a {kind} model needs")
-        return default
-
-    def unsupported(ok: bool, what: str) -> None:
-        if not ok:
-            raise ArtifactError(f"{path}: {what} is not supported by TinyLoop (model_type {kind})")
-
-    if kind == "ouro":
-        d, heads = get("hidden_size"), get("num_attention_heads")
-        unsupported(get("hidden_act", "silu") == "silu", f"hidden_act {raw.get('hidden_act')!r}")
-        unsupported(not raw.get("rope_scaling"), f"rope_scaling {raw.get('rope_scaling')!r}")
-        unsupported(not raw.get("use_sliding_window"), "use_sliding_window")
-        unsupported(get("head_dim", d // heads) == d // heads, f"head_dim {raw.get('head_dim')} != hidden_size / heads")
-        steps = get("total_ut_steps", 4)
-        fields = dict(d_model=d, n_heads=heads, n_kv_heads=get("num_key_value_heads", heads),
-                      ffn_hidden=get("intermediate_size"), n_prelude=0, n_core=get("num_hidden_layers"), n_coda=0,
-                      default_loops=steps, max_loops=MAX_LOOPS_FACTOR * steps, injection="none", state_init="embed",
-                      sandwich_norm=True, loop_norm=True, final_norm=False, exit_gate=True, exit_rule="cdf",
-                      exit_kv="compute", tie_embeddings=bool(get("tie_word_embeddings", False)),
-                      rope_theta=float(get("rope_theta", 10000.0)), norm_eps=float(get("rms_norm_eps", 1e-6)))
-    else:
-        d = get("n_embd")
-        heads = get("n_heads", None, "num_attention_heads")
-        unsupported(get("injection_type", "linear") == "linear", f"injection_type {raw.get('injection_type')!r}")
-        unsupported(get("state_init", "like-init") == "like-init", f"state_init {raw.get('state_init')!r}")
-        unsupported(not get("bias", False), "bias=true (biased linear layers)")
-        unsupported(get("block_class_name", "SandwichBlock") == "SandwichBlock", f"block {raw.get('block_class_name')!r}")
-        unsupported(get("mlp_class_name", "GatedMLP") == "GatedMLP", f"mlp {raw.get('mlp_class_name')!r}")
-        unsupported(not raw.get("test_time_noise"), "test_time_noise")
-        steps = get("mean_recurrence", 32)
-        fields = dict(d_model=d, n_heads=heads, n_kv_heads=heads, ffn_hidden=get("intermediate_size"),
-                      n_prelude=get("n_layers_in_prelude", 2), n_core=get("n_layers_in_recurrent_block", 4),
-                      n_coda=get("n_layers_in_coda", 2), default_loops=steps, max_loops=MAX_LOOPS_FACTOR * steps,
-                      injection="adapter", state_init="normal", init_sigma=HUGINN_INIT_STD,
-                      init_trunc=3.0, embed_scale=math.sqrt(d), qk_bias=bool(get("qk_bias", False)),
-                      sandwich_norm=True, sandwich_residual=True, coda_norm=True,
-                      tie_embeddings=bool(get("tie_embeddings", True, "tie_word_embeddings")),
-                      rope_theta=float(get("rope_base", 50000.0)), norm_eps=float(get("norm_eps", 1e-6)))
-    vocab = int(get("vocab_size") if kind == "ouro" else get("padded_vocab_size", None, "vocab_size"))
-    bos, eos = _special_ids(Path(path), raw, vocab)
+    family = family_of(raw)
+    if family is None:
+        raise ArtifactError(f"{path}: config.json has model_type {raw.get('model_type')!r}; TinyLoop loads "
+                            f"{', '.join(loadable())}")
+    fields = family.config(Raw(path, raw, family.KIND))
+    bos, eos = _special_ids(Path(path), raw, fields["vocab_size"], family)
     try:
-        return ModelConfig(vocab_size=vocab, bos_id=bos, eos_id=eos, **fields).validate()
+        return ModelConfig(bos_id=bos, eos_id=eos, **fields).validate()
     except (ConfigError, TypeError) as e:
         raise ArtifactError(f"{path}: config.json does not make a valid model: {e}") from None
 
 
-def _special_ids(path: Path, raw: dict, vocab: int) -> tuple[int, int]:
-    """BOS and EOS: the tokenizer's declared tokens (tokenizer_config.json) when it has them — for a chat model that
-    is the end-of-turn token generation must stop at —, else generation_config.json, else config.json."""
-    gen = _read_json(path / "generation_config.json", "generation_config.json") \
-        if (path / "generation_config.json").is_file() else {}
-    tok_cfg = _read_json(path / "tokenizer_config.json", "tokenizer_config.json") \
-        if (path / "tokenizer_config.json").is_file() else {}
+def _optional_json(path: Path, name: str) -> dict:
+    return _read_json(path / name, name) if (path / name).is_file() else {}
+
+
+def _special_tokens(path: Path, family) -> dict[str, str | None]:
+    """The BOS and EOS strings: tokenizer_config.json's, else the family's own (a tokenizer saved without one)."""
+    tok_cfg = _optional_json(path, "tokenizer_config.json")
+    default = getattr(family, "SPECIAL_TOKENS", {})
+    return {name: _token_text(tok_cfg.get(name)) or default.get(name) for name in ("bos_token", "eos_token")}
+
+
+def _special_ids(path: Path, raw: dict, vocab: int, family) -> tuple[int, int]:
+    """BOS and EOS: the tokenizer's declared tokens (tokenizer_config.json, else the family's) when it has them — for
+    a chat model that is the end-of-turn token generation must stop at —, else generation_config.json, else
+    config.json."""
+    gen = _optional_json(path, "generation_config.json")
     vocab_ids = {}
     if (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
         try:
             tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-            vocab_ids = {name: tok.token_to_id(_token_text(tok_cfg.get(name))) for name in ("bos_token", "eos_token")}
+            vocab_ids = {name: tok.token_to_id(text) for name, text in _special_tokens(path, family).items() if text}
         except Exception:  # a broken tokenizer is reported by read_hf_tokenizer with its own message
             pass
 
@@ -172,7 +126,7 @@ def read_hf_tokenizer(path, cfg: ModelConfig) -> TextCodec:
     if not file.is_file():
         raise ArtifactError(f"{path}: no tokenizer.json (TinyLoop reads the fast-tokenizer file that "
                             f"`transformers` saves; tokenizer.model / vocab files alone are not supported)")
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, processors
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
@@ -180,103 +134,88 @@ def read_hf_tokenizer(path, cfg: ModelConfig) -> TextCodec:
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ArtifactError(f"{file}: tokenizer has {tok.get_vocab_size()} tokens but config.json's vocabulary is "
                             f"{cfg.vocab_size}")
-    tok_cfg = _read_json(path / "tokenizer_config.json", "tokenizer_config.json") \
-        if (path / "tokenizer_config.json").is_file() else {}
+    tok_cfg = _optional_json(path, "tokenizer_config.json")
+    family = family_of(read_raw(path))
+    special = _special_tokens(path, family)
+    if getattr(family, "PREPEND_BOS", False) and tok.post_processor is None and special["bos_token"]:
+        # the family puts BOS in front of every text it trains on and evaluates; its tokenizer.json does not
+        bos = special["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, cfg.bos_id)])
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
     if (path / "chat_template.jinja").is_file():  # newer transformers save the template beside the config
         template = (path / "chat_template.jinja").read_text()
     return TextCodec(tok, eos_id=cfg.eos_id, chat_template=template if isinstance(template, str) else None,
-                     bos_token=_token_text(tok_cfg.get("bos_token")) or "",
-                     eos_token=_token_text(tok_cfg.get("eos_token")) or "")
+                     bos_token=special["bos_token"] or "", eos_token=special["eos_token"] or "")
 
 
 # --- weights --------------------------------------------------------------------------------------------------
 
+# torch pickles a checkpoint may ship instead of safetensors (Parcae saves one of these), in the order looked for
+PICKLES = ("pytorch_model.bin", "model.pt", "model.bin")
+
+
 def _shards(path: Path) -> dict[str, list[str] | None]:
-    """Shard file -> the tensor names the index assigns to it (None: whatever the file holds)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index, "model.safetensors.index.json").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ArtifactError(f"{index}: no weight_map")
-        files: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            files.setdefault(file, []).append(name)
-        missing = sorted(f for f in files if not (path / f).is_file())
-        if missing:
-            raise ArtifactError(f"{path}: missing shard(s) {missing} listed in model.safetensors.index.json")
-        return dict(sorted(files.items()))
-    files = sorted(p.name for p in path.glob("*.safetensors"))
+    """Shard file -> the tensor names the index assigns to it (None: whatever the file holds). Safetensors when the
+    directory has them (an index's shards, or every *.safetensors), else torch pickles (pytorch_model.bin.index.json's
+    shards, or the first of PICKLES)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            weight_map = _read_json(index, index_name).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ArtifactError(f"{index}: no weight_map")
+            files: dict[str, list[str]] = {}
+            for name, file in weight_map.items():
+                files.setdefault(file, []).append(name)
+            missing = sorted(f for f in files if not (path / f).is_file())
+            if missing:
+                raise ArtifactError(f"{path}: missing shard(s) {missing} listed in {index_name}")
+            return dict(sorted(files.items()))
+    files = sorted(p.name for p in path.glob("*.safetensors")) or [n for n in PICKLES if (path / n).is_file()][:1]
     if not files:
-        bins = sorted(p.name for p in path.glob("*.bin"))
-        hint = f" (found {bins}: PyTorch pickles are not loaded; re-save with safe_serialization=True)" if bins else ""
-        raise ArtifactError(f"{path}: no *.safetensors weights{hint}")
+        raise ArtifactError(f"{path}: no weights (*.safetensors, or a torch pickle {' / '.join(PICKLES)})")
     return {f: None for f in files}
 
 
-def _permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a q or k projection (or its bias), per head, from interleaved pairs (0,1),(2,3).. to halves."""
-    hd = w.shape[0] // heads
-    perm = torch.cat((torch.arange(0, hd, 2), torch.arange(1, hd, 2)))
-    return w.reshape(heads, hd, *w.shape[1:])[:, perm].reshape(w.shape)
+class _Pickle:
+    """A torch pickle of tensors opened like a safetensors file (keys, get_tensor). Loaded with weights_only=True,
+    so a checkpoint never runs code, and memory-mapped where the file's format allows."""
+
+    def __init__(self, file: Path):
+        try:
+            try:
+                data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                data = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle's and torch's own errors for a malformed or unsafe file
+            raise ArtifactError(f"{file}: not a loadable torch pickle of tensors ({e})") from None
+        if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+            raise ArtifactError(f"{file}: a torch pickle that is not a dict of tensors")
+        self.data = data
+
+    def __enter__(self) -> "_Pickle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.data = {}
+
+    def keys(self):
+        return self.data.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.data[key]
 
 
-def _ouro_names(name: str, cfg: ModelConfig) -> list[tuple[str, Callable]] | None:
-    """Ouro tensor -> [(TinyLoop name, transform)]; None for a name Ouro does not have."""
-    same = lambda t: t  # noqa: E731
-    fixed = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-             "model.early_exit_gate.weight": "exit_gate.weight", "model.early_exit_gate.bias": "exit_gate.bias",
-             "lm_head.weight": "lm_head.weight"}
-    if name in fixed:
-        return [] if name == "lm_head.weight" and cfg.tie_embeddings else [(fixed[name], same)]
-    parts = name.split(".")
-    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
-        sub = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
-               "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
-               "mlp.down_proj": "mlp.w_down"}.get(".".join(parts[3:5]))
-        if sub:
-            return [(f"core.{parts[2]}.{sub}.weight", same)]
-    if len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
-        sub = {"input_layernorm": "attn_norm", "input_layernorm_2": "attn_out_norm",
-               "post_attention_layernorm": "mlp_norm", "post_attention_layernorm_2": "mlp_out_norm"}.get(parts[3])
-        if sub:
-            return [(f"core.{parts[2]}.{sub}.weight", same)]
-    return None
-
-
-def _huginn_names(name: str, cfg: ModelConfig) -> list[tuple[str, Callable]] | None:
-    same = lambda t: t  # noqa: E731
-    fixed = {"transformer.wte.weight": "embed.weight", "transformer.adapter.weight": "adapter.weight",
-             "transformer.ln_f.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
-    if name in fixed:
-        return [] if name == "lm_head.weight" and cfg.tie_embeddings else [(fixed[name], same)]
-    parts = name.split(".")
-    group = {"prelude": "prelude", "core_block": "core", "coda": "coda"}.get(parts[1]) if len(parts) > 3 else None
-    if parts[0] != "transformer" or group is None:
-        return None
-    base, rest = f"{group}.{parts[2]}", ".".join(parts[3:])
-    H, hd, I = cfg.n_heads, cfg.head_dim, cfg.ffn_hidden
-    norms = {"norm_1.weight": "attn_norm", "norm_2.weight": "attn_out_norm", "norm_3.weight": "mlp_norm",
-             "norm_4.weight": "mlp_out_norm"}
-    if rest in norms:
-        return [(f"{base}.{norms[rest]}.weight", same)]
-    if rest == "attn.Wqkv.weight":  # rows: q (H*hd), k, v; q and k permuted for the half-split RoPE
-        d, kv = cfg.d_model, cfg.kv_dim
-        return [(f"{base}.attn.wq.weight", lambda t: _permute_rope(t[:d], H)),
-                (f"{base}.attn.wk.weight", lambda t: _permute_rope(t[d:d + kv], cfg.n_kv_heads)),
-                (f"{base}.attn.wv.weight", lambda t: t[d + kv:])]
-    if rest == "attn.qk_bias":  # [2, 1, H, hd]: added to q and k before RoPE, i.e. the projections' biases
-        return [(f"{base}.attn.wq.bias", lambda t: _permute_rope(t[0].reshape(H * hd), H)),
-                (f"{base}.attn.wk.bias", lambda t: _permute_rope(t[1].reshape(H * hd), H))]
-    if rest == "attn.proj.weight":
-        return [(f"{base}.attn.wo.weight", same)]
-    if rest == "mlp.fc.weight":  # one fused matrix: the first half gates (SiLU), the second is the up projection
-        return [(f"{base}.mlp.w_gate.weight", lambda t: t[:I]), (f"{base}.mlp.w_up.weight", lambda t: t[I:])]
-    if rest == "mlp.proj.weight":
-        return [(f"{base}.mlp.w_down.weight", same)]
-    return None
+def _open_weights(file: Path):
+    """A weights file to read keys and tensors from: safetensors, or a torch pickle."""
+    if file.suffix != ".safetensors":
+        return _Pickle(file)
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for malformed files
+        raise ArtifactError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
@@ -285,16 +224,12 @@ def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
     tensor is known, has the shape config.json implies and the dtype it declares, and that none is missing."""
     path = Path(path)
     raw = read_raw(path)
-    names = _ouro_names if raw.get("model_type") == "ouro" else _huginn_names
+    family = family_of(raw)
     declared = checkpoint_dtype(raw)
     expected = _expected_shapes(cfg)
     seen: set[str] = set()
     for file, listed in _shards(path).items():
-        try:
-            handle = safe_open(str(path / file), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for malformed files
-            raise ArtifactError(f"{path / file}: not a readable safetensors file ({e})") from None
-        with handle as f:
+        with _open_weights(path / file) as f:
             keys = set(f.keys())
             absent = sorted(set(listed or ()) - keys)
             if absent:
@@ -302,9 +237,9 @@ def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
             for key in sorted(keys):
                 if key.endswith(IGNORED):
                     continue
-                targets = names(key, cfg)
+                targets = family.tensors(key, cfg)
                 if targets is None:
-                    raise ArtifactError(f"{path / file}: unexpected tensor {key!r} for a {raw['model_type']} model")
+                    raise ArtifactError(f"{path / file}: unexpected tensor {key!r} for a {family.KIND} model")
                 if not targets:  # a tied head saved beside the embedding: not read
                     continue
                 t = f.get_tensor(key)
@@ -337,7 +272,8 @@ def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype, tuple[str, int]]:
     format and group its matrices are stored in, from config.json or the artifact's header: what a memory plan
     needs before anything large is read."""
     if is_hf_dir(path):
-        return read_hf_config(path), checkpoint_dtype(read_raw(path)) or torch.float32, ("fp32", 0)
+        stored = checkpoint_dtype(read_raw(path)) or _stored_dtype(Path(path)) or torch.float32
+        return read_hf_config(path), stored, ("fp32", 0)
     cfg = read_config(path)
     with safe_open(str(path), framework="pt") as f:
         first = next(iter(f.keys()), None)
@@ -346,9 +282,23 @@ def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype, tuple[str, int]]:
     return cfg, torch.bfloat16 if stored == "BF16" else torch.float32, (weights["format"], int(weights["group"]))
 
 
+def _stored_dtype(path: Path) -> torch.dtype | None:
+    """The dtype of a checkpoint's first tensor, for a config.json that declares none (Parcae's); None without weights
+    (a config.json alone, as in tests/data/hf/configs)."""
+    try:
+        first = next(iter(_shards(path)))
+    except ArtifactError:
+        return None
+    with _open_weights(path / first) as f:
+        key = next(iter(f.keys()), None)
+        return None if key is None else f.get_tensor(key).dtype
+
+
 def provenance(path) -> dict:
     raw = read_raw(path)
-    return {"source": "huggingface", "model_type": raw.get("model_type"), "path": str(Path(path).resolve()),
+    family = family_of(raw)
+    return {"source": "huggingface", "model_type": family.KIND if family else raw.get("model_type"),
+            "family": family.NAME if family else None, "path": str(Path(path).resolve()),
             "name": raw.get("_name_or_path") or Path(path).name}
 
 

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import formats
 from .config import ModelConfig
-from .errors import ConfigError
+from .errors import ConfigError, ModeError
 from .rotary import rope_factors, rope_tables, rotate
 
 
@@ -106,26 +106,40 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qk_bias)
+        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.qk_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qk_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
 
 
 class MLP(nn.Module):
-    """SwiGLU's weights."""
+    """SwiGLU's weights (relu2: no gate)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False) if cfg.mlp == "swiglu" else None
         self.w_up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
 
-class Block(nn.Module):
-    """A pre-norm block's weights: attention + SwiGLU, with optional sandwich norms on each branch's output."""
+# Parcae's value-embedding gate reads this many leading channels of the attention input.
+VE_GATE_CHANNELS = 32
 
-    def __init__(self, cfg: ModelConfig):
+
+class DiagonalDecay(nn.Module):
+    """Diagonal injection's per-channel parameters: dt = softplus(dt_bias), decay = exp(-dt exp(a_log))."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a_log = nn.Parameter(torch.zeros(dim))
+        self.dt_bias = nn.Parameter(torch.zeros(dim))
+
+
+class Block(nn.Module):
+    """A pre-norm block's weights: attention + SwiGLU, with optional sandwich norms on each branch's output.
+    `layer` numbers prelude, core and coda layers in that order (ModelConfig.value_embeds)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -135,6 +149,11 @@ class Block(nn.Module):
         if self.sandwich:
             self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.mlp_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.value_embed = self.ve_gate = None
+        if layer in cfg.value_embeds:  # Parcae: a per-token value vector added to V, gated per KV head
+            self.value_embed = nn.Embedding(cfg.vocab_size, cfg.kv_dim)
+            self.ve_gate = nn.Linear(VE_GATE_CHANNELS, cfg.n_kv_heads, bias=False)
+        self.kernels = not cfg.torch_only()
 
 
 # --- the weights a forward multiplies by ------------------------------------------------------------------
@@ -153,6 +172,13 @@ class BlockWeights:
     on_sum: bool = False              # sandwich_residual: the out-norms normalise the residual sums
     # what the CPU block kernel (tinyloop/kernels/cpu_block.py) knows of these weights, built at its first use
     native: object = dataclasses.field(default=None, repr=False, compare=False)
+    value_embed: torch.Tensor | None = None  # value_embeds: [vocab, kv_dim] table, and its gate [KV, VE_GATE_CHANNELS]
+    ve_gate: torch.Tensor | None = None
+    kernels: bool = True  # False: the model has fields the C blocks lack (ModelConfig.torch_only)
+
+    def __post_init__(self):
+        if not self.kernels:  # kernels/cpu_block.weights_struct then refuses the block: the torch path runs it
+            self.native = False
 
 
 @dataclass
@@ -170,11 +196,16 @@ class Weights:
     head: torch.Tensor
     linear: Callable[[torch.Tensor, formats.Matrix], torch.Tensor] = F.linear
     norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+    inject_decay: torch.Tensor | None = None  # diagonal injection: exp(-dt A) and dt per channel (B is `adapter`)
+    inject_dt: torch.Tensor | None = None
+    prelude_norm: torch.Tensor | None = None
+    readout: formats.Matrix | None = None      # the d x d map of s_L before the coda
 
 
 def _fuse(linears: list[nn.Linear], rebind: bool) -> torch.Tensor:
     """The linears' weights concatenated by rows. rebind: each linear's weight becomes a view of its rows of the
     result, so the fused matrix is the only copy (plan_memory counts the weights once)."""
+    linears = [lin for lin in linears if lin is not None]  # (relu2 has no gate)
     fused = torch.cat([lin.weight for lin in linears])
     if rebind:
         row = 0
@@ -192,13 +223,22 @@ def _block_weights(block: Block, rebind: bool) -> BlockWeights:
     return BlockWeights(block.attn_norm.weight, wqkv, wqkv[a.wq.weight.shape[0]:], a.wo.weight, block.mlp_norm.weight,
                         _fuse([m.w_gate, m.w_up], rebind), m.w_down.weight,
                         block.attn_out_norm.weight if block.sandwich else None,
-                        block.mlp_out_norm.weight if block.sandwich else None, bqkv, block.on_sum)
+                        block.mlp_out_norm.weight if block.sandwich else None, bqkv, block.on_sum,
+                        value_embed=None if block.value_embed is None else block.value_embed.weight,
+                        ve_gate=None if block.ve_gate is None else block.ve_gate.weight, kernels=block.kernels)
 
 
 def _all_weights(net: "LoopedLM", rebind: bool) -> Weights:
     blocks = [[_block_weights(b, rebind) for b in part] for part in (net.prelude, net.core, net.coda)]
     head = net.embed.weight if net.lm_head is None else net.lm_head.weight
-    return Weights("fp32", *blocks, None if net.adapter is None else net.adapter.weight, net.norm.weight, head)
+    decay = dt = None
+    if net.decay is not None:  # the reference's order of operations: dt = softplus(dt_bias), exp(-dt * exp(A_log))
+        dt = F.softplus(net.decay.dt_bias)
+        decay = torch.exp(-dt * torch.exp(net.decay.a_log))
+    return Weights("fp32", *blocks, None if net.adapter is None else net.adapter.weight, net.norm.weight, head,
+                   inject_decay=decay, inject_dt=dt,
+                   prelude_norm=None if net.prelude_norm is None else net.prelude_norm.weight,
+                   readout=None if net.readout is None else net.readout.weight)
 
 
 _fused: "weakref.WeakKeyDictionary[LoopedLM, tuple]" = weakref.WeakKeyDictionary()
@@ -237,8 +277,9 @@ def fused_weights(net: "LoopedLM") -> Weights:
 def _linears(net: "LoopedLM") -> list[nn.Linear]:
     """The linear layers whose weights the forward's matrices are made of (the exit gate, a [1, d] row, is not)."""
     blocks = [*net.prelude, *net.core, *net.coda]
-    mods = [m for b in blocks for m in (b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down)]
-    return mods + [m for m in (net.adapter, net.lm_head) if m is not None]
+    mods = [m for b in blocks for m in (b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down)
+            if m is not None]
+    return mods + [m for m in (net.adapter, net.readout, net.lm_head) if m is not None]
 
 
 def matrices(W: Weights) -> dict[str, formats.Matrix]:
@@ -250,6 +291,8 @@ def matrices(W: Weights) -> dict[str, formats.Matrix]:
                 out[f"{part}.{i}.{name}"] = getattr(w, name)
     if W.adapter is not None:
         out["adapter"] = W.adapter
+    if W.readout is not None:
+        out["readout"] = W.readout
     out["head"] = W.head
     return out
 
@@ -282,7 +325,8 @@ def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GRO
             return out
 
         quantized = Weights(fmt, blocks("prelude"), blocks("core"), blocks("coda"), mats.get("adapter"), W.final_norm,
-                            mats["head"], formats.linear)
+                            mats["head"], formats.linear, inject_decay=W.inject_decay, inject_dt=W.inject_dt,
+                            prelude_norm=W.prelude_norm, readout=mats.get("readout"))
         release_linears(net)
         net.quantized = quantized
 
@@ -321,18 +365,38 @@ def block(cfg: ModelConfig, w: BlockWeights, x: torch.Tensor, ctx, slot: int) ->
     if w.bqkv is not None:
         qkv = qkv + w.bqkv
     qk = ctx.rope(qkv[:, :(H + KV) * hd].view(B, T, H + KV, hd))
+    if cfg.qk_norm:  # Parcae: each q and k head RMS-normalised (no weight, the dtype's eps) after RoPE
+        qk = F.rms_norm(qk, (hd,))
     v = qkv[:, (H + KV) * hd:].view(B, T, KV, hd)
+    if w.value_embed is not None:
+        v = v + value_embedding(w, h, ctx).view(B, T, KV, hd)
     out = ctx.attend(w, slot, qk[:, :, :H], h.view(B, T, -1), qk[:, :, H:], v)  # [B, H, T, hd]
     a = lin(out.transpose(1, 2).reshape(B * T, H * hd), w.wo)
     if w.on_sum:  # Huginn: the sandwich norms normalise the residual sums
         x = norm(x + a, w.attn_out_norm, eps)
     else:
         x = x + (norm(a, w.attn_out_norm, eps) if w.attn_out_norm is not None else a)
-    gate, up = lin(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
-    m = lin(F.silu(gate) * up, w.w_down)
+    if cfg.mlp == "relu2":  # Parcae: w_down(relu(w_up h)^2 / 2), no gate
+        m = lin(F.relu(lin(norm(x, w.mlp_norm, eps), w.wgu)).square() * 0.5, w.w_down)
+    else:
+        gate, up = lin(norm(x, w.mlp_norm, eps), w.wgu).chunk(2, dim=-1)
+        m = lin(F.silu(gate) * up, w.w_down)
     if w.on_sum:
         return norm(x + m, w.mlp_out_norm, eps)
     return x + (norm(m, w.mlp_out_norm, eps) if w.mlp_out_norm is not None else m)
+
+
+def value_embedding(w: BlockWeights, h: torch.Tensor, ctx) -> torch.Tensor:
+    """What a value-embedding layer adds to V, [B*T, KV, hd]: the chunk's tokens' rows of its table, each KV head
+    gated by 2 sigmoid(ve_gate h[:VE_GATE_CHANNELS]) in (0, 2). The tokens are the chunk's (ctx.ids, set by encode)."""
+    ids = getattr(ctx, "ids", None)
+    if ids is None:
+        raise ModeError("this model's value embeddings need every token's id in every layer, and a forward that "
+                        "continues latent states (speculative verification, warm start) does not carry them: "
+                        "use plain decode for this model")
+    gate = 2 * torch.sigmoid(F.linear(h[:, :VE_GATE_CHANNELS], w.ve_gate))  # [B*T, KV]
+    table = F.embedding(ids, w.value_embed)
+    return gate.unsqueeze(-1) * table.view(*gate.shape, -1)
 
 
 def blocks(cfg: ModelConfig, ws: list[BlockWeights], x: torch.Tensor, ctx, slots: list[int]) -> torch.Tensor:
@@ -350,6 +414,7 @@ class Dense:
     or within a sliding window when step.window is set (the reference for the ring buffer)."""
 
     native = None  # no C block kernel: that is for the cached step's decode rows
+    ids = None  # the chunk's token ids [B*T], set by encode for value embeddings
 
     def __init__(self, weights: Weights, step: Step):
         self.weights, self.step = weights, step
@@ -368,15 +433,32 @@ class Dense:
                                               attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
+def inject(kind: str, W: Weights, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """What a loop's core reads, from the state s and the prelude output e (rows [N, d]); ModelConfig.injection."""
+    if kind == "none":
+        return s
+    if kind == "add":
+        return s + e
+    if kind == "adapter":
+        return W.linear(torch.cat((s, e), dim=-1), W.adapter)
+    return s * W.inject_decay + W.inject_dt * W.linear(e, W.adapter)  # diagonal (Parcae): per-channel decay of s
+
+
 class LoopedLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int = 2048):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
-        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
-        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
-        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False) if cfg.injection == "adapter" else None
+        P, R, d = cfg.n_prelude, cfg.n_core, cfg.d_model
+        self.prelude = nn.ModuleList(Block(cfg, i) for i in range(P))
+        self.core = nn.ModuleList(Block(cfg, P + j) for j in range(R))
+        self.coda = nn.ModuleList(Block(cfg, P + R + i) for i in range(cfg.n_coda))
+        # the injection's matrix: W of adapter's W [s ; e], B of diagonal's s * decay + dt * B e
+        self.adapter = nn.Linear(2 * d if cfg.injection == "adapter" else d, d, bias=False) \
+            if cfg.injection in ("adapter", "diagonal") else None
+        self.decay = DiagonalDecay(d) if cfg.injection == "diagonal" else None
+        self.prelude_norm = RMSNorm(d, cfg.norm_eps) if cfg.prelude_norm else None
+        self.readout = nn.Linear(d, d, bias=False) if cfg.readout else None
         self.exit_gate = nn.Linear(cfg.d_model, 1) if cfg.exit_gate else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -430,8 +512,12 @@ class LoopedLM(nn.Module):
         x = self.embed(ids.reshape(-1))
         if self.cfg.embed_scale != 1:
             x = x * self.cfg.embed_scale
+        if self.cfg.value_embeds:  # the layers' value embeddings read the tokens (value_embedding)
+            ctx.ids = ids.reshape(-1)
         prelude = ctx.weights.prelude
         x = blocks(self.cfg, prelude, x, ctx, list(range(len(prelude))))
+        if self.cfg.prelude_norm:  # Parcae: e is the normalised prelude output
+            x = ctx.weights.norm(x, ctx.weights.prelude_norm, self.cfg.norm_eps)
         return x.view(ctx.B, ctx.T, -1)
 
     def init_state(self, e: torch.Tensor, step: Step) -> torch.Tensor:
@@ -443,9 +529,8 @@ class LoopedLM(nn.Module):
 
     def loop(self, s: torch.Tensor, e: torch.Tensor, k: int, ctx) -> torch.Tensor:
         """One pass of the shared core at loop k (0-based): s_{k+1} = core(inject(s_k, e)); s, e [B, T, d]."""
-        inj, W, d = self.cfg.injection, ctx.weights, s.shape[-1]
-        s, e = s.reshape(-1, d), e.reshape(-1, d)
-        x = s if inj == "none" else s + e if inj == "add" else W.linear(torch.cat((s, e), dim=-1), W.adapter)
+        W, d = ctx.weights, s.shape[-1]
+        x = inject(self.cfg.injection, W, s.reshape(-1, d), e.reshape(-1, d))
         x = blocks(self.cfg, W.core, x, ctx, [self.cfg.core_slot(k, j) for j in range(len(W.core))])
         if self.cfg.loop_norm:  # Ouro: every loop ends with the final norm, and the normalised state loops on
             x = W.norm(x, W.final_norm, self.cfg.norm_eps)
@@ -459,6 +544,8 @@ class LoopedLM(nn.Module):
         only, when that is all the caller uses: a prefill's head is then one row, not T)."""
         W, d, cfg = ctx.weights, s.shape[-1], self.cfg
         x = s.reshape(-1, d)
+        if W.readout is not None:  # Parcae: a linear map of s_L (its C) before the coda
+            x = W.linear(x, W.readout)
         if cfg.coda_norm:  # Huginn: the final norm also before the coda
             x = W.norm(x, W.final_norm, cfg.norm_eps)
         x = blocks(cfg, W.coda, x, ctx, [cfg.coda_slot(i) for i in range(len(W.coda))])
@@ -466,7 +553,12 @@ class LoopedLM(nn.Module):
             x = x.view(ctx.B, ctx.T, d)[:, -1]
         if cfg.final_norm:
             x = W.norm(x, W.final_norm, cfg.norm_eps)
-        return W.linear(x, W.head).view(ctx.B, 1 if last_only else ctx.T, -1)
+        logits = W.linear(x, W.head)
+        if cfg.logit_scale != 1:
+            logits = logits * cfg.logit_scale
+        if cfg.logit_softcap:
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        return logits.view(ctx.B, 1 if last_only else ctx.T, -1)
 
     # --- whole forward ------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, ctx=None,
@@ -559,6 +651,8 @@ class LoopedLM(nn.Module):
                 s = s_new
             else:
                 sub, idx = ctx.subset(active), torch.tensor(active, device=ids.device)
+                if self.cfg.value_embeds:  # the lanes' tokens go with them (one per lane here)
+                    sub.ids = ctx.ids[idx]
                 s_old = s[idx]
                 s_new = self.loop(s_old, e[idx], k, sub)
                 sub.commit()

@@ -1,11 +1,13 @@
 """Decode speed of a converted checkpoint in TinyLoop against the reference code's own `generate`, side by side.
 
     python scripts/bench/hf.py --ref REF --ref-python /work/refenv/bin/python [--model tests/data/hf/ouro-tiny]
+        [--batch 16] [--threads 2]
 
 REF and the reference environment are as in scripts/make_hf_fixtures.py (the reference code is not part of
 TinyLoop). The two run in alternating subprocesses (TinyLoop in this interpreter's environment, the reference in
---ref-python's), each at batch 1, greedy, fp32, one intra-op thread, for --rounds rounds; a decode rate is
-(N - 1) / (time to generate N tokens - time to generate 1 token), the same measure for both, best round kept.
+--ref-python's), each at --batch copies of one prompt (TinyLoop: generate_batch; the reference: one batched
+`generate`), greedy, fp32, --threads intra-op threads, for --rounds rounds; a decode rate is B (N - 1) / (time to
+generate N tokens - time to generate 1 token), the same measure for both, best round kept.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,22 +28,34 @@ def timed(fn, n: int) -> float:
     return time.perf_counter() - t
 
 
-def run_tinyloop(model_dir: str, loops: int, n: int, prompt: list[int]) -> float:
+def run_tinyloop(model_dir: str, loops: int, n: int, prompt: list[int], batch: int, threads: int) -> float:
     import torch
     import tinyloop
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = tinyloop.load_model(model_dir, 512, dtype=torch.float32, init_scale=0.0)
-    gen = lambda k: tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=k, loops=loops, temperature=0))  # noqa: E731
+
+    def gen(k):
+        cfg = tinyloop.GenerateConfig(max_tokens=k, loops=loops, temperature=0, ignore_eos=True)
+        return tinyloop.generate(model, prompt, cfg) if batch == 1 else tinyloop.generate_batch(model, [prompt] * batch, cfg)
     gen(n)  # warm-up
-    return (n - 1) / (timed(gen, n) - timed(gen, 1))
+    return batch * (n - 1) / (timed(gen, n) - timed(gen, 1))
 
 
-def run_reference(ref: str, model_dir: str, loops: int, n: int, prompt: list[int]) -> float:
+def run_reference(ref: str, model_dir: str, loops: int, n: int, prompt: list[int], batch: int, threads: int) -> float:
     import torch
     sys.path.insert(0, ref)
-    torch.set_num_threads(1)
-    kind = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    ids = torch.tensor([prompt])
+    torch.set_num_threads(threads)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    kind = raw.get("model_type") or raw.get("model_class_name")
+    ids = torch.tensor([prompt] * batch)
+    if kind == "Parcae":  # receval's loader and its own cached generation
+        from receval.models.parcae import ModelingParcae
+        model = ModelingParcae.from_pretrained(model_dir)
+
+        def gen_parcae(k):
+            model.generate(ids, max_new_tokens=k, do_sample=False, num_steps=loops, use_cache=True)
+        gen_parcae(n)
+        return batch * (n - 1) / (timed(gen_parcae, n) - timed(gen_parcae, 1))
     if kind == "ouro":
         from ouro_ref.modeling_ouro import OuroForCausalLM
         model = OuroForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
@@ -56,7 +71,7 @@ def run_reference(ref: str, model_dir: str, loops: int, n: int, prompt: list[int
             model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, use_cache=True, eos_token_id=None,
                            pad_token_id=0, **extra)
     gen(n)
-    return (n - 1) / (timed(gen, n) - timed(gen, 1))
+    return batch * (n - 1) / (timed(gen, n) - timed(gen, 1))
 
 
 def main() -> None:
@@ -67,24 +82,28 @@ def main() -> None:
     ap.add_argument("--loops", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--child", choices=["tinyloop", "reference"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     prompt = list(range(10, 42))
     if args.child:  # one measurement, printed as JSON
         m = args.model[0]
-        rate = (run_tinyloop(m, args.loops, args.tokens, prompt) if args.child == "tinyloop"
-                else run_reference(args.ref, m, args.loops, args.tokens, prompt))
+        run = run_tinyloop if args.child == "tinyloop" else partial(run_reference, args.ref)
+        rate = run(m, args.loops, args.tokens, prompt, args.batch, args.threads)
         print(json.dumps({"tok_s": rate}))
         return
     models = args.model or [str(ROOT / "tests/data/hf/ouro-tiny"), str(ROOT / "tests/data/hf/huginn-tiny")]
-    print(f"decode tok/s at batch 1, {args.tokens} tokens, {args.loops} loops, fp32, 1 thread (best of {args.rounds})")
+    print(f"decode tok/s at batch {args.batch}, {args.tokens} tokens, {args.loops} loops, fp32, {args.threads} "
+          f"thread(s) (best of {args.rounds})")
     print(f"{'model':<14} {'TinyLoop':>10} {'reference':>10} {'ratio':>7}")
     for m in models:
         best = {"tinyloop": 0.0, "reference": 0.0}
         for _ in range(args.rounds):
             for child, py in (("tinyloop", sys.executable), ("reference", args.ref_python)):
                 cmd = [py, __file__, "--child", child, "--model", m, "--loops", str(args.loops), "--tokens",
-                       str(args.tokens)] + (["--ref", args.ref] if args.ref else [])
+                       str(args.tokens), "--batch", str(args.batch), "--threads", str(args.threads)] + \
+                    (["--ref", args.ref] if args.ref else [])
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 if out.returncode:
                     sys.exit(f"{child} failed:\n{out.stderr[-2000:]}")
