@@ -59,7 +59,7 @@ def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool | str, mo
         took, out = [], []
         real_context, real_run = cached.context, cpu_block.DecodeStep.run
         m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
-        m.setattr(cpu_block.DecodeStep, "run", lambda *a: (took.append("step"), real_run(*a))[1])
+        m.setattr(cpu_block.DecodeStep, "run", lambda *a, **k: (took.append("step"), real_run(*a, **k))[1])
         with torch.inference_mode():
             for lane, ids in enumerate(prompts):
                 cached.forward(net, ids, loops, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)),
@@ -117,19 +117,19 @@ def test_the_whole_step_in_c_has_the_bits_of_the_step_through_python(variant, mo
 
 
 def test_the_whole_step_follows_the_models_tables(monkeypatch):
-    """A DecodeStep is kept per model, weights and loops, and built again when the position tables grow (the old
-    ones are freed) or the weights change."""
+    """A DecodeStep is kept per model and weights (every loop count), and built again when the position tables grow
+    (the old ones are freed) or the weights change."""
     net = make_net(ModelConfig(**{**BASE, **STEP_VARIANTS["adapter_noise"]}))
-    first = cpu_block.decode_step(net, fused_weights(net), 3)
-    assert first is cpu_block.decode_step(net, fused_weights(net), 3) and first.positions == 128
+    first = cpu_block.decode_step(net, fused_weights(net))
+    assert first is cpu_block.decode_step(net, fused_weights(net)) and first.positions == 128
     net.set_max_seq_len(256)
-    grown = cpu_block.decode_step(net, fused_weights(net), 3)
+    grown = cpu_block.decode_step(net, fused_weights(net))
     assert grown is not first and grown.positions == 256
     got, took = decode(net, [40], 3, True, monkeypatch)
     want, _ = decode(net, [40], 3, "blocks", monkeypatch)
     assert took == ["step"] * 3 and torch.equal(got, want)
     quantize_weights(net, "int8", 32)
-    assert cpu_block.decode_step(net, fused_weights(net), 3) is not grown
+    assert cpu_block.decode_step(net, fused_weights(net)) is not grown
 
 
 def test_the_whole_step_copies_a_shared_block_before_writing_it():
@@ -255,3 +255,76 @@ def test_int4_widths_the_group_does_not_divide(monkeypatch):
     want, _ = decode(net, [9, 30], 4, False, monkeypatch)
     assert took == ["step"] * 4
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+# --- the forward over a loop range (engine/forward.py: forward_loops), the speculative rounds' one driver ----------
+def prefilled(net: LoopedLM, n: int, lanes: int = 1) -> KVCache:
+    cache = KVCache(net.cfg, lanes, 128, "fp16")
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for lane in range(lanes):
+            ids = torch.randint(0, net.cfg.vocab_size, (1, n), generator=gen)
+            cached.forward(net, ids, 3, net.make_step(torch.arange(n).unsqueeze(0)), cache.lane_view(lane))
+    return cache
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("variant", ["adapter_noise", "ouro", "huginn"])
+def test_a_loop_range_is_the_forward_split_in_two(variant, native, monkeypatch):
+    """forward_loops from 0 to L with the head gives forward's logits bit for bit (C step and torch), and running 0..D
+    then D..L from the latent it left gives the same bits and the same cache."""
+    if not native:
+        monkeypatch.setattr(cpu_block, "supported", lambda *a: False)
+    net = make_net(ModelConfig(**{**BASE, **STEP_VARIANTS[variant]}))
+    ids, step = torch.tensor([[11], [40]]), net.make_step(torch.tensor([[20], [20]]), 21)
+    with torch.inference_mode():
+        caches = [prefilled(net, 20, 2) for _ in range(3)]
+        want = cached.forward(net, ids, 3, step, caches[0])
+        whole = cached.forward_loops(net, step, caches[1], 0, 3, cached.Latent.empty(2, 1, net), ids)
+        lat = cached.Latent.empty(2, 1, net)
+        assert cached.forward_loops(net, step, caches[2], 0, 1, lat, ids, head=False) is None
+        split = cached.forward_loops(net, step, caches[2], 1, 3, lat)
+    assert torch.equal(whole, want) and torch.equal(split, want)
+    assert torch.equal(caches[2].dense("k"), caches[0].dense("k"))
+
+
+def test_a_chunk_of_rows_is_its_tokens_decoded_one_at_a_time(monkeypatch):
+    """The C step runs a chunk of one lane (consecutive cells, each row attending up to its own) with the bits of
+    those tokens decoded one after another: the logits a speculative verification compares are plain decode's."""
+    net = make_net(ModelConfig(**{**BASE, **VARIANTS["huginn"]}))
+    toks, P = [5, 17, 60, 2, 33], 19
+    with torch.inference_mode():
+        one, chunk = prefilled(net, P), prefilled(net, P)
+        alone = torch.stack([cached.decode_rows(net, [t], [P + i], 3, one)[0] for i, t in enumerate(toks)])
+        step = net.make_step(torch.arange(P, P + len(toks)).unsqueeze(0))
+        lat = cached.Latent.empty(1, len(toks), net)
+        cached.forward_loops(net, step, chunk, 0, 2, lat, torch.tensor([toks]), head=False)
+        rows = cached.forward_loops(net, step, chunk, 2, 3, lat)[0]
+    assert torch.equal(rows, alone)
+    assert torch.equal(chunk.dense("k"), one.dense("k")) and torch.equal(chunk.dense("v"), one.dense("v"))
+    monkeypatch.setattr(cpu_block, "supported", lambda *a: False)  # torch over the chunk agrees to rounding
+    with torch.inference_mode():
+        torch_rows = cached.forward_loops(net, step, prefilled(net, P), 0, 3, lat, torch.tensor([toks]))[0]
+    torch.testing.assert_close(torch_rows, alone, atol=2e-5, rtol=1e-5)
+
+
+def test_a_tree_chunk_sees_its_own_branch(monkeypatch):
+    """A speculative tree (branches sharing positions, each token in its own cell, an ancestor mask) through the C
+    step agrees with the same tree through torch."""
+    from tinyloop.speculative import TreeShape
+    net = make_net(ModelConfig(**{**BASE, **VARIANTS["gqa4_untied"]}))
+    P, w, n = 21, 2, 2
+    tree = TreeShape(P, w, n, torch.device("cpu"))
+    cells = list(range(P, P + 1 + w * n))
+    pos = [P] + [P + (i - 1) // w + 1 for i in range(1, len(cells))]
+    toks = torch.tensor([[9, 4, 70, 12, 3]])
+    out = {}
+    for native in (True, False):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(cpu_block, "supported", lambda *a: False)
+            with torch.inference_mode():
+                cache = prefilled(net, P)
+                out[native] = cached.forward_loops(net, tree.step(net, pos, cells), cache, 0, 3,
+                                                   cached.Latent.empty(1, len(cells), net), toks)
+    torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-5)

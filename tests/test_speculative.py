@@ -11,7 +11,7 @@ from tinyloop import GenerateConfig, SpeculativeConfig, generate, generate_specu
 from tinyloop.errors import ConfigError, ModeError
 from tinyloop.model import LoopedLM
 from tinyloop.sampling import filter_logits
-from tinyloop.speculative import choose_speculative, speculative_from_env
+from tinyloop.speculative import ChainModel, best_length, choose_speculative, speculative_from_env
 from scripts.train import measure_beta
 
 PROMPT = [5, 9, 14, 3, 22, 40, 7]
@@ -55,9 +55,9 @@ def test_greedy_exact_across_architectures(make_artifact, overrides):
         same_as_plain(model, SpeculativeConfig(3, 5, 3, width))
 
 
-def test_cpu_weight_copies_follow_weight_updates(make_artifact):
-    """Drafts and verification multiply by the packed copies of the weights: an in-place change of
-    the model's parameters must reach them (else verification would use the old weights)."""
+def test_drafts_and_verification_follow_weight_updates(make_artifact):
+    """Drafts and verification run the C step built from the model's fused weights (kept per model): an in-place
+    change of the model's parameters must reach it (else verification would use the old weights)."""
     model = tinyloop.load_model(make_artifact(), 128)
     sc, cfg = SpeculativeConfig(2, 6, 4), GenerateConfig(max_tokens=16, loops=6)
     assert generate_speculative(model, PROMPT, sc, cfg).tokens == generate(model, PROMPT, cfg).tokens
@@ -92,6 +92,55 @@ def test_stop_sequences_and_streaming_match_plain(make_artifact):
     assert cancelled.stats.stop_reason == "cancelled"
 
 
+def test_verification_has_the_bits_of_plain_decode(make_artifact, monkeypatch):
+    """On the CPU drafts and verification run the C step of plain decode (engine/forward.py: forward_loops): the
+    logits verification computes for each committed position are plain decode's, bit for bit."""
+    from tinyloop.engine import forward as cached
+    model = tinyloop.load_model(make_artifact(state_init="normal"), 128)
+    D, V = 2, 6
+    plain_logits, verified = {}, {}
+    real_rows, real_lane = cached.decode_rows, cached.LoopForward.lane
+
+    def rows(net, tokens, positions, loops, cache):
+        out = real_rows(net, tokens, positions, loops, cache)
+        plain_logits[positions[0]] = out[0].clone()
+        return out
+
+    def lane(self, positions, first, last, latent, tokens=None, head=True):
+        out = real_lane(self, positions, first, last, latent, tokens, head)
+        if first == D and last == V:
+            assert self.plan is not None  # the C step
+            verified.update((p, out[0, i].clone()) for i, p in enumerate(positions))
+        return out
+
+    monkeypatch.setattr(cached, "decode_rows", rows)
+    monkeypatch.setattr(cached.LoopForward, "lane", lane)
+    _, spec = same_as_plain(model, SpeculativeConfig(D, V, 4), max_tokens=30)
+    committed = range(len(PROMPT), len(PROMPT) + spec.stats.generated_tokens - 1)
+    assert spec.stats.accepted < spec.stats.drafted  # some drafts were rejected
+    assert all(torch.equal(verified[p], plain_logits[p]) for p in committed)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_greedy_through_the_triton_kernels(make_artifact, monkeypatch, mode):
+    """TINYLOOP_TRITON=1 (interpreted without a GPU): drafts of one token run the Triton decode kernels, chunks the
+    torch block; the tokens are plain decode's through the same kernels."""
+    if not torch.cuda.is_available():  # (before triton is imported: it decides then whether it interprets)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")
+    import tinyloop.kernels.attention as attention
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tinyloop.load_model(make_artifact(n_core=1, max_loops=4, default_loops=3), 64, device=dev,
+                                dtype=torch.float32, cache_mode=mode)
+    calls = []
+    real = attention.decode_attention_triton
+    monkeypatch.setattr(attention, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = GenerateConfig(max_tokens=8, loops=3)
+    plain = generate(model, PROMPT, g)
+    spec = generate_speculative(model, PROMPT, SpeculativeConfig(1, 3, 3), g)
+    assert spec.tokens == plain.tokens and len(calls) > 7 * 5  # the plain steps' calls, and the drafts'
+
+
 # --- the draft's loops are reused, not recomputed ------------------------------------------------------------
 def test_verification_continues_the_drafted_states(make_artifact):
     """Every token pushed through a round gets exactly draft_loops while drafting and verify - draft loops
@@ -112,10 +161,12 @@ def test_verification_continues_the_drafted_states(make_artifact):
 
 
 # --- early exit ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("width,window", [(1, 0), (3, 0), (1, 5)])
-def test_early_exit_composes_with_speculation(make_artifact, width, window):
-    """Per-token early exit while drafting and verifying gives plain early-exit decode's tokens and loops."""
-    model = tinyloop.load_model(make_artifact(), 128, cache_mode="int8")
+@pytest.mark.parametrize("mode,width,window", [("int8", 1, 0), ("int8", 3, 0), ("int8", 1, 5), ("fp16", 1, 0),
+                                               ("fp16", 3, 0)])
+def test_early_exit_composes_with_speculation(make_artifact, mode, width, window):
+    """Per-token early exit while drafting and verifying gives plain early-exit decode's tokens and loops (fp16: one
+    loop at a time through the C step, for the tokens still looping)."""
+    model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
     plain, spec = same_as_plain(model, SpeculativeConfig(3, 8, 3, width), early_exit_threshold=0.6, cache_window=window,
                                 max_tokens=30, repetition_penalty=1.3)
     assert spec.stats.loops_mean == pytest.approx(plain.stats.loops_mean)
@@ -257,9 +308,30 @@ def test_choose_speculative_returns_its_measurements(make_artifact):
     assert pick.use_speculative and pick.speedup > 0
     assert len(pick.per_prompt) == 2 and all(r["plain_tokens"] == r["speculative_tokens"] for r in pick.per_prompt)
     assert pick.config.verify_loops == 6 and "->" in pick.line()
+    assert [c["draft_loops"] for c in pick.candidates] == [1, 2, 3, 4]  # each measured, the best one picked
+    best = max(pick.candidates, key=lambda c: c["predicted"])
+    assert (pick.config.draft_loops, pick.config.draft_ahead) == (best["draft_loops"], best["draft_ahead"])
+    assert all(0 <= c["accept"] <= 1 and c["draft_ms"] > 0 for c in pick.candidates)
     never = choose_speculative(model, prompts, SpeculativeConfig(2, 6, 3), cfg, min_speedup=1e9)
     assert not never.use_speculative
     assert never.use_speculative == (never.speedup > never.min_speedup)
+
+
+def test_the_choice_follows_acceptance_and_costs():
+    """choose_speculative's model: a round yields the accepted drafts and one token more, drafts stop after a doubtful
+    one; the draft length with the most tokens per second wins, and where drafts are rarely accepted nothing pays
+    (the choice is then plain decode)."""
+    assert ChainModel(1.0).tokens(4) == 5 and ChainModel(0.5).tokens(2) == pytest.approx(1.75)
+    assert ChainModel(0.5).drafts(3) == 3 and ChainModel(1.0, doubtful=0.5).drafts(3) == pytest.approx(1.75)
+    # a doubtful first draft (half the time) ends the round after it: 1 + (0.5 * 1 + 0.5 * 0.5) + 0.5 * (...)
+    assert ChainModel(1.0, 0.5, 0.5).tokens(2) == pytest.approx(1 + 0.75 + 0.5 * 0.75)
+    costs = dict(draft_s=0.37, verify_s=lambda T: 0.65 + 0.12 * (T - 1), plain_s=1.0, max_ahead=12)
+    n, speedup = best_length(ChainModel(0.93), **costs)
+    assert 3 <= n <= 8 and 1.3 < speedup < 1.8
+    assert best_length(ChainModel(0.97), **costs)[0] > n  # longer drafts where they are accepted more
+    stopping = best_length(ChainModel(0.97, doubtful=0.15, alpha_doubtful=0.6), **costs)
+    assert stopping[0] > n and stopping[1] > speedup  # doubtful drafts end chains: longer ones pay
+    assert best_length(ChainModel(0.3), **costs)[1] < 1  # does not pay
 
 
 # --- beta ----------------------------------------------------------------------------------------------------

@@ -6,10 +6,15 @@ drafted token's state after draft_loops, and the K/V it wrote for those loops, a
 would have. Verification therefore *continues* the drafted states from draft_loops to verify_loops in one
 pass over the drafted chunk; the draft's loops are never computed again (`stats.loop_steps` shows it).
 
+Every pass is the cached forward over a loop range (engine/forward.py: LoopForward), on the CPU the C step that
+plain decode runs: a drafted token is a row run from loop 0 to draft_loops, a verified chunk rows continued from
+draft_loops to verify_loops, and each row's logits have the bits of the same token decoded alone.
+
 One round, from the pending token t0 at position p (sampled, not in the cache yet), with n = draft_ahead:
   draft    t0, d1 .. dn one token at a time through prelude + draft_loops; d_{i+1} comes from the coda run
            on the draft-depth state of d_i (the coda's cache slots are shared with verification, which
-           overwrites them for the chunk);
+           overwrites them for the chunk). A chain stops early after a draft the draft itself doubts
+           (probability under DRAFT_CONFIDENCE): the drafts after it would mostly be thrown away;
   verify   the chunk [t0, d1 .. dn] from draft_loops to verify_loops, then the coda: target logits P_0 .. P_n;
   accept   greedy: the longest prefix with d_{i+1} = argmax P_i, then argmax P_a (a correction or a bonus);
            sampled: accept d_{i+1} with probability min(1, p_i(d)/q_i(d)), on rejection draw from
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -61,7 +67,7 @@ class SpeculativeConfig:
     """draft_loops < verify_loops; verify_loops None = GenerateConfig.loops (or the model's default)."""
     draft_loops: int = 2
     verify_loops: int | None = None
-    draft_ahead: int = 4
+    draft_ahead: int = 8  # the longest a chain drafts: it stops sooner after a doubtful draft (DRAFT_CONFIDENCE)
     tree_width: int = 1
 
     def validate(self, model: Model | None = None) -> "SpeculativeConfig":
@@ -118,9 +124,24 @@ class SpeculativeStats(GenerateStats):
     draft_loop_steps: int = 0
     verify_loop_steps: int = 0
     loop_steps: int = 0
+    draft_ms: float = 0.0        # wall time in draft passes and in verification passes (choose_speculative's costs)
+    verify_ms: float = 0.0
+    # chain drafts by the draft's own probability (>= DRAFT_CONFIDENCE: sure, else doubtful), and of those tested
+    # (up to the first rejection) how many were accepted: choose_speculative's acceptance model
+    doubtful: int = 0
+    sure_tested: int = 0
+    sure_accepted: int = 0
+    doubtful_tested: int = 0
+    doubtful_accepted: int = 0
 
 
 # --- the speculator ------------------------------------------------------------------------------------
+# A chain stops drafting after a draft token the draft itself gives less than this probability: on the bundled model
+# (draft 2 -> verify 8) one in ten drafts, accepted ~79 % of the time against ~97 % for the others; the drafts
+# after a rejected one are thrown away, so they are not worth drafting (docs/speculative.md, measured).
+DRAFT_CONFIDENCE = 0.05
+
+
 class TreeShape:
     """Cells and ancestor mask of one round's tree: token i (0 = root) sits in cell p + i.
 
@@ -167,7 +188,9 @@ class Speculator:
         self.gen = seq.gen  # the sequence's sampler draws the proposals and acceptances too
         self.used_at: dict[int, int] = {}  # loops used by the token at each committed position
         self.draft_loop_steps = self.verify_loop_steps = 0
+        self.draft_s = self.verify_s = 0.0
         self.coda_slots = [model.cfg.coda_slot(i) for i in range(model.cfg.n_coda)]
+        self.forward = cached.LoopForward(model.net, cache)  # every draft and verification pass
 
     # -- sampling helpers ---------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int]) -> torch.Tensor:
@@ -180,65 +203,76 @@ class Speculator:
     def draw(self, probs: torch.Tensor, k: int = 1) -> list[int]:
         return torch.multinomial(probs, k, replacement=True, generator=self.gen).tolist()
 
-    def propose(self, logits: torch.Tensor, extra: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k draft tokens after a node (greedy: the top k; sampled: k independent draws) and their q."""
+    def propose(self, logits: torch.Tensor, extra: list[int], k: int) -> tuple[list[int], torch.Tensor | None, float]:
+        """k draft tokens after a node (greedy: the top k; sampled: k independent draws), their q, and the draft's
+        own probability of the first (greedy: at temperature 1)."""
         if self.greedy:
-            return torch.topk(self.penalised(logits, extra), k).indices.tolist(), None
+            x = self.penalised(logits, extra)
+            if k == 1:
+                sure, top = torch.softmax(x, -1).max(-1)
+                return [int(top)], None, float(sure)
+            top = torch.softmax(x, -1).topk(k)
+            return top.indices.tolist(), None, float(top.values[0])
         q = self.probs(logits, extra)
-        return self.draw(q, k), q
+        drawn = self.draw(q, k)
+        return drawn, q, float(q[drawn[0]])
 
-    # -- depth -------------------------------------------------------------------------------------------
-    def make_step(self, pos: list[int], cells: list[int], tree: TreeShape | None) -> Step:
+    # -- depth: every pass goes through the cached forward's loop range (engine/forward.py: LoopForward) ----------
+    def loops(self, lat: cached.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, first: int,
+              last: int, tokens: list[int] | None = None, head: bool = True) -> torch.Tensor | None:
+        """Loops first..last-1 of the chunk's latent rows (from tokens: prelude first) and, with head, the coda and
+        head: logits [1, T, V] (else None). A chain's tokens sit at their positions; a tree's at its cells."""
         if tree is None:
-            return self.net.make_step(torch.tensor([pos], device=self.model.device), max(pos) + 1)
-        return tree.step(self.net, pos, cells)
+            return self.forward.lane(pos, first, last, lat, tokens, head)
+        ids = None if tokens is None else torch.tensor([tokens], device=self.model.device)
+        return self.forward(tree.step(self.net, pos, cells), first, last, lat, ids, head)
 
-    def context(self, step: Step) -> cached.Cached:
-        return cached.context(self.net, step, self.cache)
+    def advance(self, lat: cached.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, k0: int, k1: int,
+                head: bool, used: list[int], done: list[bool]) -> tuple[torch.Tensor | None, int]:
+        """Run loops k0..k1-1 of a chunk's latent rows (in place) and, with head, its coda and head; returns the
+        logits [1, T, V] (or None) and the loop-steps executed.
 
-    def deepen(self, s, e, step: Step, pos: list[int], cells: list[int], tree: TreeShape | None,
-               k0: int, k1: int, used: list[int], done: list[bool]) -> tuple[torch.Tensor, int]:
-        """Run loops k0..k1-1 over a chunk; returns the states and the loop-steps executed.
-
-        With early exit a token whose latent stops changing freezes, copies its K/V into the slots of every
-        loop it skips (up to verify_loops) and leaves the chunk, exactly as forward_adaptive does per token.
+        With early exit a token whose latent stops changing freezes, copies its K/V into the slots of every loop it
+        skips (up to verify_loops) and leaves the chunk, exactly as forward_adaptive does per token.
         """
-        T = s.shape[1]
-        if not self.adaptive:
-            ctx = self.context(step)
-            for k in range(k0, k1):
-                s = self.net.loop(s, e, k, ctx)
+        T = len(pos)
+        if not self.adaptive:  # one call: the loops and the head
             used[:] = [k1] * T
-            return s, T * (k1 - k0)
-        s, steps = s.clone(), 0
+            return self.loops(lat, pos, cells, tree, k0, k1, head=head), T * (k1 - k0)
+        steps = 0
         for k in range(k0, k1):
             act = [i for i in range(T) if not done[i]]
             if not act:
                 break
-            idx = torch.tensor(act, device=s.device)
-            sub = step if len(act) == T else self.make_step([pos[i] for i in act], [cells[i] for i in act], tree)
-            s_old = s[:, idx]
-            s_new = self.net.loop(s_old, e[:, idx], k, self.context(sub))
-            stop = self.net.exit_mask(s_old.transpose(0, 1), s_new.transpose(0, 1), self.threshold).tolist()
-            s[:, idx] = s_new
+            idx = torch.tensor(act, device=lat.s.device)
+            sub = lat if len(act) == T else lat.rows(idx)
+            s_old = sub.s.clone()
+            self.loops(sub, [pos[i] for i in act], [cells[i] for i in act], tree, k, k + 1, head=False)
+            stop = self.net.exit_mask(s_old.transpose(0, 1), sub.s.transpose(0, 1), self.threshold).tolist()
+            if sub is not lat:
+                lat.s[:, idx] = sub.s
             steps += len(act)
             for i, st in zip(act, stop):
                 used[i] = k + 1
                 if st:
                     done[i] = True
                     self.fill_skipped(cells[i], k)
-        return s, steps
+        return self.loops(lat, pos, cells, tree, k1, k1) if head else None, steps
 
-    def draft(self, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None, head: bool):
-        """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops and, if
-        head, the coda and head. Returns s, e [1, T, d], logits [1, T, V] (None without head), the loops each
-        token used, whether it exited early, and the loop-steps run."""
-        step, T = self.make_step(pos, cells, tree), len(tokens)
-        ctx = self.context(step)
+    def draft(self, lat: cached.Latent, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None,
+              head: bool):
+        """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops into the
+        latent rows `lat` [1, T, d] and, if head, the coda and head. Returns logits [1, T, V] (None without head), the
+        loops each token used, whether it exited early, and the loop-steps run."""
+        t0, T = time.perf_counter(), len(tokens)
         used, done = [0] * T, [False] * T
-        e = self.net.encode(torch.tensor([tokens], device=self.model.device), ctx)
-        s, steps = self.deepen(self.net.init_state(e, step), e, step, pos, cells, tree, 0, self.D, used, done)
-        return s, e, self.net.decode_head(s, ctx) if head else None, used, done, steps
+        if not self.adaptive:  # prelude, draft loops and head in one call
+            logits, used, steps = self.loops(lat, pos, cells, tree, 0, self.D, tokens, head), [self.D] * T, T * self.D
+        else:
+            self.loops(lat, pos, cells, tree, 0, 0, tokens, head=False)  # prelude, initial state
+            logits, steps = self.advance(lat, pos, cells, tree, 0, self.D, head, used, done)
+        self.draft_s += time.perf_counter() - t0
+        return logits, used, done, steps
 
     def fill_skipped(self, cell: int, last: int) -> None:
         at = torch.tensor([[cell]], device=self.model.device)
@@ -247,12 +281,12 @@ class Speculator:
                 self.cache.copy_slot(self.model.cfg.core_slot(last, j), self.model.cfg.core_slot(k, j), at)
 
     # -- one round -----------------------------------------------------------------------------------
-    def round(self, pending: int, p: int, n: int, w: int, guessed: list[int]) -> tuple[list[int], int]:
+    def round(self, pending: int, p: int, n: int, w: int, guessed: list[int]) -> tuple[list[int], int, int]:
         """Draft from the pending token at position p (depth n, width w), verify, accept, commit. With
         `guessed` tokens (a chain known in advance) the drafts are those, their draft depth computed as one chunk.
 
-        Returns the tokens the round yields (accepted drafts, then a correction or bonus) and the number of
-        drafted tokens accepted.
+        Returns the tokens the round yields (accepted drafts, then a correction or bonus), the number of drafted
+        tokens accepted, and the depth drafted (n, or less where a chain stopped at a doubtful draft).
         """
         net, cache, dev = self.net, self.cache, self.model.device
         tree = TreeShape(p, w, n, dev) if w > 1 else None
@@ -262,8 +296,8 @@ class Speculator:
         toks = [pending] + [0] * (N - 1)
         parent = [-1] + [0 if i <= w else i - w for i in range(1, N)]
         q: dict[int, torch.Tensor] = {}  # sampled mode: the distribution a node's children were drawn from
-        used, done = [0] * N, [False] * N
-        states, embeds = [], []
+        used, done, doubtful = [0] * N, [False] * N, []
+        lat = cached.Latent.empty(1, N, net)  # the round's latent rows: drafts write them, verification continues them
 
         def path(i: int) -> list[int]:  # draft tokens after the root on the way to node i
             out = []
@@ -272,46 +306,51 @@ class Speculator:
                 i = parent[i]
             return out[::-1]
 
+        def rows(a: int, b: int) -> cached.Latent:
+            return cached.Latent(lat.e[:, a:b], lat.s[:, a:b])
+
         if guessed:  # prelude and draft loops of the whole known chain in one pass; nothing to propose
             toks[1:] = guessed
-            s, e, _, used, done, steps = self.draft(toks, pos, cells, None, head=False)
+            _, used, done, steps = self.draft(lat, toks, pos, cells, None, head=False)
             self.draft_loop_steps += steps
-            states.append(s)
-            embeds.append(e)
         # draft: level 0 is the root, level d holds tokens 1+(d-1)w .. dw
         for d in range(0 if guessed else n + 1):
-            lvl = [0] if d == 0 else list(range(1 + (d - 1) * w, 1 + d * w))
-            s, e, logits, u, dn, steps = self.draft([toks[i] for i in lvl], [pos[i] for i in lvl],
-                                                    [cells[i] for i in lvl], tree if d > 0 else None, head=d < n)
+            a, b = (0, 1) if d == 0 else (1 + (d - 1) * w, 1 + d * w)
+            logits, u, dn, steps = self.draft(rows(a, b), toks[a:b], pos[a:b], cells[a:b], tree if d > 0 else None,
+                                              head=d < n)
             self.draft_loop_steps += steps
-            for r, i in enumerate(lvl):
-                used[i], done[i] = u[r], dn[r]
-            states.append(s)
-            embeds.append(e)
+            used[a:b], done[a:b] = u, dn
             if d == n:
                 break
             logits = logits[0]
-            for r, i in enumerate(lvl):
+            for r, i in enumerate(range(a, b)):
                 kids = list(range(1, 1 + w)) if d == 0 else [i + w]
-                proposed, q[i] = self.propose(logits[r], path(i), len(kids))
+                proposed, q[i], sure = self.propose(logits[r], path(i), len(kids))
                 for c, t in zip(kids, proposed):
                     toks[c] = t
+                if w == 1:  # a doubtful draft ends the chain: drafts after it would mostly be thrown away
+                    doubtful.append(sure < DRAFT_CONFIDENCE)
+                    n = d + 1 if doubtful[-1] else n
+        N = 1 + n * w  # (a chain that ended early verifies what it drafted)
+        pos, cells, toks, used, done, lat = pos[:N], cells[:N], toks[:N], used[:N], done[:N], rows(0, N)
 
         # verify: continue every drafted state from draft_loops to verify_loops in one pass, then the coda
-        step = self.make_step(pos, cells, tree)
+        t0 = time.perf_counter()
         if cache.window:
             cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        s, steps = self.deepen(torch.cat(states, 1), torch.cat(embeds, 1), step, pos, cells, tree, self.D, self.V,
-                               used, done)
-        logits = net.decode_head(s, self.context(step))[0]
+        logits, steps = self.advance(lat, pos, cells, tree, self.D, self.V, True, used, done)
+        logits = logits[0]
         self.verify_loop_steps += steps
+        self.verify_s += time.perf_counter() - t0
 
         # accept: walk down the tree from the root
         out, accepted, node = [], [], 0
+        # greedy without a penalty: every node's target at once (with one, it depends on the tokens taken before)
+        best = logits.argmax(-1).tolist() if self.greedy and self.cfg.repetition_penalty == 1.0 else None
         while True:
             kids = [] if N == 1 else list(range(1, 1 + w)) if node == 0 else [node + w] if node + w < N else []
             if self.greedy:
-                t = int(torch.argmax(self.penalised(logits[node], out)))
+                t = best[node] if best is not None else int(torch.argmax(self.penalised(logits[node], out)))
                 nxt = next((c for c in kids if toks[c] == t), None)
             else:
                 target, nxt = self.probs(logits[node], out), None
@@ -337,7 +376,19 @@ class Speculator:
         for j, i in enumerate([0] + accepted):
             self.used_at[p + j] = used[i]
         cache.rollback(p + a + 1)
-        return out, a
+        if w == 1 and not guessed:
+            self.count_tests(doubtful, a)
+        return out, a, n
+
+    def count_tests(self, doubtful: list[bool], accepted: int) -> None:
+        """A chain's drafts by confidence: those up to the first rejected one were tested, the ones before it taken."""
+        st: SpeculativeStats = self.seq.stats
+        tested, taken = doubtful[:accepted + 1], doubtful[:accepted]
+        st.doubtful += sum(doubtful)
+        st.doubtful_tested += sum(tested)
+        st.sure_tested += len(tested) - sum(tested)
+        st.doubtful_accepted += sum(taken)
+        st.sure_accepted += len(taken) - sum(taken)
 
     # -- the whole generation -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -373,7 +424,7 @@ class Speculator:
             if self.guess:  # everything so far, the pending token too, was guessed: verify the next piece
                 guessed = self.guess[p - P + 1:p - P + 1 + min(piece, left - 1)]
                 n, w, piece = len(guessed) or n, 1, piece * 2  # a next piece only if this one is taken whole
-            out, a = self.round(pending, p, n, w, guessed)
+            out, a, n = self.round(pending, p, n, w, guessed)
             stats.verify_steps += 1
             stats.drafted += n
             stats.accepted += a
@@ -389,6 +440,7 @@ class Speculator:
         stats.tokens_per_verify = (seq.count - 1) / stats.verify_steps if stats.verify_steps else 0.0
         stats.draft_loop_steps, stats.verify_loop_steps = self.draft_loop_steps, self.verify_loop_steps
         stats.loop_steps = self.draft_loop_steps + self.verify_loop_steps
+        stats.draft_ms, stats.verify_ms = self.draft_s * 1000, self.verify_s * 1000
         return result
 
 
@@ -419,24 +471,17 @@ def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: Generate
     16 ... tokens) instead of drafting token by token."""
     stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
                              tree_width=sc.tree_width)
-    # small steps run best on one thread (engine/forward.py: decode_threads); the verify chunk is the largest
-    threads, before = cached.decode_threads(1 + sc.draft_ahead * sc.tree_width, model.cfg), torch.get_num_threads()
-    if model.device.type == "cpu" and threads and threads != before:
-        torch.set_num_threads(threads)
-    try:
-        seq = Sequence(model, ids, cfg, on_token, stats=stats)
-        return Speculator(model, sc, seq, cache, verify_loops, guess).run(None if prefill is None else lambda: prefill(stats))
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
+    seq = Sequence(model, ids, cfg, on_token, stats=stats)
+    return Speculator(model, sc, seq, cache, verify_loops, guess).run(None if prefill is None else lambda: prefill(stats))
 
 
-# --- pattern 5: benchmark, then choose ---------------------------------------------------------------------
+# --- pattern 5: measure, then choose -------------------------------------------------------------------------
 @dataclass
 class SpeculativeChoice:
-    """What choose_speculative measured, and its decision (speculative only when speedup > min_speedup)."""
+    """What choose_speculative measured and its decision: `config` (the draft loops and draft length it picked) and
+    whether to use it (only when its measured speedup over plain decode is above min_speedup)."""
     use_speculative: bool
-    speedup: float
+    speedup: float                 # measured: the picked config against plain decode, side by side (median)
     plain_tokens_per_s: float
     speculative_tokens_per_s: float
     draft_accept_rate: float
@@ -444,44 +489,134 @@ class SpeculativeChoice:
     min_speedup: float
     config: SpeculativeConfig
     per_prompt: list[dict] = field(default_factory=list)
+    predicted_speedup: float = 0.0  # what the measured acceptance and costs predicted for the pick
+    candidates: list[dict] = field(default_factory=list)  # per draft loop count: acceptance, costs, best length
 
     def line(self) -> str:
         sc = self.config
         return (f"speculative {sc.draft_loops}->{sc.verify_loops} ahead {sc.draft_ahead} width {sc.tree_width}: "
                 f"{self.speculative_tokens_per_s:.1f} vs plain {self.plain_tokens_per_s:.1f} tok/s = {self.speedup:.2f}x "
-                f"(accept {self.draft_accept_rate:.2f}, {self.tokens_per_verify:.2f} tok/verify) -> "
+                f"(predicted {self.predicted_speedup:.2f}x; accept {self.draft_accept_rate:.2f}, "
+                f"{self.tokens_per_verify:.2f} tok/verify) -> "
                 f"{'speculative' if self.use_speculative else 'plain'} (needs > {self.min_speedup}x)")
 
 
+@dataclass
+class ChainModel:
+    """What a chain round of up to n drafts yields, from measured acceptance: a draft is doubtful (under
+    DRAFT_CONFIDENCE: the chain ends after it) with probability `doubtful`, and is accepted, once the drafts before
+    it were, with probability alpha (sure) or alpha_doubtful."""
+    alpha: float
+    doubtful: float = 0.0
+    alpha_doubtful: float = 0.0
+
+    def tokens(self, n: int) -> float:
+        """Expected tokens of a round: 1 (the correction or bonus) + sum over drafts i of P(drafted and accepted
+        with all before it) = r^(i-1) (r + f a_d), where r = (1 - f) alpha (sure and accepted)."""
+        f, r = self.doubtful, (1 - self.doubtful) * self.alpha
+        return 1 + sum(r ** (i - 1) * (r + f * self.alpha_doubtful) for i in range(1, n + 1))
+
+    def drafts(self, n: int) -> float:
+        """Expected drafts of a round: the i-th is drafted when none before it was doubtful."""
+        return sum((1 - self.doubtful) ** (i - 1) for i in range(1, n + 1))
+
+
+def best_length(model: ChainModel, draft_s: float, verify_s: Callable[[float], float], plain_s: float,
+                max_ahead: int) -> tuple[int, float]:
+    """The draft length n in 1..max_ahead with the most tokens per second, and its predicted speedup over plain
+    decode: a round runs drafts(n) + 1 draft passes (draft_s each: the pending token's, then each draft's) and one
+    verification of as many rows (verify_s(T)), and yields model.tokens(n), each of which plain decode makes in
+    plain_s."""
+    def speedup(n: int) -> float:
+        rows = model.drafts(n) + 1
+        return plain_s * model.tokens(n) / (rows * draft_s + verify_s(rows))
+    n = max(range(1, max_ahead + 1), key=speedup)
+    return n, speedup(n)
+
+
+PROBE_AHEAD = (2, 8)  # the draft lengths each candidate's probes run: verification costs at two chunk sizes
+
+
+def _per_token_s(result: GenerateResult) -> float:
+    """Seconds per decoded token (the prompt's prefill is the same work either way)."""
+    return result.stats.decode_ms / 1000 / max(result.stats.generated_tokens - 1, 1)
+
+
+def _probe(runs: dict[int, list[GenerateResult]], plain_s: float, max_ahead: int) -> dict:
+    """A draft loop count's measurements (speculative runs at each PROBE_AHEAD length) and its best draft length.
+    Costs are the least over the runs: on a busy machine noise only ever adds time."""
+    sts = [r.stats for rs in runs.values() for r in rs]
+    total = {k: sum(getattr(st, k) for st in sts) for k in ("drafted", "doubtful", "sure_tested", "sure_accepted",
+                                                            "doubtful_tested", "doubtful_accepted")}
+    model = ChainModel(total["sure_accepted"] / max(total["sure_tested"], 1),
+                       total["doubtful"] / max(total["drafted"], 1),
+                       total["doubtful_accepted"] / max(total["doubtful_tested"], 1))
+    draft_s = min(st.draft_ms / 1000 / max(st.drafted + st.verify_steps, 1) for st in sts)
+    points = []  # per probe length: (mean rows of a verification, its seconds)
+    for rs in runs.values():
+        rounds = [max(r.stats.verify_steps, 1) for r in rs]
+        points.append((sum(r.stats.drafted + r.stats.verify_steps for r in rs) / sum(rounds),
+                       min(r.stats.verify_ms / 1000 / k for r, k in zip(rs, rounds))))
+    (t1, v1), (t2, v2) = sorted(points)
+    slope = max((v2 - v1) / (t2 - t1), 0.0) if t2 - t1 > 0.5 else 0.0  # a row more never costs less: that is noise
+
+    def verify_s(T: float) -> float:  # the line through the two measured chunk sizes
+        return max(v1 + slope * (T - t1), v1 / 2)
+
+    n, predicted = best_length(model, draft_s, verify_s, plain_s, max_ahead)
+    return {"accept": model.alpha, "doubtful": model.doubtful, "accept_doubtful": model.alpha_doubtful,
+            "draft_ms": draft_s * 1000, "verify_ms": {round(t1, 2): v1 * 1000, round(t2, 2): v2 * 1000},
+            "draft_ahead": n, "predicted": predicted}
+
+
 def choose_speculative(model: Model, prompts: Seq, sc: SpeculativeConfig | None = None,
-                       cfg: GenerateConfig | None = None, min_speedup: float = 1.3) -> SpeculativeChoice:
-    """The seed's pattern 5: time plain and speculative decode side by side on a few representative prompts
-    (each prompt once each way, after one warm-up) and pick speculative only when it is more than
-    `min_speedup` times faster in tokens/s. Returns the measurements so a worker can log them."""
+                       cfg: GenerateConfig | None = None, min_speedup: float = 1.1,
+                       max_ahead: int = 12) -> SpeculativeChoice:
+    """The seed's pattern 5: measure, then choose. On a few representative prompts (after a warm-up), each prompt in
+    turn:
+      1. plain decode at the verify loops: seconds per token (the least of all its runs);
+      2. for each draft loop count D (1..4 below the verify loops, and sc's), speculative decode at draft lengths
+         PROBE_AHEAD: how often a draft is doubtful, the acceptance of sure and doubtful drafts, and the seconds of
+         a draft pass and of a verification of T rows (a line in T through the two lengths);
+      3. the model (ChainModel): a round of up to n drafts yields tokens(n) for drafts(n) + 1 draft passes and one
+         verification of as many rows: the (D, n) with the most tokens per second (n up to max_ahead);
+      4. that pick against plain decode side by side, each prompt once each way: speculative only when it is more
+         than `min_speedup` times faster, else plain (speculation off).
+    Chains only (on the CPU trees cost more than they gain; docs/speculative.md). Returns the measurements, so a
+    worker can log why it chose."""
     if not prompts:
         raise ConfigError("choose_speculative needs at least one prompt")
     cfg = cfg or GenerateConfig(max_tokens=32)
-    sc = sc or speculative_from_env() or SpeculativeConfig()
-    plain_cfg = dataclasses.replace(cfg, loops=sc.resolved_verify_loops(model, cfg))
+    sc = (sc or speculative_from_env() or SpeculativeConfig()).validate(model)
+    V = sc.resolved_verify_loops(model, cfg)
+    plain_cfg = dataclasses.replace(cfg, loops=V)
+
+    def speculative(prompt, D: int, n: int) -> GenerateResult:
+        return generate_speculative(model, prompt, SpeculativeConfig(D, V, n), cfg)
+
     generate(model, prompts[0], plain_cfg)  # warm-up: first calls pay for allocation
-    generate_speculative(model, prompts[0], sc, cfg)
-    rows, plain_s, spec_s, plain_n, spec_n, drafted, accepted, verifies = [], 0.0, 0.0, 0, 0, 0, 0, 0
-    for prompt in prompts:
-        t = time.perf_counter()
-        a = generate(model, prompt, plain_cfg)
-        t_plain = time.perf_counter() - t
-        t = time.perf_counter()
-        b = generate_speculative(model, prompt, sc, cfg)
-        t_spec = time.perf_counter() - t
-        plain_s, spec_s = plain_s + t_plain, spec_s + t_spec
-        plain_n, spec_n = plain_n + a.stats.generated_tokens, spec_n + b.stats.generated_tokens
-        drafted, accepted, verifies = drafted + b.stats.drafted, accepted + b.stats.accepted, verifies + b.stats.verify_steps
-        rows.append({"plain_s": t_plain, "speculative_s": t_spec, "plain_tokens": a.stats.generated_tokens,
-                     "speculative_tokens": b.stats.generated_tokens, "draft_accept_rate": b.stats.draft_accept_rate,
-                     "tokens_per_verify": b.stats.tokens_per_verify})
-    plain_tps, spec_tps = plain_n / max(plain_s, 1e-9), spec_n / max(spec_s, 1e-9)
-    speedup = spec_tps / max(plain_tps, 1e-9)
-    return SpeculativeChoice(speedup > min_speedup, speedup, plain_tps, spec_tps, accepted / max(drafted, 1),
-                             sum(r["tokens_per_verify"] for r in rows) / len(rows), min_speedup,
-                             SpeculativeConfig(sc.draft_loops, sc.resolved_verify_loops(model, cfg), sc.draft_ahead,
-                                               sc.tree_width), rows)
+    speculative(prompts[0], sc.draft_loops, sc.draft_ahead)
+    plain_s, probes = float("inf"), {}
+    for D in sorted({*range(1, min(V, 5)), sc.draft_loops}):  # plain decode between them: its least time is taken
+        probes[D] = {n: [] for n in PROBE_AHEAD}                # over the whole measurement, as theirs are
+        for prompt in prompts:
+            plain_s = min(plain_s, _per_token_s(generate(model, prompt, plain_cfg)))
+            for n in PROBE_AHEAD:
+                probes[D][n].append(speculative(prompt, D, n))
+    candidates = [{"draft_loops": D, **_probe(runs, plain_s, max_ahead)} for D, runs in probes.items()]
+    best = max(candidates, key=lambda c: c["predicted"])
+    pick = SpeculativeConfig(best["draft_loops"], V, best["draft_ahead"])
+    rows = []
+    for prompt in prompts:  # side by side: each prompt plain, then speculative
+        a, b = generate(model, prompt, plain_cfg), generate_speculative(model, prompt, pick, cfg)
+        rows.append({"plain_s": a.stats.decode_ms / 1000, "speculative_s": b.stats.decode_ms / 1000,
+                     "plain_tokens": a.stats.generated_tokens, "speculative_tokens": b.stats.generated_tokens,
+                     "speedup": _per_token_s(a) / max(_per_token_s(b), 1e-9), "drafted": b.stats.drafted,
+                     "accepted": b.stats.accepted, "tokens_per_verify": b.stats.tokens_per_verify})
+    speedup = statistics.median(r["speedup"] for r in rows)  # one stalled run moves a median least
+    plain_tps = sum(r["plain_tokens"] - 1 for r in rows) / max(sum(r["plain_s"] for r in rows), 1e-9)
+    spec_tps = sum(r["speculative_tokens"] - 1 for r in rows) / max(sum(r["speculative_s"] for r in rows), 1e-9)
+    accept = sum(r["accepted"] for r in rows) / max(sum(r["drafted"] for r in rows), 1)
+    return SpeculativeChoice(speedup > min_speedup, speedup, plain_tps, spec_tps, accept,
+                             sum(r["tokens_per_verify"] for r in rows) / len(rows), min_speedup, pick, rows,
+                             best["predicted"], candidates)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from scripts.bench.prompts import LONG_CODE_PROMPTS
 from tinyloop.generation import generate
 from tinyloop.runtime import Model, load_model
-from tinyloop.speculative import SpeculativeConfig, SpeculativeStats, generate_speculative
+from tinyloop.speculative import SpeculativeConfig, SpeculativeStats, choose_speculative, generate_speculative
 from tinyloop.types import GenerateConfig
 
 
@@ -18,11 +18,13 @@ def sequential_passes(model: Model, st: SpeculativeStats) -> float:
 
 
 def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
-    """Speculative (draft 2 -> verify 8, a few draft_ahead values, tree on and off) vs plain decode at 8 loops."""
+    """Speculative (draft 1-3 -> verify 8, a few draft_ahead values, tree on and off) vs plain decode at 8 loops, and
+    what choose_speculative picks."""
     model = load_model(model_path, 1024)
-    n_tokens, prompts, repeats = (32, LONG_CODE_PROMPTS[:2], 1) if quick else (96, LONG_CODE_PROMPTS, 2)
-    configs = [SpeculativeConfig(2, 8, a) for a in ((2, 4) if quick else (2, 4, 6, 8, 10, 12))]
-    configs += [SpeculativeConfig(2, 8, a, w) for a, w in (((3, 2),) if quick else ((3, 2), (4, 2), (4, 3)))]
+    n_tokens, prompts, repeats = (32, LONG_CODE_PROMPTS[:2], 1) if quick else (96, LONG_CODE_PROMPTS, 3)
+    configs = [SpeculativeConfig(2, 8, a) for a in ((4, 8) if quick else (2, 4, 6, 8, 12))]
+    configs += [] if quick else [SpeculativeConfig(1, 8, 6), SpeculativeConfig(3, 8, 8)]
+    configs += [SpeculativeConfig(2, 8, a, w) for a, w in (((3, 2),) if quick else ((3, 2), (4, 2)))]
     cfg = GenerateConfig(max_tokens=n_tokens, loops=8)
     c = model.cfg
     best: dict = {}
@@ -60,11 +62,14 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
         steps = sum(s.loop_steps for s in sts) / sum(s.generated_tokens - 1 for s in sts)
         passes = sum(sequential_passes(model, s) * (s.generated_tokens - 1) for s in sts) / sum(s.generated_tokens - 1 for s in sts)
         exact = all(runs[(j, i)].tokens == runs[(0, i)].tokens for i in range(len(prompts)))
-        name = f"ahead {sc.draft_ahead}" + (f" tree {sc.tree_width}" if sc.tree_width > 1 else "")
+        name = f"{sc.draft_loops}->8 ahead {sc.draft_ahead}" + (f" tree {sc.tree_width}" if sc.tree_width > 1 else "")
         lines.append(f"  {name:<22} {tps:>7.1f} {tps / plain_tps:>5.2f}x {accepted / max(drafted, 1):>7.2f} "
                      f"{(accepted + rounds) / max(rounds, 1):>10.2f} {steps:>14.2f} {passes:>10.2f} "
                      f"{plain_passes / passes:>9.2f}x {'yes' if exact else 'NO':>5}")
-    lines.append("  plain = generate as shipped; ratios are against plain")
+    pick = choose_speculative(model, prompts, SpeculativeConfig(2, 8, 4), GenerateConfig(max_tokens=min(n_tokens, 48)))
+    lines.append(f"  choose_speculative: {pick.line()}")
+    lines.append("  plain = generate as shipped; ratios are against plain; chains stop drafting after a doubtful draft "
+                 "(DRAFT_CONFIDENCE), so ahead is their longest")
     lines.append("  loop-steps/tok: core passes x tokens per generated token (verification continues the drafts, so a"
                  " chain\n  spends verify_loops per pushed token, like plain decode); passes/tok: sequential layer passes"
                  " per token,\n  the speedup bound on a launch-bound device where a chunk costs one token (pass ratio)")

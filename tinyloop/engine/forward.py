@@ -6,10 +6,15 @@ is that context for every call with a cache (prefill chunks, decode rows, specul
 What every layer of a chunk shares is computed once per chunk, not per layer: lane and cell indices, the blocks
 the chunk writes, the mask, the rotary factors.
 
+The forward over a loop range (`forward_loops`, `LoopForward`: first and last loop, latent states in and out) is
+what speculative decoding drafts and verifies with: a draft runs its token from loop 0 to draft_loops, the verified
+chunk continues from there to verify_loops; a decode step is the range 0..loops.
+
 Backends:
-  C       decode rows on CPU (one token per lane, the fp16 cache mode holding fp32, no ring, no tree): each block
-          is one call of kernels/cpu_block.c, attending over the paged cache through the block tables; with every
-          lane at the same loops and no early exit, the whole step is one call (cpu_block.DecodeStep)
+  C       token rows on CPU (the fp16 cache mode holding fp32, no ring): decode rows (one token per lane) and
+          speculative chunks and trees (rows of one lane): each block is one call of kernels/cpu_block.c, attending
+          over the paged cache through the block tables; with every row at the same loops and no early exit, the
+          whole forward (or loop range) is one call (cpu_block.DecodeStep)
   torch   SDPA over the slot's cells, gathered from the blocks (CPU; CUDA with TINYLOOP_TRITON=0). Decode rows
           that read little gather every slot once per step into one buffer (`read_ahead`).
   Triton  decode rows on CUDA (or TINYLOOP_TRITON=1): fused attention over the block tables and quantise-on-write
@@ -319,9 +324,10 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     c_blocks = cpu_rows and cpu_block.supported(net.cfg, cache, ids.shape[0], net.embed.weight.dtype)
     threads = decode_threads(ids.shape[0], net.cfg, c_blocks=c_blocks) if cpu_rows else 0
     with _threads(threads):
-        plan = _whole_step(net, cache, loops) if c_blocks and not exit_threshold else None
+        plan = _c_step(net, cache) if c_blocks and not exit_threshold else None
         if plan is not None:  # the whole step in one C call, with the bits of the step below
-            return plan.run(ids.reshape(-1).tolist(), step.pos.reshape(-1).tolist(), cache).unsqueeze(1)
+            logits = plan.run(cache, step.pos.reshape(-1).tolist(), 0, loops, tokens=ids.reshape(-1).tolist())
+            return logits.unsqueeze(1)
         ctx = context(net, step, cache)
         if rows:
             cfg = net.cfg
@@ -331,10 +337,10 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         return logits
 
 
-def _whole_step(net: LoopedLM, cache: KVCache, loops: int):
-    """The DecodeStep running decode rows on the CPU when their blocks run in C (the caller checked
+def _c_step(net: LoopedLM, cache: KVCache) -> cpu_block.DecodeStep | None:
+    """The DecodeStep running token rows on the CPU when their blocks run in C (the caller checked
     cpu_block.supported), or None (Triton forced on the CPU runs its kernels instead)."""
-    return None if use_triton(cache.device) else cpu_block.decode_step(net, fused_weights(net), loops)
+    return None if use_triton(cache.device) else cpu_block.decode_step(net, fused_weights(net))
 
 
 def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: int, cache: KVCache) -> torch.Tensor:
@@ -342,13 +348,117 @@ def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: i
     those rows, without building tensors the CPU's whole-step decode would only turn back into lists."""
     B, dev = len(tokens), cache.device
     if dev.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
-        plan = _whole_step(net, cache, loops)
+        plan = _c_step(net, cache)
         if plan is not None:
             with _threads(decode_threads(B, net.cfg, c_blocks=True)):
-                return plan.run(tokens, positions, cache)
+                return plan.run(cache, positions, 0, loops, tokens=tokens)
     ids = torch.tensor([[t] for t in tokens], device=dev)
     pos = torch.tensor([[p] for p in positions], device=dev)
     return forward(net, ids, loops, net.make_step(pos, max(positions) + 1), cache)[:, -1]
+
+
+@dataclasses.dataclass
+class Latent:
+    """A chunk's latent rows between loops ([B, T, d] each): e, the prelude's output that every loop is injected
+    with, and s, the state after the loops run so far. `forward_loops` reads and writes them in place."""
+    e: torch.Tensor
+    s: torch.Tensor
+
+    @staticmethod
+    def empty(B: int, T: int, net: LoopedLM) -> "Latent":
+        w = net.embed.weight
+        return Latent(w.new_empty(B, T, net.cfg.d_model), w.new_empty(B, T, net.cfg.d_model))
+
+    def rows(self, index: torch.Tensor) -> "Latent":
+        """The latent of some tokens of a one-lane chunk (index into T), as a new [1, len(index), d] latent."""
+        return Latent(self.e[:, index], self.s[:, index])
+
+
+class LoopForward:
+    """The cached forward of a call's chunks over loop ranges (`forward_loops`), its backend chosen once: within a
+    call the model is held (Model.busy), its weights and the call's cache stay what they were."""
+
+    def __init__(self, net: LoopedLM, cache: KVCache):
+        self.net, self.cache = net, cache
+        cpu = cache.device.type == "cpu"
+        self.plan = _c_step(net, cache) if cpu and cpu_block.supported(net.cfg, cache, 1, net.embed.weight.dtype) \
+            else None
+        self.cpu = cpu
+
+    def __call__(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None = None,
+                 head: bool = True) -> torch.Tensor | None:
+        """forward_loops of the chunk at `step`."""
+        B, T = step.pos.shape
+        if self.plan is not None and B * T <= cpu_block.MAX_LANES and (step.cells is None or B == 1):
+            cells, rows = _c_rows(step)
+            return self._c(cells, rows, first, last, latent, None if ids is None else ids.reshape(-1).tolist(),
+                           head, (B, T))
+        return self._torch(step, first, last, latent, ids, head)
+
+    def lane(self, positions: list[int], first: int, last: int, latent: Latent, tokens: list[int] | None = None,
+             head: bool = True) -> torch.Tensor | None:
+        """forward_loops of one lane's tokens at `positions` (lane 0, cell = position): a speculative chain, without
+        the tensors the C step would only turn back into lists."""
+        T = len(positions)
+        if self.plan is not None and T <= cpu_block.MAX_LANES:
+            return self._c(positions, {} if T == 1 else {"lanes": [0] * T}, first, last, latent, tokens, head, (1, T))
+        dev = self.cache.device
+        ids = None if tokens is None else torch.tensor([tokens], device=dev)
+        step = self.net.make_step(torch.tensor([positions], device=dev), max(positions) + 1)
+        return self._torch(step, first, last, latent, ids, head)
+
+    def _c(self, cells: list[int], rows: dict, first: int, last: int, latent: Latent, tokens: list[int] | None,
+           head: bool, shape: tuple[int, int]) -> torch.Tensor | None:
+        logits = self.plan.run(self.cache, cells, first, last, **rows, tokens=tokens, e=latent.e, s=latent.s,
+                               head=head)  # (C blocks keep torch's threads: decode_threads)
+        return None if logits is None else logits.view(*shape, -1)
+
+    def _torch(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None,
+               head: bool) -> torch.Tensor | None:
+        net, cache = self.net, self.cache
+        with _threads(decode_threads(step.pos.numel(), net.cfg, c_blocks=False) if self.cpu else 0):
+            ctx = context(net, step, cache)
+            if ids is not None:
+                latent.e.copy_(net.encode(ids, ctx))
+                latent.s.copy_(net.init_state(latent.e, step))
+            s = latent.s
+            for k in range(first, last):
+                s = net.loop(s, latent.e, k, ctx)
+            latent.s.copy_(s)
+            return net.decode_head(latent.s, ctx) if head else None
+
+
+def forward_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
+                  ids: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
+    """The cached forward of a chunk (B lanes x T tokens at step.pos) over loops first..last-1: from ids [B, T]
+    (first == 0: embedding, prelude and initial state, into `latent`), or continuing `latent` (the chunk's states
+    after `first` loops); latent.s holds the states after `last` loops on return. With head, then the coda, final
+    norm and head: logits [B, T, V] (else None). A decode step is 0..loops from ids with the head; speculative
+    decoding drafts tokens over 0..draft_loops and continues the drafted chunk from there to verify_loops.
+
+    Backends: on the CPU, when the cache and model allow (`cpu_block.supported`), the C step (one call:
+    DecodeStep), whose rows are the chunk's tokens: a row attends over its lane's cells up to its own (a chunk at
+    consecutive cells is causal; a tree brings its ancestor mask), and its logits have the bits of the same token
+    decoded alone at that cell. Otherwise the model's pieces over the chunk's `Cached` context (torch, or Triton
+    for decode rows). A caller running many chunks over one cache keeps a LoopForward instead."""
+    return LoopForward(net, cache)(step, first, last, latent, ids, head)
+
+
+def _c_rows(step: Step) -> tuple[list[int], dict]:
+    """A chunk as the C step's rows: the cells they write, and the lanes, positions and tree mask when not the
+    plain ones (row b of B lanes x T tokens is lane b // T)."""
+    B, T = step.pos.shape
+    pos = step.pos.reshape(-1).tolist()
+    rows: dict = {} if T == 1 else {"lanes": [b for b in range(B) for _ in range(T)]}
+    if step.cells is None:
+        return pos, rows
+    # the mask from the first cell some row does not see (every row sees the committed cells before the tree); a
+    # row sees no cell past its own (a token's ancestors come before it), which is all C reads
+    mask = step.mask[0]
+    blind = (~mask.all(0)).nonzero()
+    lo = int(blind[0]) if len(blind) else step.end
+    tree = {"mask": mask[:, lo:].to(torch.uint8).contiguous(), "mask_from": lo} if lo < step.end else {}
+    return step.cells.reshape(-1).tolist(), {**rows, "pos": pos, **tree}
 
 
 def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], step: Step, cache: KVCache,

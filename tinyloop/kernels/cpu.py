@@ -132,8 +132,8 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_block_ok.argtypes = [L, L, L]
     lib.tl_step_work.argtypes = [L, L, L]
     lib.tl_step_work.restype = L
-    lib.tl_decode_step.argtypes = [p, p, p, L, p, p, p]
-    lib.tl_decode_step.restype = None
+    lib.tl_forward_rows.argtypes = [p, p, p, L, p, p, L, L, p, p, p, p]
+    lib.tl_forward_rows.restype = None
     for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):
         f.restype = None
     _lib, _state = lib, "ok"

@@ -1,5 +1,6 @@
-// One transformer block of a decode step in one call: tinyloop/model.py's `block` for B lanes of one token each,
-// attending over the paged KV cache (mode "fp16" holding fp32 entries), on the CPU (AVX2 + FMA, OpenMP).
+// One transformer block over B token rows in one call: tinyloop/model.py's `block` for rows of one token each (the
+// lanes of a decode step, or the tokens of a speculative chunk, rows of one lane), attending over the paged KV cache
+// (mode "fp16" holding fp32 entries), on the CPU (AVX2 + FMA, OpenMP).
 //
 // Why: at batch 1 the products of a block stream its weights at about the memory bandwidth (cpu_gemv.c), and what
 // is left of a step is the ~30 small torch operations around them per block (norms, RoPE, the cache write,
@@ -12,9 +13,11 @@
 //
 // Products go through cpu_gemv.c's kernels (any weight format), called with threads = 1 inside this team: their
 // `omp for` then shares the rows among the team's threads. Every output element is computed the same way for any
-// B and any thread count (a lane's attention is one thread's, over its own cells), so the block is batch-invariant
-// like the products. RoPE is mul, mul, add as torch computes it (-ffp-contract=off), so it has torch's bits; the
-// norm, softmax and SiLU agree with torch to fp32 rounding, not bitwise.
+// B and any thread count (a row's attention is one thread's, over its lane's cells up to its own), so the block is
+// batch-invariant like the products: a row of a chunk has the bits of the same token decoded alone. Every row
+// writes its K/V before any row attends (the `omp for`'s barrier), so a chunk of one lane is causal in itself.
+// RoPE is mul, mul, add as torch computes it (-ffp-contract=off), so it has torch's bits; the norm, softmax and SiLU
+// agree with torch to fp32 rounding, not bitwise.
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -49,10 +52,16 @@ typedef struct {
     long B, d, H, KV, hd, ffn, bt, threads;
     double eps;
     const float *cos2, *sin2;   // [B, hd]: rotate-half RoPE as x * cos2 + swap_halves(x) * sin2
-    const long *cells;          // [B]: the cell each lane writes; it attends over its cells 0..cell
+    const long *cells;          // [B]: the cell each row writes; it attends over its lane's cells 0..cell
+    const long *lanes;          // [B]: the lane whose block tables row b uses (NULL: lane b). Rows of one lane at
+                                // cells c, c+1, ... are a chunk: each row attends over the cells up to its own
     float *k_store, *v_store;   // [blocks, bt, KV, hd]
     long table_stride;          // elements between two lanes' rows of a slot's block table
     float *scratch;             // tl_block_scratch(...) floats
+    // NULL, or [B, mask_width]: which of its cells mask_from.. row b sees (it sees every cell before them): a
+    // speculative tree, whose branches share positions and whose tokens see their own branch only
+    const unsigned char *mask;
+    long mask_from, mask_width;
 } tl_block_rows_t;
 
 INLINE float hsum(__m256 v) {
@@ -133,7 +142,9 @@ static void rotate(float *x, long heads, long hd, const float *cos2, const float
 }
 
 // Attention of the G query heads q [G, hd] sharing kv head `g` of one lane, over its cells 0..n-1: out [G, hd].
-static void attend(const float *q, long G, long g, long n, const long *table, const tl_block_rows_t *r, float *out) {
+// seen (NULL: every cell): which of cells from..n-1 count; the others get no weight.
+static void attend(const float *q, long G, long g, long n, const long *table, const tl_block_rows_t *r,
+                   const unsigned char *seen, long from, float *out) {
     const long hd = r->hd, bt = r->bt, stride = r->KV * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     float *s = tl_thread_buffer(1, G * n);  // per-thread scores, kept between calls
@@ -150,6 +161,10 @@ static void attend(const float *q, long G, long g, long n, const long *table, co
             }
         }
     }
+    if (seen)
+        for (long j = 0; j < G; j++)
+            for (long c = from; c < n; c++)
+                if (!seen[c - from]) s[j * n + c] = -INFINITY;
     for (long j = 0; j < G; j++) {  // softmax
         float *sj = s + j * n, mx = -INFINITY, sum = 0.0f;
         for (long c = 0; c < n; c++) mx = sj[c] > mx ? sj[c] : mx;
@@ -161,8 +176,11 @@ static void attend(const float *q, long G, long g, long n, const long *table, co
             vsum = _mm256_add_ps(vsum, e);
         }
         for (; c < n; c++) sum += (sj[c] = exp1(sj[c] - mx));
-        const float inv = 1.0f / (hsum(vsum) + sum);
+        const float inv = 1.0f / (hsum(vsum) + sum);  // (an unseen cell adds e^-87: nothing to a sum >= 1)
         for (c = 0; c < n; c++) sj[c] *= inv;
+        if (seen)
+            for (c = from; c < n; c++)
+                if (!seen[c - from]) sj[c] = 0.0f;
     }
     __m256 acc[16];  // hd <= 128
     for (long j = 0; j < G; j++) {
@@ -179,6 +197,8 @@ static void attend(const float *q, long G, long g, long n, const long *table, co
         for (long i = 0; i < hd / 8; i++) _mm256_storeu_ps(out + j * hd + 8 * i, acc[i]);
     }
 }
+
+INLINE long lane_of(const tl_block_rows_t *r, long b) { return r->lanes ? r->lanes[b] : b; }
 
 // Floats of scratch a call of B lanes needs with blocks shaped like w: rows of h, qkv, att, o, gu, m.
 long tl_block_scratch(const tl_block_weights *w, long B) {
@@ -216,7 +236,7 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
             if (w->bqkv)
                 for (long i = 0; i < NQKV; i++) row[i] += w->bqkv[i];
             rotate(row, H + KV, hd, r->cos2 + b * hd, r->sin2 + b * hd);
-            const long cell = r->cells[b], blk = table[b * r->table_stride + cell / r->bt];
+            const long cell = r->cells[b], blk = table[lane_of(r, b) * r->table_stride + cell / r->bt];
             float *kd = r->k_store + (blk * r->bt + cell % r->bt) * KV * hd;
             float *vd = r->v_store + (blk * r->bt + cell % r->bt) * KV * hd;
             for (long i = 0; i < KV * hd; i++) {
@@ -227,8 +247,8 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
 #pragma omp for schedule(static)
         for (long i = 0; i < B * KV; i++) {
             const long b = i / KV, g = i % KV;
-            attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, table + b * r->table_stride, r,
-                   att + b * as + g * G * hd);
+            attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, table + lane_of(r, b) * r->table_stride, r,
+                   r->mask ? r->mask + b * r->mask_width : 0, r->mask_from, att + b * as + g * G * hd);
         }
         product(&w->wo, att, o, B, 1);
 #pragma omp barrier
@@ -279,14 +299,16 @@ void tl_rms_norm_rows(const float *x, const float *w, double eps, long B, long d
     for (long b = 0; b < B; b++) rms_norm(x + b * d, w, eps, d, y + b * d);
 }
 
-// A whole decode step in one call (kernels/cpu_block.py's DecodeStep): tinyloop/model.py's LoopedLM.forward for
-// B lanes of one token, from the embedding to the logits, through the same C pieces the step through Python calls
-// (tl_blocks_rows, rms_norm, the products at the step's thread count), so the logits have the same bits. What it
-// saves is the Python between them: ~0.5 ms per token, a sixth of an int4 d768 token.
+// The model's forward over token rows, for a range of loops, in one call (kernels/cpu_block.py's DecodeStep):
+// tinyloop/model.py's LoopedLM.encode / loop / decode_head for B rows of one token each, through the same C pieces
+// the step through Python calls (tl_blocks_rows, rms_norm, the products at the step's thread count), so the logits
+// have the same bits. A decode step is the range 0..loops with the embedding and the head; speculative decoding
+// drafts rows through 0..draft_loops and continues them from there to verify_loops. What it saves against the step
+// through Python is the Python between the pieces: ~0.5 ms per token, a sixth of an int4 d768 token.
 typedef struct {
-    long n_prelude, n_core, n_coda, loops;
+    long n_prelude, n_core, n_coda, loops;  // loops: the core passes `blocks` holds (any range within them runs)
     long injection;   // 0 none (s), 1 add (s + e), 2 adapter ([s | e] W_adapter^T)
-    long state_init;  // 0 zeros, 1 the prelude's output e, 2 noise rows at the lanes' positions
+    long state_init;  // 0 zeros, 1 the prelude's output e, 2 noise rows at the rows' positions
     long loop_norm, coda_norm, final_norm;
     double embed_scale;
     const float *embed, *norm_w, *noise;  // embed [V, d], final norm [d], noise [positions, d]
@@ -296,8 +318,8 @@ typedef struct {
     const long *slots;                      // the layer slot each of them writes
 } tl_step_t;
 
-// Floats of work a step of B lanes needs (e, s, two rows of passes, [s | e], RoPE rows).
-long tl_step_work(long B, long d, long hd) { return B * (6 * d + 2 * hd); }
+// Floats of work a call of B rows needs (two rows of passes, [s | e], RoPE rows).
+long tl_step_work(long B, long d, long hd) { return B * (4 * d + 2 * hd); }
 
 // blocks[0..n-1] of the step from x into out (tmp: a third buffer; with n == 0, out = x).
 static void pass(const tl_step_t *s, long first, long n, tl_block_rows_t *r, const long *table, long slot_stride,
@@ -310,26 +332,37 @@ static void pass(const tl_step_t *s, long first, long n, tl_block_rows_t *r, con
         tl_blocks_rows(n, s->blocks + first, r, tables, x, out, tmp);
 }
 
-// logits [B, V] of tokens ids [B] at positions r->cells [B] (no ring: the cell is the position); table: the cache's
-// block tables [slots, lanes, blocks], slot_stride elements per slot.
-void tl_decode_step(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
-                    float *logits, float *work) {
+// Loops first..last-1 of B rows, with what comes before and after them when asked:
+//   ids != NULL   first the embedding of tokens ids [B], the prelude (into e) and the initial state (into st);
+//   ids == NULL   st [B, d] holds the rows' states after `first` loops and e [B, d] their prelude outputs;
+//   logits        != NULL: afterwards the coda, final norm and head, logits [B, V].
+// On return st holds the states after `last` loops. Row b is at position pos[b] (RoPE, the noise init) and writes
+// cell r->cells[b] of its lane (r->lanes); table: the cache's block tables [slots, lanes, blocks], slot_stride
+// elements per slot.
+void tl_forward_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
+                     const long *pos, long first, long last, float *e, float *st, float *logits, float *work) {
     const long B = r->B, d = r->d, hd = r->hd, n = B * d;
     const int threads = (int)r->threads;
-    float *e = work, *st = e + n, *x = st + n, *tmp = x + n, *cat = tmp + n, *cos2 = cat + 2 * n, *sin2 = cos2 + B * hd;
+    float *x = work, *tmp = x + n, *cat = tmp + n, *cos2 = cat + 2 * n, *sin2 = cos2 + B * hd;
     for (long b = 0; b < B; b++) {
-        memcpy(cos2 + b * hd, s->cos2 + r->cells[b] * hd, hd * sizeof(float));
-        memcpy(sin2 + b * hd, s->sin2 + r->cells[b] * hd, hd * sizeof(float));
-        const float *row = s->embed + ids[b] * d;
-        for (long k = 0; k < d; k++) x[b * d + k] = s->embed_scale != 1.0 ? row[k] * (float)s->embed_scale : row[k];
+        memcpy(cos2 + b * hd, s->cos2 + pos[b] * hd, hd * sizeof(float));
+        memcpy(sin2 + b * hd, s->sin2 + pos[b] * hd, hd * sizeof(float));
     }
     r->cos2 = cos2;
     r->sin2 = sin2;
-    pass(s, 0, s->n_prelude, r, table, slot_stride, x, e, tmp);
-    for (long b = 0; b < B; b++)
-        for (long k = 0; k < d; k++)
-            st[b * d + k] = s->state_init == 0 ? 0.0f : s->state_init == 1 ? e[b * d + k] : s->noise[r->cells[b] * d + k];
-    for (long loop = 0; loop < s->loops; loop++) {
+    if (ids) {
+        for (long b = 0; b < B; b++) {
+            const float *row = s->embed + ids[b] * d;
+            for (long k = 0; k < d; k++) x[b * d + k] = s->embed_scale != 1.0 ? row[k] * (float)s->embed_scale : row[k];
+        }
+        pass(s, 0, s->n_prelude, r, table, slot_stride, x, e, tmp);
+        for (long b = 0; b < B; b++)
+            for (long k = 0; k < d; k++)
+                st[b * d + k] = s->state_init == 0   ? 0.0f
+                                : s->state_init == 1 ? e[b * d + k]
+                                                     : s->noise[pos[b] * d + k];
+    }
+    for (long loop = first; loop < last; loop++) {
         const float *in = st;
         if (s->injection == 1) {
             for (long i = 0; i < n; i++) x[i] = st[i] + e[i];
@@ -347,8 +380,13 @@ void tl_decode_step(const tl_step_t *s, tl_block_rows_t *r, const long *table, l
         if (s->loop_norm) tl_rms_norm_rows(out, s->norm_w, r->eps, B, d, out);
         if (out != st) memcpy(st, out, n * sizeof(float));
     }
-    if (s->coda_norm) tl_rms_norm_rows(st, s->norm_w, r->eps, B, d, st);
-    pass(s, s->n_prelude + s->loops * s->n_core, s->n_coda, r, table, slot_stride, st, x, tmp);
+    if (!logits) return;
+    const float *in = st;  // the state stays as it is: the caller may continue it
+    if (s->coda_norm) {
+        tl_rms_norm_rows(st, s->norm_w, r->eps, B, d, cat);
+        in = cat;
+    }
+    pass(s, s->n_prelude + s->loops * s->n_core, s->n_coda, r, table, slot_stride, in, x, tmp);
     if (s->final_norm) tl_rms_norm_rows(x, s->norm_w, r->eps, B, d, x);
     product(&s->head, x, logits, B, threads);
 }

@@ -1,15 +1,19 @@
-"""A decode step's blocks as C calls (cpu_block.c): tinyloop/model.py's `block` for lanes of one token,
+"""A decode step's blocks as C calls (cpu_block.c): tinyloop/model.py's `block` for rows of one token each,
 over the paged KV cache, on the CPU.
 
-The cached step (engine/forward.py) takes this path for decode rows when `supported` says the call can run them:
-CPU, the CPU kernels built, fp32 activations, cache mode "fp16" holding fp32, no sliding window, no speculative
-tree, at most 32 lanes, and head sizes the kernel takes. Everything else (prefill chunks, int8 / int4 caches,
-bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switches this off with the products.
+The cached step (engine/forward.py) takes this path for token rows when `supported` says the call can run them:
+CPU, the CPU kernels built, fp32 activations, cache mode "fp16" holding fp32, no sliding window, at most 32 rows,
+and head sizes the kernel takes. A row writes one cell of its lane and attends over that lane's cells up to its
+own: decode rows are one row per lane; a speculative chunk is rows of one lane at consecutive cells (causal
+within the chunk), a speculative tree the same with an ancestor mask. Everything else (prefill chunks, int8 / int4
+caches, bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switches this off with the
+products.
 
 `weights_struct` describes a block's weights to C once (kept on the BlockWeights); `Rows` describes a step's
 lanes (cells, RoPE factors, the cache) once per step; `Rows.blocks` then runs consecutive blocks (the prelude, a
-loop pass, the coda) in one call. `DecodeStep` goes further for engine/forward.py's `forward` (every lane at the same
-loops, no early exit): the whole step, embedding to logits, as one C call.
+loop pass, the coda) in one call. `DecodeStep` goes further: the model's forward over rows for any range of loops
+(engine/forward.py's `forward`, `decode_rows` and `LoopForward`), from the embedding or from latent states to the
+states or the logits, as one C call.
 """
 from __future__ import annotations
 
@@ -37,8 +41,9 @@ class _Weights(ctypes.Structure):
 
 class _Rows(ctypes.Structure):
     _fields_ = [("B", _L), ("d", _L), ("H", _L), ("KV", _L), ("hd", _L), ("ffn", _L), ("bt", _L), ("threads", _L),
-                ("eps", ctypes.c_double), ("cos2", _p), ("sin2", _p), ("cells", _p), ("k_store", _p),
-                ("v_store", _p), ("table_stride", _L), ("scratch", _p)]
+                ("eps", ctypes.c_double), ("cos2", _p), ("sin2", _p), ("cells", _p), ("lanes", _p), ("k_store", _p),
+                ("v_store", _p), ("table_stride", _L), ("scratch", _p), ("mask", _p), ("mask_from", _L),
+                ("mask_width", _L)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -103,9 +108,9 @@ class Rows:
         store, table = cache.store, cache.table
         self.table, self.slot_bytes = table, table.stride(0) * table.element_size()
         self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cache.bt,
-                            torch.get_num_threads(), cfg.norm_eps, self.cos2.data_ptr(),
-                            self.sin2.data_ptr(), self.cells.data_ptr(), store["k"].data_ptr(), store["v"].data_ptr(),
-                            table.stride(1), self.scratch.data_ptr())
+                            torch.get_num_threads(), cfg.norm_eps, self.cos2.data_ptr(), self.sin2.data_ptr(),
+                            self.cells.data_ptr(), None, store["k"].data_ptr(), store["v"].data_ptr(), table.stride(1),
+                            self.scratch.data_ptr())
         self.ref = ctypes.byref(self.struct)
 
     def blocks(self, ws: list, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -137,19 +142,23 @@ _STATE_INIT = {"zeros": 0, "embed": 1, "normal": 2}
 
 
 class DecodeStep:
-    """LoopedLM.forward of one token per lane, every lane at `loops` loops, as one C call (tl_decode_step): the
-    embedding, the prelude, each loop's injection, core and loop norm, the coda, the final norm and the head. It calls
-    the same C pieces as the step through Python (model.forward over a Cached context whose blocks run here), in the
-    same order and at the same thread count, so the logits have the same bits; what goes is the Python around them,
-    ~0.5 ms per token (Cached, Step, the model's pieces, a call per pass): a sixth of an int4 d768 token.
-    Built once per model, weights and loop count (`decode_step`)."""
+    """The model's forward over token rows, for any range of loops, as one C call (tl_forward_rows): the embedding,
+    the prelude and the initial state (when given tokens), each loop's injection, core and loop norm, and the coda,
+    final norm and head (when asked). A decode step is rows 0..B-1 (one per lane) from loop 0 to `loops`; speculative
+    decoding drafts a row from 0 to draft_loops and continues a chunk (rows of one lane at consecutive cells) from
+    there to verify_loops. It calls the same C pieces as the step through Python (model.forward over a Cached
+    context whose blocks run here), in the same order and at the same thread count, so the logits have the same
+    bits; what goes is the Python around them, ~0.5 ms per token (Cached, Step, the model's pieces, a call per
+    pass): a sixth of an int4 d768 token. Built once per model and weights (`decode_step`), for every loop count up
+    to max_loops."""
 
-    def __init__(self, net, weights, loops: int):
+    def __init__(self, net, weights):
         cfg = self.cfg = net.cfg
-        self.weights, self.loops = weights, loops  # not net: the kept steps are weakly keyed by it
+        loops = cfg.max_loops
+        self.weights = weights  # not net: the kept steps are weakly keyed by it
         blocks = [*weights.prelude, *weights.core * loops, *weights.coda]
-        self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
-                      *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
+        self.prelude_slots = list(range(cfg.n_prelude))
+        self.coda_slots = [cfg.coda_slot(i) for i in range(cfg.n_coda)]
         from ..rotary import rope_factors
         cos2, sin2 = rope_factors(net.rope_cos, net.rope_sin)
         self.tables = net.rope_cos  # the model's position tables when built (longer ones make a new DecodeStep)
@@ -159,7 +168,9 @@ class DecodeStep:
         self.keep = [cos2.contiguous(), sin2.contiguous(), net.embed.weight.detach(), weights.final_norm.contiguous(),
                      noise]
         self._blocks = (_p * len(blocks))(*[ctypes.addressof(w.native) for w in blocks])
-        self._slots = (_L * len(blocks))(*self.slots)
+        slots = [*self.prelude_slots, *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
+                 *self.coda_slots]
+        self._slots = (_L * len(blocks))(*slots)
         adapter = _mat(weights.adapter) if weights.adapter is not None else _Mat()
         self.struct = _Step(cfg.n_prelude, cfg.n_core, cfg.n_coda, loops, _INJECTION[cfg.injection],
                             _STATE_INIT[cfg.state_init], int(cfg.loop_norm), int(cfg.coda_norm), int(cfg.final_norm),
@@ -167,13 +178,14 @@ class DecodeStep:
                             self.keep[0].data_ptr(), self.keep[1].data_ptr(), adapter, _mat(weights.head),
                             ctypes.addressof(self._blocks), ctypes.addressof(self._slots))
         self.ref = ctypes.byref(self.struct)
-        self._kept: _Lanes | None = None
-        self._prepared: tuple | None = None  # (cache.held, pool epoch, each lane's block index) of the last prepare
+        self._kept: dict[tuple, _Lanes] = {}
+        self._prepared: dict[tuple, tuple] = {}  # per range: (cache.held, pool epoch, rows' blocks) of the last prepare
 
     @staticmethod
-    def fits(net, weights, loops: int) -> bool:
+    def fits(net, weights) -> bool:
         """Whether this step can run the model: every block in C (weights_struct), an fp32 embedding, a head and
-        adapter C can multiply at their stored width (no int4 padding), at most 64 blocks per step."""
+        adapter C can multiply at their stored width (no int4 padding), at most 64 blocks per pass (prelude, one
+        loop's core, coda)."""
         cfg, d = net.cfg, net.cfg.d_model
         if any(weights_struct(w) is None for part in (weights.prelude, weights.core, weights.coda) for w in part):
             return False
@@ -182,75 +194,114 @@ class DecodeStep:
         emb = net.embed.weight
         return (head is not None and head.cols == d and adapter is not None and adapter.cols == 2 * d
                 and emb.dtype == torch.float32 and emb.is_contiguous() and weights.final_norm.dtype == torch.float32
-                and cfg.n_prelude + cfg.n_core * loops + cfg.n_coda <= 64)
+                and max(cfg.n_prelude, cfg.n_core, cfg.n_coda) <= 64)
 
-    def run(self, tokens: list[int], at: list[int], cache) -> torch.Tensor:
-        """Logits [B, V] of lane b's token tokens[b] at position at[b], through `cache` (decode rows)."""
-        B, cfg = len(tokens), self.cfg
+    def run(self, cache, cells: list[int], first: int, last: int, *, lanes: list[int] | None = None,
+            pos: list[int] | None = None, mask: torch.Tensor | None = None, mask_from: int = 0,
+            tokens: list[int] | None = None, e: torch.Tensor | None = None, s: torch.Tensor | None = None,
+            head: bool = True) -> torch.Tensor | None:
+        """Loops first..last-1 of rows writing `cells` of `lanes` (default row b = lane b) over `cache`, at positions
+        `pos` (default: the cells; no ring), from `tokens` (first == 0: embedding, prelude, initial state) or from
+        the rows' states s and prelude outputs e [rows, d] (read, and written: s holds the states after `last`
+        loops); then, with head, the coda, final norm and head: logits [rows, V] (else None). A row attends over its
+        lane's cells up to its own; mask (uint8 [rows, width], a tree's ancestors) says which of cells mask_from..
+        it sees."""
+        B, cfg = len(cells), self.cfg
+        pos = cells if pos is None else pos
         # C indexes the embedding and the position tables by them: checked here, as torch would
-        if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
+        if tokens is not None and (min(tokens) < 0 or max(tokens) >= cfg.vocab_size):
             raise IndexError(f"token id {max(tokens) if max(tokens) >= 0 else min(tokens)} is outside the "
                              f"vocabulary (0..{cfg.vocab_size - 1})")
-        if min(at) < 0 or max(at) >= self.positions:
-            raise IndexError(f"position {max(at) if min(at) >= 0 else min(at)} is outside the model's position "
-                             f"tables (0..{self.positions - 1})")
+        if min(pos) < 0 or max(pos) >= self.positions:
+            raise IndexError(f"position {max(pos) if min(pos) >= 0 else min(pos)} is outside the model's "
+                             f"position tables (0..{self.positions - 1})")
+        if not 0 <= first <= last <= cfg.max_loops or first and tokens is not None:
+            raise ValueError(f"loops {first}..{last} (from tokens: {tokens is not None}) outside 0..{cfg.max_loops}")
+        lanes = list(range(B)) if lanes is None else lanes
         cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
-        self._prepare(cache, at)
-        table = cache.table
+        self._prepare(cache, lanes, cells, first, last, tokens is not None, head)
         lane = self._lanes(B, cache)
-        lane.ids[:B], lane.cells[:B] = tokens, at
-        logits = torch.empty(B, self.struct.head.rows)
-        cpu._lib.tl_decode_step(self.ref, lane.ref, table.data_ptr(), table.stride(0), ctypes.addressof(lane.ids),
-                                logits.data_ptr(), lane.work.data_ptr())
+        e, s = (lane.e, lane.s) if e is None else (_rows(e, B, cfg.d_model), _rows(s, B, cfg.d_model))
+        lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B] = tokens or [0] * B, cells, lanes, pos
+        if mask is not None and (mask.dtype != torch.uint8 or not mask.is_contiguous() or mask.shape[0] != B
+                                 or mask_from + mask.shape[1] <= max(cells)):
+            raise ValueError(f"mask must be a contiguous uint8 tensor [{B}, width] covering the rows' cells")
+        lane.struct.mask, lane.struct.mask_from = _ptr(mask), mask_from
+        lane.struct.mask_width = 0 if mask is None else mask.shape[1]
+        logits = torch.empty(B, self.struct.head.rows) if head else None
+        table = cache.table
+        cpu._lib.tl_forward_rows(self.ref, lane.ref, table.data_ptr(), table.stride(0),
+                                 None if tokens is None else ctypes.addressof(lane.ids), ctypes.addressof(lane.pos),
+                                 first, last, e.data_ptr(), s.data_ptr(), _ptr(logits), lane.work.data_ptr())
         return logits
 
-    def _prepare(self, cache, at: list[int]) -> None:
-        """Blocks for cells `at` of lanes 0.. in every slot the step writes (cache.prepare). Skipped while the
-        lanes stay in the blocks prepared last time and the pool took, shared or freed no block since (its epoch):
+    def _prepare(self, cache, lanes: list[int], cells: list[int], first: int, last: int, prelude: bool,
+                 coda: bool) -> None:
+        """Blocks for the rows' cells in every slot the call writes (cache.prepare). Skipped while the rows stay in
+        the blocks prepared last time for this range and the pool took, shared or freed no block since (its epoch):
         then they are all there and the lanes' own. After a decode step's ~50 MB of weights, the 20 prepare calls
         of a d768 step cost ~0.1-0.2 ms, where they take 13 us in a loop."""
-        blocks = [c // cache.bt for c in at]
+        key, blocks = (first, last, prelude, coda), (lanes, [c // cache.bt for c in cells])
         held, pool = cache.held, cache.pool
-        if self._prepared is not None and self._prepared[0] is held and self._prepared[1:] == (pool.epoch, blocks):
+        done = self._prepared.get(key)
+        if done is not None and done[0] is held and done[1:] == (pool.epoch, blocks):
             return
-        lanes = list(range(len(at)))
-        for slot in self.slots:
-            cache.prepare(slot, lanes, at, at)
-        self._prepared = (held, pool.epoch, blocks)
+        cfg, span = self.cfg, {}
+        for lane, cell in zip(lanes, cells):  # each lane's cells lo..hi
+            lo, hi = span.get(lane, (cell, cell))
+            span[lane] = (min(lo, cell), max(hi, cell))
+        which, lo, hi = list(span), [a for a, _ in span.values()], [b for _, b in span.values()]
+        slots = [*(self.prelude_slots if prelude else ()),
+                 *(cfg.core_slot(k, j) for k in range(first, last) for j in range(cfg.n_core)),
+                 *(self.coda_slots if coda else ())]
+        for slot in slots:
+            cache.prepare(slot, which, lo, hi)
+        self._prepared[key] = (held, pool.epoch, blocks)
 
     def _lanes(self, B: int, cache) -> "_Lanes":
-        """The C description of B lanes over `cache` and their work memory, kept from step to step while they stay
+        """The C description of B rows over `cache` and their work memory, kept from call to call while they stay
         the same (a model runs one call at a time: Model.busy)."""
         store, threads = cache.store, torch.get_num_threads()
         key = (B, threads, store["k"].data_ptr(), store["v"].data_ptr(), cache.bt, cache.table.stride(1))
-        if self._kept is None or self._kept.key != key:
-            self._kept = _Lanes(key, self.cfg, self._blocks[0])
-        return self._kept
+        kept = self._kept.get(key)
+        if kept is None:
+            if len(self._kept) > 64:  # another cache every call (tests): do not keep them all
+                self._kept.clear()
+            kept = self._kept[key] = _Lanes(key, self.cfg, self._blocks[0])
+        return kept
+
+
+def _rows(t: torch.Tensor, B: int, d: int) -> torch.Tensor:
+    """t as the [B, d] fp32 rows C reads and writes in place (a view of them: never a copy)."""
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != B * d or t.device.type != "cpu":
+        raise ValueError(f"latent rows must be a contiguous CPU float32 tensor of {B} x {d} values, got "
+                         f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (strided)'}")
+    return t
 
 
 class _Lanes:
-    """B lanes of a DecodeStep: tokens, cells, work memory and the tl_block_rows_t that points at them."""
+    """B rows of a DecodeStep: tokens, cells, lanes, positions, default latent rows, work memory and the
+    tl_block_rows_t that points at them."""
 
     def __init__(self, key: tuple, cfg, shape):
         B, threads, k, v, bt, table_stride = key
         lib = cpu._lib
         step_work = lib.tl_step_work(B, cfg.d_model, cfg.head_dim)
-        self.key, self.ids, self.cells = key, (_L * B)(), (_L * B)()
+        self.key, self.ids, self.cells, self.lanes, self.pos = key, (_L * B)(), (_L * B)(), (_L * B)(), (_L * B)()
+        self.e, self.s = torch.empty(B, cfg.d_model), torch.empty(B, cfg.d_model)
         self.work = torch.empty(step_work + lib.tl_block_scratch(shape, B))
         self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, bt, threads,
-                            cfg.norm_eps, None, None, ctypes.addressof(self.cells), k, v, table_stride,
-                            self.work.data_ptr() + 4 * step_work)
+                            cfg.norm_eps, None, None, ctypes.addressof(self.cells), ctypes.addressof(self.lanes), k, v,
+                            table_stride, self.work.data_ptr() + 4 * step_work)
         self.ref = ctypes.byref(self.struct)
 
 
 _steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decode_step(net, weights, loops: int) -> DecodeStep | None:
-    """The kept DecodeStep of (net, weights, loops), or None when it cannot run them (DecodeStep.fits)."""
-    per_net = _steps.setdefault(net, {})
-    kept = per_net.get(loops)
+def decode_step(net, weights) -> DecodeStep | None:
+    """The kept DecodeStep of (net, weights), or None when it cannot run them (DecodeStep.fits)."""
+    kept = _steps.get(net)
     if kept is None or kept[0] is not weights or kept[1] is not None and kept[1].tables is not net.rope_cos:
-        kept = per_net[loops] = (weights, DecodeStep(net, weights, loops) if DecodeStep.fits(net, weights, loops)
-                                 else None)
+        kept = _steps[net] = (weights, DecodeStep(net, weights) if DecodeStep.fits(net, weights) else None)
     return kept[1]
