@@ -161,8 +161,10 @@ def documented_serve_lines() -> list[str]:
 
 
 def normalised(line: str) -> str:
-    """Machine-dependent parts (endpoints, the RAM available right now) as placeholders."""
+    """Machine-dependent parts (endpoints, the RAM available right now, the plan: it counts the process baseline the
+    worker measured) as placeholders."""
     line = re.sub(r"(tcp|ipc)://\S+?(?=[,\s\"]|$)", "<endpoint>", line)
+    line = re.sub(r"memory plan: (\d+) x [0-9.]+ MiB", r"memory plan: \1 x <plan> MiB", line)
     return re.sub(r"fits in [0-9.]+ MiB", "fits in <available> MiB", line)
 
 
