@@ -83,7 +83,8 @@ class Scheduler:
         in the pool's stats."""
         model = self.model
         # the mode matrix's column for the call: a windowed request runs as single decode does, in a runner of its own
-        windowed = cfg is not None and cfg.cache_window > 0 and pool is None
+        cfg = cfg or GenerateConfig()  # (its window may come from TINYLOOP_CACHE_WINDOW)
+        windowed = cfg.cache_window > 0 and pool is None
         cfg = checked(model, cfg, "single" if windowed else "batch" if pool is None else "prefix")
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
