@@ -79,7 +79,9 @@ def test_routing_follows_the_prefix_and_falls_back_while_its_holder_is_busy(serv
             assert client.generate(prefix + "return", max_tokens=2).worker == owner
         # the holder is busy with a long answer (a grammar that cannot end early): the next request for its prefix
         # goes to the free worker rather than waiting
-        with client.stream(FRESH[0] + "# a long one\n", max_tokens=300, grammar={"regex": "[a-z]{300}"}) as stream:
+        # (at the deepest loop count: seconds of work at any decode speed, against the fallback's few tokens)
+        with client.stream(FRESH[0] + "# a long one\n", max_tokens=400, loops=16,
+                           grammar={"regex": "[a-z]{400}"}) as stream:
             next(iter(stream))
             fallback = other_client.generate(FRESH[0] + "w = 3", max_tokens=4)
             stream.cancel()
