@@ -47,8 +47,7 @@ class BeamGroup:
         self.live: list[tuple[Sequence, float]] = []  # (hypothesis, total log-probability), in their lanes
         self.finished: list[tuple[Sequence, float]] = []
         self.emitted = 0
-        self.agreed: list[int] = []
-        self.loop_counts: list[int] = []
+        self.agreed: list[list[int]] = []  # what each hypothesis that can still win holds (for the stream)
         self.outcome: GenerateResult | None = None
 
     @property

@@ -147,14 +147,6 @@ class Runner:
                 self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
         return n
 
-    def first_logits(self, seq: Sequence, lane: int, cached: int = 0, first: Prefill | None = None) -> torch.Tensor:
-        """The prompt's last logits, the prompt's cache in `lane` (beam search builds its root this way)."""
-        seq.lane, seq.cached, seq.first = lane, cached, first
-        while seq.logits is None:
-            self.prefill_piece(seq)
-        logits, seq.logits = seq.logits, None
-        return logits
-
     # --- scheduling -----------------------------------------------------------------------------------------
     def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
         """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`

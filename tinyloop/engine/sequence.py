@@ -62,9 +62,11 @@ class Sequence:
         seen = self.history + list(extra) if extra else self.history
         early = self.count + len(extra) < c.min_tokens  # EOS and stop tokens may not end the output yet
         banned = ([] if c.ignore_eos else [self.model.eos_id]) + list(c.stop_token_ids) if early else []
+        # the output and the bias are built only for a lane that uses them: this runs for every lane at every step
+        counted = seen[len(self.prompt):] if c.presence_penalty or c.frequency_penalty else []
+        bias = {int(k): float(v) for k, v in c.logit_bias.items()} if c.logit_bias else {}
         return LaneSampling(c.temperature, c.top_k, c.top_p, c.repetition_penalty, seen, self.gen, c.min_p,
-                            c.presence_penalty, c.frequency_penalty, seen[len(self.prompt):],
-                            {int(k): float(v) for k, v in c.logit_bias.items()}, banned)
+                            c.presence_penalty, c.frequency_penalty, counted, bias, banned)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [V] with the tokens the grammar forbids now at -inf."""
@@ -78,10 +80,6 @@ class Sequence:
 
     def sample(self, logits: torch.Tensor) -> int:
         return Sequence.sample_all([self], [logits])[0]
-
-    def step(self, logits: torch.Tensor) -> bool:
-        """Sample the next token from this sequence's logits [V] and take it; False once the sequence is done."""
-        return self.take(self.sample(logits))
 
     # --- bookkeeping of one chosen token --------------------------------------------------------------------
     def take(self, token: int) -> bool:
