@@ -291,6 +291,15 @@ def test_inspect_config_only_plans_the_real_models_without_weights():
         assert f"parameters: {n:,}" in text and "8 loops" in text and "int4" in text and "not for this model" in text
 
 
+def served(engine, op: str, params: dict) -> dict:
+    """One request through the worker engine's batch, as the worker's compute loop runs it."""
+    assert engine.join("k", op, params, None, lambda: False)
+    while True:
+        for _, out in engine.step():
+            assert isinstance(out, dict), out
+            return out
+
+
 @pytest.mark.parametrize("arch", CHAT, scope="module")
 def test_the_worker_serves_a_converted_chat_model(converted, arch):
     """The service's chat op renders the checkpoint's template, encodes it as transformers does and generates."""
@@ -298,8 +307,8 @@ def test_the_worker_serves_a_converted_chat_model(converted, arch):
 
     _, meta = reference(arch)
     engine = ModelEngine(converted, max_handles=2, plan_bytes=0, model_name=f"{arch}-tiny")
-    out = engine.op_chat({"messages": meta["chat"]["messages"], "max_tokens": 8, "temperature": 0.0, "loops": 3,
-                          "logprobs": True}, None, lambda: False)
+    out = served(engine, "chat", {"messages": meta["chat"]["messages"], "max_tokens": 8, "temperature": 0.0,
+                                  "loops": 3, "logprobs": True})
     assert out["prompt_text"] == meta["chat"]["text"]
     assert out["tokens"] == tinyloop.generate(converted, meta["chat"]["ids"], greedy(8, loops=3)).tokens
 
@@ -309,8 +318,7 @@ def test_the_worker_serves_a_converted_base_model(converted, arch):
     from workers.engine import ModelEngine
 
     engine = ModelEngine(converted, max_handles=2, plan_bytes=0, model_name=f"{arch}-tiny")
-    out = engine.op_generate({"prompt": "hello world", "max_tokens": 8, "temperature": 0.0, "loops": 4}, None,
-                             lambda: False)
+    out = served(engine, "generate", {"prompt": "hello world", "max_tokens": 8, "temperature": 0.0, "loops": 4})
     assert out["tokens"] == tinyloop.generate(converted, "hello world", greedy(8, loops=4)).tokens
 
 

@@ -116,3 +116,46 @@ def test_batch_lanes_may_run_at_different_depths(make_artifact):
     for i, (c, r) in enumerate(zip(cfgs, out)):
         assert r.tokens == tinyloop.generate(model, ids(9, i + 1), c).tokens
     assert out[1].stats.loops_mean == 16 and out[0].stats.loops_mean == 4
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
+def test_speculative_and_resume_lanes_join_a_running_batch_exactly(make_artifact, mode):
+    """Greedy and seeded sampled speculative lanes, a tree, a greedy refine and a sampled resume join a batch of plain
+    lanes at different steps; every request equals the same request alone, and the plain lanes stay exact too."""
+    model = tinyloop.load_model(make_artifact(), 128, cache_mode=mode)
+    S = tinyloop.SpeculativeConfig
+    handle = tinyloop.build_resume_handle(model, ids(9, 40), 2)
+    mine = tinyloop.build_resume_handle(model, ids(9, 40), 2)
+    jobs = [("plain", ids(6, 1), G(max_tokens=30, loops=4), None),
+            ("spec", ids(7, 2), G(max_tokens=20, loops=6), S(2, 6, 3)),
+            ("plain", ids(8, 3), G(max_tokens=12, loops=6, temperature=0.8, seed=9), None),
+            ("spec", ids(5, 4), G(max_tokens=16, temperature=0.9, seed=4), S(1, 4, 2)),
+            ("spec", ids(6, 5), G(max_tokens=14, loops=5), S(2, 5, 2, 2)),
+            ("resume", None, G(max_tokens=16, loops=6), None),
+            ("resume", None, G(max_tokens=12, loops=4, temperature=0.7, seed=8), None)]
+    sched, seqs = tinyloop.Scheduler(model, lanes=4), []
+    for step in range(400):
+        if step % 2 == 0 and len(seqs) < len(jobs):
+            kind, prompt, cfg, sc = jobs[len(seqs)]
+            if kind == "resume":
+                if any(k == "resume" and not s.done for (k, *_), s in zip(jobs, seqs)):
+                    sched.step()
+                    continue  # a handle serves one call at a time
+                seqs.append(sched.resume(handle, cfg))
+            else:
+                seqs.append(sched.submit(prompt, cfg, speculative=sc))
+        sched.step()
+        if sched.idle() and len(seqs) == len(jobs):
+            break
+    for (kind, prompt, cfg, sc), seq in zip(jobs, seqs):
+        if kind == "plain":
+            alone = tinyloop.generate(model, prompt, cfg)
+        elif kind == "spec":
+            alone = tinyloop.generate_speculative(model, prompt, sc, cfg)
+        else:
+            alone = tinyloop.resume_generate(mine, cfg.loops, cfg)
+        assert seq.result().tokens == alone.tokens, (kind, cfg)
+        assert seq.result().stats.stop_reason == alone.stats.stop_reason
+    tinyloop.free_handle(handle)
+    tinyloop.free_handle(mine)
+    assert model.pool.used == 0  # every lane gave its blocks back, and the handles theirs

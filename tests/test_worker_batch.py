@@ -1,5 +1,6 @@
-"""Which requests join a worker's continuous batch (workers/engine.py): prefix-pool requests and continued streams
-run beside plain lanes, finish before a long request that arrived first, and answer exactly what they answer alone."""
+"""Which requests join a worker's continuous batch (workers/engine.py): prefix-pool, beam, windowed, speculative and
+resume requests and continued streams run beside plain lanes, finish before a long request that arrived first, and
+answer exactly what they answer alone."""
 from __future__ import annotations
 
 import pytest
@@ -100,6 +101,47 @@ def test_windowed_requests_step_beside_the_batch_and_equal_generate(engine):
         cfg = tinyloop.GenerateConfig(**{k: v for k, v in params.items() if k != "prompt"})
         alone = tinyloop.generate(model, params["prompt"], cfg)
         assert answers[key]["tokens"] == alone.tokens, key
+
+
+def test_speculative_requests_run_in_the_batch_and_equal_speculative_alone(engine):
+    """Greedy chain and tree speculation (plain rows beside others, rounds alone) and seeded sampled speculation
+    (its rounds always) beside a long plain request: the tokens of each request alone."""
+    model = engine.model
+    chain = {"prompt": "def add(a, b):\n", "max_tokens": 40, "draft_loops": 2, "verify_loops": 8, "draft_ahead": 4}
+    tree = {**chain, "prompt": "import os\n", "tree_width": 2}
+    sampled = {**chain, "prompt": "class Node:\n", "temperature": 0.8, "seed": 3, "max_tokens": 24}
+    windowed = {**chain, "prompt": "def main():\n", "cache_window": 24, "max_tokens": 30}
+    answers, order = run_batch(engine, [
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 160}, None),
+        ("chain", "speculative", chain, None), ("tree", "speculative", tree, None),
+        ("sampled", "speculative", sampled, None), ("window", "generate", windowed, None)])
+    assert order[-1] == "long"  # none of them waited for the batch to drain
+    for key, params in (("chain", chain), ("tree", tree), ("sampled", sampled), ("window", windowed)):
+        spec = {k: params[k] for k in ("draft_loops", "verify_loops", "draft_ahead", "tree_width") if k in params}
+        cfg = tinyloop.GenerateConfig(**{k: v for k, v in params.items() if k not in spec and k != "prompt"})
+        alone = tinyloop.generate_speculative(model, params["prompt"], tinyloop.SpeculativeConfig(**spec), cfg)
+        assert answers[key]["tokens"] == alone.tokens, key
+        assert "".join(text for _, text in answers[key]["streamed"]) == alone.text, key
+    assert answers["sampled"]["stats"]["verify_steps"] > 0  # a sampled lane speculates beside others too
+
+
+def test_resume_requests_run_in_the_batch_and_equal_resume_alone(engine):
+    model = engine.model
+    prompt = "def fibonacci(n):\n    "
+    built = engine.run("build_handle", {"prompt": prompt, "l_used": 4}, None, never)
+    mine = tinyloop.build_resume_handle(model, prompt, 4)
+    refine, sampled = {"handle": built["handle"], "loops": 16, "max_tokens": 24}, \
+        {"handle": built["handle"], "loops": 16, "max_tokens": 16, "temperature": 0.7, "seed": 5}
+    for params in (refine, sampled):  # one at a time: a handle serves one call at a time
+        answers, order = run_batch(engine, [
+            ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+            ("resume", "resume", params, None)])
+        assert order == ["resume", "long"] and answers["resume"]["handle"] == built["handle"]
+        cfg = tinyloop.GenerateConfig(**{k: v for k, v in params.items() if k not in ("handle", "loops")})
+        alone = tinyloop.resume_generate(mine, params["loops"], cfg)
+        assert answers["resume"]["tokens"] == alone.tokens
+        assert answers["resume"]["stats"]["skipped_loops"] == alone.stats.skipped_loops > 0
+    engine.run("release_handle", {"handle": built["handle"]}, None, never)
 
 
 def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch):

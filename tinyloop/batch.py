@@ -15,6 +15,8 @@ from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import BudgetError, ConfigError
 from .prefix import PrefixPool, check_pool
+from .resume import check_resume, refine_sequence
+from .speculative import SpeculativeConfig, speculative_call, speculative_ring, speculative_sequence
 from .types import GenerateConfig, GenerateResult, OnToken
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
@@ -77,37 +79,67 @@ class Scheduler:
         self.pools: dict[int, PrefixPool] = {}  # id(seq) -> the pool a request goes through
 
     def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None,
-               pool: PrefixPool | None = None) -> Sequence:
+               pool: PrefixPool | None = None, speculative: SpeculativeConfig | None = None) -> Sequence:
         """Queue one request; ConfigError / ModeError / BudgetError (can never fit) at once, as generate would.
         pool: the request goes through a PrefixPool (generate_with_pool): it reuses the pool's scaffolds and counts
-        in the pool's stats."""
+        in the pool's stats. speculative: it decodes as generate_speculative does (its rounds when it decodes alone,
+        a plain row at its verify loops beside others: the greedy tokens are the same)."""
         model = self.model
-        # the mode matrix's column for the call: a windowed request runs as single decode does, in a runner of its own
         cfg = cfg or GenerateConfig()  # (its window may come from TINYLOOP_CACHE_WINDOW)
-        windowed = cfg.cache_window > 0 and pool is None
-        cfg = checked(model, cfg, "single" if windowed else "batch" if pool is None else "prefix")
+        if speculative is not None:
+            speculative, cfg = speculative_call(model, speculative, cfg)
+        else:
+            # the mode matrix's column: a windowed request runs as single decode does, in a runner of its own
+            cfg = checked(model, cfg, "single" if cfg.cache_window > 0 and pool is None else
+                          "batch" if pool is None else "prefix")
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
-        width, lanes = cfg.beam_size, self.runner.cache.lanes  # a beam request holds beam_size lanes at once
-        if width > lanes:
-            raise BudgetError(f"beam_size {width} needs {width} lanes at once, and this scheduler has {lanes}: it can "
-                              f"never fit; lower beam_size")
-        what = f"{width} x beam hypothesis" if width > 1 else "the prompt"
-        model.admit(width, len(ids) + cfg.max_tokens, cfg.resolved_loops(model), cfg.cache_window, what=what,
-                    now=False)
+        loops = cfg.resolved_loops(model) if speculative is None else speculative.resolved_verify_loops(model, cfg)
+        self.check_fits(cfg, len(ids), loops)
+        if speculative is not None:
+            seq = speculative_sequence(model, ids, speculative, cfg, on_token)
+            self.queue(seq, speculative_ring(speculative, cfg))
+            return seq
         seq = Sequence(model, ids, cfg, on_token)
         if pool is not None:
             check_pool(pool, model)
             pool.prune()
             seq.prefixes, self.pools[id(seq)] = pool.lookup(model), pool
-        if windowed:
-            model.net.ensure_positions(len(ids) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
-            cache = model.new_cache(cfg.beam_size, model.max_seq_len, cfg.cache_window)  # a beam: all its lanes
-            runner = self.windowed[id(seq)] = Runner(model, cache)
-            runner.add(seq)
-        else:
             self.runner.add(seq)
+        else:
+            self.queue(seq)
         return seq
+
+    def resume(self, handle, cfg: GenerateConfig | None = None, on_token: OnToken | None = None) -> Sequence:
+        """Queue a warm start from a ResumeHandle (resume_generate's checks at once): at its first step the handle
+        lends its blocks to the lane and runs only the loops it lacks; then it decodes beside the batch."""
+        cfg = check_resume(handle, cfg)
+        self.check_fits(cfg, len(handle.ids), cfg.resolved_loops(self.model))
+        runner = self.runner if not cfg.cache_window else None
+        seq, cached, first = refine_sequence(handle, cfg, on_token, lambda seq: (runner or self.windowed[id(seq)]).lane(seq.lane))
+        self.queue(seq, cached=cached, first=first)
+        return seq
+
+    def check_fits(self, cfg: GenerateConfig, prompt_len: int, loops: int) -> None:
+        """BudgetError now for a request that can never fit this scheduler's lanes or the pool."""
+        width, lanes = cfg.beam_size, self.runner.cache.lanes  # a beam request holds beam_size lanes at once
+        if width > lanes:
+            raise BudgetError(f"beam_size {width} needs {width} lanes at once, and this scheduler has {lanes}: it can "
+                              f"never fit; lower beam_size")
+        what = f"{width} x beam hypothesis" if width > 1 else "the prompt"
+        self.model.admit(width, prompt_len + cfg.max_tokens, loops, cfg.cache_window, what=what, now=False)
+
+    def queue(self, seq: Sequence, ring: int = 0, cached: int = 0, first=None) -> None:
+        """Into the batch's runner, or a windowed request into a runner of its own over a ring cache (one lane, or a
+        beam's lanes): windows differ per request, the batch's lanes share one cache layout."""
+        cfg, model = seq.cfg, self.model
+        if not cfg.cache_window:
+            self.runner.add(seq, cached, first)
+            return
+        model.net.ensure_positions(len(seq.prompt) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
+        cache = model.new_cache(cfg.beam_size, model.max_seq_len, cfg.cache_window, ring)
+        runner = self.windowed[id(seq)] = Runner(model, cache)
+        runner.add(seq, cached, first)
 
     def step(self) -> list[Sequence]:
         with self.model.busy():

@@ -183,4 +183,5 @@ SPECULATIVE_FIELDS: dict[str, Check] = {
     "verify_loops": optional(int_in(1, MAX_LOOPS)),
     "draft_ahead": int_in(1, 256),
     "tree_width": int_in(1, 1 << 20),
+    "fallback": boolean,
 }

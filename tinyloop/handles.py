@@ -61,13 +61,18 @@ class Handle(ABC):
     @contextmanager
     def using(self, model: Model) -> Iterator[None]:
         """Hold this handle and the model for one call."""
+        with self.held(model), model.busy():
+            yield
+
+    @contextmanager
+    def held(self, model: Model) -> Iterator[None]:
+        """Hold this handle (not the model: a scheduler's step holds it) while something reads it."""
         self.check(model)
         if not self._lock.acquire(blocking=False):
             raise BusyError(f"{self.kind} is already in use by another call (handles are not reentrant; "
                             "serialise calls on one handle)")
         try:
-            with model.busy():
-                yield
+            yield
         finally:
             self._lock.release()
 

@@ -21,19 +21,21 @@ tokens taken from drafts.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from .cache import KVCache, Span
 from .engine.calls import checked, lanes
-from .engine.runner import Runner
+from .engine.runner import Prefill, Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, HandleError
 from .handles import Handle, encode_tokens, tensor_bytes
 from .engine import forward as cached
 from .modes import check_modes
 from .runtime import Model
-from .speculative import SpeculativeConfig, speculate
+from .speculative import SpeculativeConfig, speculative_sequence
 from .types import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 REFINE_AHEAD = 6  # draft_ahead of a greedy refine (the best chain in `tinyloop bench --section speculative`)
@@ -54,7 +56,7 @@ class ResumeHandle(Handle):
         self.e: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
         self.span: Span | None = None  # blocks of slots 0..P + R*depth - 1 (a window: the ring's newest cells)
-        self.draft: list[int] = []  # the last resume_generate's tokens: the next call's guess (RefiningRunner)
+        self.draft: list[int] = []  # the last resume_generate's tokens: the next call's guess (refine_sequence)
 
     @property
     def l_used(self) -> int:
@@ -125,29 +127,87 @@ class ResumeHandle(Handle):
         return net.decode_head(s, ctx)[0]
 
 
-class RefiningRunner(Runner):
-    """Follows a guessed continuation (the handle's last draft): while the sampled tokens equal it, the logits
-    come from verifying the next piece of the guess in one chunk (4 tokens, doubling while they are all
-    taken), not from one-token steps. A piece is only started on a token already sampled, so a guess that
-    diverges wastes at most the rest of one piece."""
+class GuessFollower:
+    """A refine's driver (Sequence.driver) for a guessed continuation (the handle's last draft): while the sampled
+    tokens equal it, the lane's logits come from verifying the next piece of the guess in one chunk (4 tokens,
+    doubling while they are all taken), not from one-token steps. A piece is only started on a token already
+    sampled, so a guess that diverges wastes at most the rest of one piece; a new piece is started only when the lane
+    decodes alone (beside other rows a row costs the step almost nothing), and a piece already verified serves in any
+    step."""
 
-    def __init__(self, model: Model, cache: KVCache, loops: int, guess: list[int], base: int):
-        super().__init__(model, cache, loops)
-        self.guess, self.base, self.following, self.reused = guess, base, True, 0
+    def __init__(self, seq: Sequence, guess: list[int], loops: int):
+        self.seq, self.guess, self.loops, self.base = seq, guess, loops, len(seq.prompt)
+        self.following, self.reused = True, 0
         self.piece, self.rows, self.rows_from = 4, None, 0
 
-    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None, loops: int | None = None,
-               threshold: float | None = None):
-        cache = self.cache if cache is None else cache
-        i = positions[0] - self.base
-        if cache is self.cache and self.following and i < len(self.guess) and tokens == [self.guess[i]]:
-            if self.rows is None or i >= self.rows_from + len(self.rows):
-                self.rows, self.rows_from = self.prefill(self.guess[i:i + self.piece], positions[0], all_rows=True), i
-                self.piece *= 2
-            self.reused += 1
-            return self.rows[i - self.rows_from][None], [self.loops]
-        self.following = False  # positions the chunk wrote past here are rewritten before they are read
-        return super().decode(tokens, positions, cache, loops, threshold)
+    def covered(self, i: int) -> bool:
+        return self.rows is not None and self.rows_from <= i < self.rows_from + len(self.rows)
+
+    def runs(self, alone: bool) -> bool:
+        seq, i = self.seq, self.seq.pos - self.base
+        self.following = self.following and i < len(self.guess) and seq.token == self.guess[i]
+        return self.following and (alone or self.covered(i))
+
+    def plain_row(self, seconds: float) -> None:
+        pass
+
+    def step(self, cache: KVCache) -> list[int]:
+        seq, net = self.seq, self.seq.model.net
+        i = seq.pos - self.base
+        if not self.covered(i):  # positions the chunk writes past the output are rewritten before they are read
+            chunk, dev = self.guess[i:i + self.piece], cache.device
+            step = net.make_step(torch.arange(seq.pos, seq.pos + len(chunk), device=dev).unsqueeze(0),
+                                 seq.pos + len(chunk))
+            self.rows = cached.forward(net, torch.tensor([chunk], device=dev), self.loops, step, cache)[0]
+            self.rows_from, self.piece = i, self.piece * 2
+        seq.logits = self.rows[i - self.rows_from]
+        seq.pos += 1
+        seq.loop_counts.append(self.loops)
+        self.reused += 1
+        return []
+
+    def finish(self) -> None:
+        self.seq.stats.draft_reused_tokens = self.reused
+
+
+def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken | None,
+                    lane_of: Callable[[Sequence], KVCache], held: bool = False
+                    ) -> tuple[Sequence, int, Prefill | None]:
+    """A resume from `handle` at cfg's loops as a sequence for a runner: (sequence, prompt tokens its `first`
+    provides, first). `lane_of(seq)`: the lane's cache once it has one; `held`: the caller holds the handle for the
+    whole call (else its prefill holds it, in the scheduler's step). The handle lends its blocks at the first
+    step and runs only the loops it lacks (ResumeHandle.prefill); the answer follows the handle's last one as far as
+    it agrees (a greedy refine deeper than the handle: self-speculation from the handle's depth; otherwise
+    GuessFollower)."""
+    model, ids = handle.model, handle.ids
+    L = cfg.resolved_loops(model)
+    adaptive = model.net.adaptive(cfg.early_exit_threshold)
+    if len(ids) == 1 and adaptive:  # generate runs a one-token prompt with early exit; match it by a plain prefill
+        seq = Sequence(model, ids, cfg, on_token)
+        seq.on_result = lambda res: setattr(handle, "draft", res.tokens)
+        return seq, 0, None
+    if L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive and not cfg.cache_window:
+        # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
+        sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
+        seq = speculative_sequence(model, ids, sc, cfg, on_token, handle.draft)
+        reused = lambda: seq.stats.accepted
+    else:
+        seq = Sequence(model, ids, cfg, on_token)
+        if not (adaptive or cfg.cache_window):
+            # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells
+            seq.driver = GuessFollower(seq, handle.draft[:cfg.max_tokens - 1], L)
+        reused = lambda: seq.stats.draft_reused_tokens
+
+    def done(res: GenerateResult) -> None:
+        res.stats.draft_reused_tokens = reused()
+        handle.draft = res.tokens
+
+    def first(seq: Sequence) -> torch.Tensor:
+        with nullcontext() if held else handle.held(model):  # freed meanwhile: HandleError, for this request alone
+            return handle.prefill(lane_of(seq), L, seq.stats)[-1]
+
+    seq.on_result, seq.cacheable = done, False  # its cells came from the handle's prefill, not generate's
+    return seq, len(ids), first
 
 
 def _window_default() -> int:
@@ -174,6 +234,19 @@ def build_resume_handle(model: Model, prompt, l_used: int, *, cache_window: int 
     return handle
 
 
+def check_resume(handle: ResumeHandle, cfg: GenerateConfig | None) -> GenerateConfig:
+    """The checked config of a resume from `handle` (HandleError, ConfigError, ModeError)."""
+    if not isinstance(handle, ResumeHandle):
+        raise HandleError(f"expected a ResumeHandle, got {type(handle).__name__}")
+    model = handle.model
+    handle.check(model)
+    cfg = checked(model, cfg or GenerateConfig(), "warm_start")
+    if cfg.cache_window != handle.cache_window:
+        raise ConfigError(f"GenerateConfig.cache_window must equal the window the handle was built with "
+                          f"({handle.cache_window}), got {cfg.cache_window}")
+    return cfg
+
+
 def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: GenerateConfig | None = None,
                     on_token: OnToken | None = None) -> GenerateResult:
     """Generate from the handle's prompt at `loops` loops (None: cfg.loops), skipping the loops it holds.
@@ -181,36 +254,8 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
     Greedy output equals generate(model, prompt, cfg with loops); stats.skipped_loops counts the
     prompt-token-loops not recomputed (prompt tokens x loops skipped).
     """
-    if not isinstance(handle, ResumeHandle):
-        raise HandleError(f"expected a ResumeHandle, got {type(handle).__name__}")
+    cfg = check_resume(handle, dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops})))
     model = handle.model
-    handle.check(model)
-    cfg = dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops}))
-    cfg = checked(model, cfg, "warm_start")
-    if cfg.cache_window != handle.cache_window:
-        raise ConfigError(f"GenerateConfig.cache_window must equal the window the handle was built with "
-                          f"({handle.cache_window}), got {cfg.cache_window}")
-    L = cfg.resolved_loops(model)
     with handle.using(model), lanes(model, [handle.ids], [cfg]) as cache:
-        ids = handle.ids
-        seq = Sequence(model, ids, cfg, on_token)
-        adaptive = model.net.adaptive(cfg.early_exit_threshold)
-        first = lambda seq: handle.prefill(cache, L, seq.stats)[-1]
-        if len(ids) == 1 and adaptive:
-            # generate runs a one-token prompt with early exit; match it by a plain prefill
-            out = Runner(model, cache, L, cfg.early_exit_threshold).run([seq])[0]
-        elif L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive and not cfg.cache_window:
-            # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
-            sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
-            out = speculate(model, ids, sc, cfg, cache, L, on_token, lambda st: handle.prefill(cache, L, st)[-1],
-                            handle.draft)
-            out.stats.draft_reused_tokens = out.stats.accepted
-        elif adaptive or cfg.cache_window:
-            # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells
-            out = Runner(model, cache, L, cfg.early_exit_threshold).run([seq], cached=len(ids), first=first)[0]
-        else:
-            runner = RefiningRunner(model, cache, L, handle.draft[:cfg.max_tokens - 1], len(ids))
-            out = runner.run([seq], cached=len(ids), first=first)[0]
-            out.stats.draft_reused_tokens = runner.reused
-        handle.draft = out.tokens
-        return out
+        seq, cached_tokens, first = refine_sequence(handle, cfg, on_token, lambda seq: cache, held=True)
+        return Runner(model, cache).run([seq], cached=cached_tokens, first=first)[0]

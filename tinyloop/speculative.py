@@ -50,6 +50,7 @@ import torch
 
 from .cache import KVCache
 from .engine.calls import checked, lanes
+from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
@@ -69,6 +70,9 @@ class SpeculativeConfig:
     verify_loops: int | None = None
     draft_ahead: int = 8  # the longest a chain drafts: it stops sooner after a doubtful draft (DRAFT_CONFIDENCE)
     tree_width: int = 1
+    # a greedy lane decoding alone measures one plain row first and stops speculating when its rounds yield fewer
+    # tokens per second than that row (False: every step alone is a round, e.g. to measure rounds)
+    fallback: bool = True
 
     def validate(self, model: Model | None = None) -> "SpeculativeConfig":
         """Every setting against its rule in tinyloop/fields.py, then the rules between them and the model's."""
@@ -133,6 +137,7 @@ class SpeculativeStats(GenerateStats):
     sure_accepted: int = 0
     doubtful_tested: int = 0
     doubtful_accepted: int = 0
+    speculating: bool = True   # False: the lane found its rounds slower than plain rows and stopped
 
 
 # --- the speculator ------------------------------------------------------------------------------------
@@ -170,12 +175,20 @@ class TreeShape:
 
 
 class Speculator:
-    """Runs speculative rounds over one lane of a KVCache; counts loop-steps."""
+    """A speculative lane's driver (Sequence.driver): while it speculates, the runner hands it the lane at each step
+    instead of a decode row, and it runs one draft/verify round there (`step`); counts loop-steps.
 
-    def __init__(self, model: Model, sc: SpeculativeConfig, seq: Sequence, cache: KVCache, verify_loops: int,
-                 guess: list[int] = ()):
+    When it speculates: a sampled lane always (its seeded draws are the rounds'); a greedy lane when it is the only
+    decode row of the step and its rounds pay. Beside other decode rows, a greedy lane is a plain row of the step's
+    forward at verify_loops: a row costs the step almost nothing there, a round costs forwards of its own, and the
+    greedy tokens are the same either way. Alone, its first decode step is a plain row whose time is the measure: a
+    lane whose rounds yield fewer tokens per second than that row stops speculating (docs/speculative.md)."""
+
+    PROBE_ROUNDS = 3  # rounds measured before a greedy lane may decide its rounds do not pay
+
+    def __init__(self, model: Model, sc: SpeculativeConfig, seq: Sequence, verify_loops: int, guess: list[int] = ()):
         cfg = seq.cfg
-        self.model, self.net, self.cache, self.cfg, self.seq = model, model.net, cache, cfg, seq
+        self.model, self.net, self.cfg, self.seq = model, model.net, cfg, seq
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
         self.threshold = cfg.early_exit_threshold
         self.adaptive = self.net.adaptive(self.threshold)
@@ -183,14 +196,75 @@ class Speculator:
             raise ModeError("speculative decoding with early exit under the model's cdf exit rule (Ouro) is not "
                             "supported; decode without early_exit_threshold, or without speculation")
         self.greedy = cfg.temperature == 0
-        # a known continuation to verify before drafting (greedy chains without early exit only): see run
+        # a known continuation to verify before drafting (greedy chains without early exit only): see advance
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
+        self.piece = 4  # the next guessed piece's length: doubles while pieces are taken whole
         self.gen = seq.gen  # the sequence's sampler draws the proposals and acceptances too
         self.used_at: dict[int, int] = {}  # loops used by the token at each committed position
         self.draft_loop_steps = self.verify_loop_steps = 0
         self.draft_s = self.verify_s = 0.0
         self.coda_slots = [model.cfg.coda_slot(i) for i in range(model.cfg.n_coda)]
-        self.forward = cached.LoopForward(model.net, cache)  # every draft and verification pass
+        self.cache: KVCache | None = None  # the lane's cache, bound at each round (a preempted lane may move)
+        self.fallback = sc.fallback
+        self.pays, self.plain_s, self.rounds_s, self.rounds_tokens, self.rounds = True, None, 0.0, 0, 0
+
+    def bind(self, cache: KVCache) -> None:
+        if cache is not self.cache:
+            self.cache, self.forward = cache, cached.LoopForward(self.net, cache)  # every draft and verification pass
+
+    # -- the runner's side --------------------------------------------------------------------------
+    def runs(self, alone: bool) -> bool:
+        """Whether this step's forward for the lane is a round (else a plain decode row)."""
+        if not self.greedy:
+            return True
+        seq = self.seq
+        if self.guess and seq.history[len(seq.prompt):] != self.guess[:seq.pos - len(seq.prompt) + 1]:
+            self.guess = []  # the output left the guess: draft from here on
+        # a guess is verified at once; drafting waits for the plain row it is measured against
+        return alone and (not self.fallback or bool(self.guess) or self.pays and self.plain_s is not None)
+
+    def plain_row(self, seconds: float) -> None:
+        """The lane decoded as the only row of a step in `seconds`: what a plain token costs it."""
+        self.plain_s = seconds if self.plain_s is None else min(self.plain_s, seconds)
+
+    def step(self, cache: KVCache) -> list[int]:
+        """One round from the sequence's pending token (seq.token at seq.pos) over the lane's `cache`: the tokens it
+        yields, for the runner to take in turn."""
+        seq, cfg = self.seq, self.cfg
+        stats: SpeculativeStats = seq.stats
+        self.bind(cache)
+        t0 = time.perf_counter()
+        P, p, left = len(seq.prompt), seq.pos, cfg.max_tokens - seq.count  # a round yields at most depth + 1
+        n, w = min(self.n, left - 1), self.w
+        if w > 1:  # tree cells p .. p + n*w must fit the cache
+            n = min(n, (cache.max_len - 1 - p) // w)
+            if n == 0:
+                n, w = min(self.n, left - 1), 1
+        guessed = []
+        if self.guess:  # everything so far, the pending token too, was guessed: verify the next piece
+            guessed = self.guess[p - P + 1:p - P + 1 + min(self.piece, left - 1)]
+            n, w, self.piece = len(guessed) or n, 1, self.piece * 2  # a next piece only if this one is taken whole
+        out, a, n = self.round(seq.token, p, n, w, guessed)
+        stats.verify_steps += 1
+        stats.drafted += n
+        stats.accepted += a
+        seq.loop_counts += [self.used_at[p + j] for j in range(len(out))]
+        if self.greedy and self.fallback and not guessed:  # drafting against the plain row: stop where it yields less
+            self.rounds, self.rounds_s, self.rounds_tokens = self.rounds + 1, self.rounds_s + time.perf_counter() - t0, \
+                self.rounds_tokens + len(out)
+            if self.rounds >= self.PROBE_ROUNDS and self.rounds_s / self.rounds_tokens > (self.plain_s or 0.0):
+                self.pays = False
+        return out
+
+    def finish(self) -> None:
+        """The speculative stats of the whole request (Sequence.result calls it)."""
+        stats = self.seq.stats
+        stats.draft_accept_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+        stats.tokens_per_verify = stats.accepted / stats.verify_steps + 1 if stats.verify_steps else 0.0
+        stats.draft_loop_steps, stats.verify_loop_steps = self.draft_loop_steps, self.verify_loop_steps
+        stats.loop_steps = self.draft_loop_steps + self.verify_loop_steps
+        stats.draft_ms, stats.verify_ms = self.draft_s * 1000, self.verify_s * 1000
+        stats.speculating = self.pays
 
     # -- sampling helpers ---------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int]) -> torch.Tensor:
@@ -390,60 +464,6 @@ class Speculator:
         st.doubtful_accepted += sum(taken)
         st.sure_accepted += len(taken) - sum(taken)
 
-    # -- the whole generation -------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, prefill: Callable[[], torch.Tensor] | None = None) -> GenerateResult:
-        """Prefill (or `prefill()`: the prompt's last logits, the cache filled by a handle) and decode; the
-        sequence does the per-token bookkeeping as in plain decode."""
-        seq, cfg, model, net = self.seq, self.cfg, self.model, self.net
-        stats: SpeculativeStats = seq.stats
-        prompt_ids = seq.prompt
-        t0 = time.perf_counter()
-        P = len(prompt_ids)
-        if prefill is not None:
-            logits = prefill()
-        else:
-            step = net.make_step(torch.arange(P, device=model.device).unsqueeze(0), P)
-            logits = cached.forward(net, torch.tensor([prompt_ids], device=model.device), self.V, step, self.cache,
-                                    last_only=True)[0, -1]
-        seq.t_prefilled = time.perf_counter()
-        stats.prefill_ms = (seq.t_prefilled - t0) * 1000
-        first = seq.sample(logits)
-        going, pending, p = seq.take(first), first, P
-        piece = 4
-        while going:
-            left = cfg.max_tokens - seq.count  # tokens still to sample; a round yields at most depth + 1
-            n, w = min(self.n, left - 1), self.w
-            if w > 1:  # tree cells p .. p + n*w must fit the cache
-                n = min(n, (self.cache.max_len - 1 - p) // w)
-                if n == 0:
-                    n, w = min(self.n, left - 1), 1
-            guessed = []
-            if self.guess and seq.history[P:] != self.guess[:p - P + 1]:
-                self.guess = []  # the output left the guess: draft from here on
-            if self.guess:  # everything so far, the pending token too, was guessed: verify the next piece
-                guessed = self.guess[p - P + 1:p - P + 1 + min(piece, left - 1)]
-                n, w, piece = len(guessed) or n, 1, piece * 2  # a next piece only if this one is taken whole
-            out, a, n = self.round(pending, p, n, w, guessed)
-            stats.verify_steps += 1
-            stats.drafted += n
-            stats.accepted += a
-            for t in out:
-                if not seq.take(t):
-                    going = False
-                    break
-            pending, p = out[-1], p + len(out)
-        # as plain decode counts it: the prefill, then one forward per sampled token but the last
-        seq.loop_counts = [self.V] + [self.used_at[P + i] for i in range(seq.count - 1) if P + i in self.used_at]
-        result = seq.result()
-        stats.draft_accept_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-        stats.tokens_per_verify = (seq.count - 1) / stats.verify_steps if stats.verify_steps else 0.0
-        stats.draft_loop_steps, stats.verify_loop_steps = self.draft_loop_steps, self.verify_loop_steps
-        stats.loop_steps = self.draft_loop_steps + self.verify_loop_steps
-        stats.draft_ms, stats.verify_ms = self.draft_s * 1000, self.verify_s * 1000
-        return result
-
-
 def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = None, cfg: GenerateConfig | None = None,
                          on_token: OnToken | None = None) -> GenerateResult:
     """Generate with self-speculative decoding. sc None: TINYLOOP_SPECULATIVE, else SpeculativeConfig().
@@ -451,28 +471,40 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
     Greedy output equals `generate` at verify_loops; sampled output keeps its distribution. `on_token`
     streams as in generate_stream. result.stats is a SpeculativeStats.
     """
-    sc = (sc or speculative_from_env() or SpeculativeConfig()).validate(model)
-    cfg = checked(model, cfg, "tree_speculative" if sc.tree_width > 1 else "speculative")
-    verify_loops = sc.resolved_verify_loops(model, cfg)
-    # a ring gets room for the drafts a round may roll back without evicting what the window still needs
-    ring = cfg.cache_window + sc.draft_ahead + 1 if cfg.cache_window else 0
+    sc, cfg = speculative_call(model, sc, cfg)
     with model.busy():
         ids = model.encode_prompt(prompt)
-        with lanes(model, [ids], [cfg], loops=verify_loops, ring=ring) as cache:
-            return speculate(model, ids, sc, cfg, cache, verify_loops, on_token)
+        verify_loops = sc.resolved_verify_loops(model, cfg)
+        with lanes(model, [ids], [cfg], loops=verify_loops, ring=speculative_ring(sc, cfg)) as cache:
+            seq = speculative_sequence(model, ids, sc, cfg, on_token)
+            return Runner(model, cache).run([seq])[0]
 
 
-def speculate(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: GenerateConfig, cache: KVCache,
-              verify_loops: int, on_token: OnToken | None, prefill: Callable[[SpeculativeStats], torch.Tensor] | None = None,
-              guess: list[int] = ()) -> GenerateResult:
-    """Speculative decode of `ids` over `cache` (the model held by the caller); `prefill(stats)`, when given,
-    fills the cache for the prompt and returns its last logits (resume_generate's refine). `guess`: a likely
-    greedy continuation (the refine's draft); while the output follows it, rounds verify pieces of it (4, 8,
+def speculative_call(model: Model, sc: SpeculativeConfig | None, cfg: GenerateConfig | None
+                     ) -> tuple[SpeculativeConfig, GenerateConfig]:
+    """The checked settings of a speculative call (ConfigError, ModeError)."""
+    sc = (sc or speculative_from_env() or SpeculativeConfig()).validate(model)
+    cfg = checked(model, cfg, "tree_speculative" if sc.tree_width > 1 else "speculative")
+    sc.resolved_verify_loops(model, cfg)
+    return sc, cfg
+
+
+def speculative_ring(sc: SpeculativeConfig, cfg: GenerateConfig) -> int:
+    """A windowed lane's ring: room for the drafts a round may roll back without evicting what the window needs."""
+    return cfg.cache_window + sc.draft_ahead + 1 if cfg.cache_window else 0
+
+
+def speculative_sequence(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: GenerateConfig,
+                         on_token: OnToken | None, guess: list[int] = ()) -> Sequence:
+    """A sequence decoded speculatively: its driver runs the rounds, its loops are the verify loops. `guess`: a
+    likely greedy continuation (a refine's draft); while the output follows it, rounds verify pieces of it (4, 8,
     16 ... tokens) instead of drafting token by token."""
+    verify_loops = sc.resolved_verify_loops(model, cfg)
     stats = SpeculativeStats(draft_loops=sc.draft_loops, verify_loops=verify_loops, draft_ahead=sc.draft_ahead,
                              tree_width=sc.tree_width)
-    seq = Sequence(model, ids, cfg, on_token, stats=stats)
-    return Speculator(model, sc, seq, cache, verify_loops, guess).run(None if prefill is None else lambda: prefill(stats))
+    seq = Sequence(model, ids, dataclasses.replace(cfg, loops=verify_loops), on_token, stats=stats)
+    seq.driver = Speculator(model, sc, seq, verify_loops, guess)
+    return seq
 
 
 # --- pattern 5: measure, then choose -------------------------------------------------------------------------
@@ -592,7 +624,7 @@ def choose_speculative(model: Model, prompts: Seq, sc: SpeculativeConfig | None 
     plain_cfg = dataclasses.replace(cfg, loops=V)
 
     def speculative(prompt, D: int, n: int) -> GenerateResult:
-        return generate_speculative(model, prompt, SpeculativeConfig(D, V, n), cfg)
+        return generate_speculative(model, prompt, SpeculativeConfig(D, V, n, fallback=False), cfg)
 
     generate(model, prompts[0], plain_cfg)  # warm-up: first calls pay for allocation
     speculative(prompts[0], sc.draft_loops, sc.draft_ahead)
@@ -606,9 +638,10 @@ def choose_speculative(model: Model, prompts: Seq, sc: SpeculativeConfig | None 
     candidates = [{"draft_loops": D, **_probe(runs, plain_s, max_ahead)} for D, runs in probes.items()]
     best = max(candidates, key=lambda c: c["predicted"])
     pick = SpeculativeConfig(best["draft_loops"], V, best["draft_ahead"])
+    rounds = dataclasses.replace(pick, fallback=False)  # measured as rounds: the pick decides whether they pay
     rows = []
     for prompt in prompts:  # side by side: each prompt plain, then speculative
-        a, b = generate(model, prompt, plain_cfg), generate_speculative(model, prompt, pick, cfg)
+        a, b = generate(model, prompt, plain_cfg), generate_speculative(model, prompt, rounds, cfg)
         rows.append({"plain_s": a.stats.decode_ms / 1000, "speculative_s": b.stats.decode_ms / 1000,
                      "plain_tokens": a.stats.generated_tokens, "speculative_tokens": b.stats.generated_tokens,
                      "speedup": _per_token_s(a) / max(_per_token_s(b), 1e-9), "drafted": b.stats.drafted,

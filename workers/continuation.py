@@ -4,7 +4,7 @@ The broker sends the original request plus `delivered`, the token ids the client
 runs the same op on prompt ids + delivered with the remaining token budget (and the grammar advanced over
 the delivered tokens, tinyloop/continuation.py), streams what follows at positions len(delivered).., and
 replies with the whole answer, as if one worker had produced it. A continued generate, chat or pool request
-joins the batch like any other; the other ops run it through `run_continuation`.
+joins the batch like any other; one with nothing left to generate is answered by `delivered_answer`.
 
 Exact for greedy decode. Refused (error "worker_lost") where a continuation would not be exact: beam search
 (the stream carries only the prefix all beams agree on) and early exit (a prefill runs every loop, so the
@@ -14,14 +14,12 @@ delivered tokens' cache would differ from the one the adaptive decode built).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from broker.protocol import Codes
 from tinyloop.continuation import GrammarPrefix
 from tinyloop.detokenize import Detokenizer
 from workers.handles import EngineError
-
-TokenSink = Callable[[int, int, str], None]
 
 
 @dataclass
@@ -63,14 +61,9 @@ def continuation(engine: Any, params: dict, prompt_ids: list[int], delivered: li
     return Continuation(prompt_ids, list(delivered), cfg.max_tokens, Detokenizer(engine.model.codec, delivered))
 
 
-def run_continuation(engine: Any, handler: Callable[..., dict], params: dict, delivered: list[int],
-                     on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-    """Run `handler` (one of the engine's generation ops) as the continuation of `delivered`."""
+def delivered_answer(engine: Any, params: dict, delivered: list[int]) -> dict:
+    """The answer of a stream whose every token was delivered before its worker died (only the final reply was
+    lost): what was delivered, as the runtime would have answered it."""
     cont = continuation(engine, params, engine.model.encode_prompt(params["prompt"]), delivered)
-    if len(delivered) >= cont.max_tokens:  # everything was delivered, only the final reply was lost
-        new = {"tokens": [], "text": "", "stats": {"stop_reason": "max_tokens", "generated_tokens": 0}}
-    else:
-        sink = None if on_token is None else \
-            lambda token, pos, _piece: on_token(token, pos + len(delivered), cont.text.push(token))
-        new = handler(cont.params(params), sink, should_stop)
+    new = {"tokens": [], "text": "", "stats": {"stop_reason": "max_tokens", "generated_tokens": 0}}
     return cont.result(engine.model.codec, new)

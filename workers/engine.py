@@ -1,9 +1,10 @@
 """The model side of a worker: one Model, its scheduler (continuous batching), its handle
-registry and prefix pool, and one function per protocol op that calls the runtime's public API.
+registry and prefix pool.
 
-`generate`, `chat` and prefix-pool requests, beam search, sliding windows and continued streams among
-them, join the scheduler's batch (`join`, then `step` until they finish); speculative decoding and warm
-starts still run alone through `run`, once the batch has drained (workers/worker.py).
+Every generation op (`generate`, `chat`, `generate_pool`, `speculative`, `resume`; beam search, sliding
+windows, early exit, grammars and continued streams among them) joins the scheduler's batch (`join`, then
+`step` until it finishes); the handle ops (`build_handle`, `release_handle`) run between two steps
+(`run`, workers/worker.py).
 
 An op the worker does not know answers "unsupported_op".
 """
@@ -26,20 +27,21 @@ from tinyloop.chat import chat_prompt
 from tinyloop.detokenize import Detokenizer
 from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
 from tinyloop.scoring import token_logprobs
-from workers.continuation import Continuation, continuation, run_continuation
+from workers.continuation import Continuation, continuation, delivered_answer
 from workers.handles import EngineError, HandleRegistry
 
 log = logging.getLogger("tinyloop.worker")
 
 TokenSink = Callable[[int, int, str], None]
-PREFIX_OPS = ("generate", "generate_pool")  # ops whose prompts the prefix cache keeps (docs/service.md "Routing")
-BATCHED_OPS = ("generate", "chat", "generate_pool")  # ops that join the continuous batch (the others run alone)
+# ops that join the continuous batch; the handle ops (build_handle, release_handle) run between two of its steps
+BATCHED_OPS = ("generate", "chat", "generate_pool", "speculative", "resume")
 CHAT_ONLY = ("messages", "add_generation_prompt", "chat_template_kwargs")  # a chat's fields no generate op takes
 
 
 @dataclass
 class Batched:
-    """A request in the batch: its sequence, its params as sent, its prompt ids, and the continuation it is."""
+    """A request in the batch: its sequence, its params as sent, its prompt ids, the continuation it is, and fields
+    its answer carries besides the result (a resume's handle)."""
 
     key: str
     seq: Any
@@ -47,6 +49,7 @@ class Batched:
     ids: list[int]
     should_stop: Callable[[], bool]
     continued: Continuation | None
+    extra: dict
 
 
 def to_wire(value: Any) -> Any:
@@ -109,12 +112,10 @@ class ModelEngine:
             loops = entry["loops"] or model.cfg.default_loops
             tinyloop.register_prefix(self.pool, model, entry["prefix"], loops)
             self.remember(entry["prefix"], model.encode_prompt(entry["prefix"]), loops)
-        self.ops_table: dict[str, Callable[..., dict]] = {
-            "generate": self.op_generate, "generate_pool": self.op_generate_pool, "build_handle": self.op_build_handle,
-            "resume": self.op_resume, "release_handle": self.op_release_handle, "speculative": self.op_speculative,
-            "chat": self.op_chat,  # the HTTP gateway's chat completions
-        }
-        self.ops = ["ping", *self.ops_table]
+        # ops that run between two steps of the batch (the others join it: BATCHED_OPS)
+        self.ops_table: dict[str, Callable[..., dict]] = {"build_handle": self.op_build_handle,
+                                                          "release_handle": self.op_release_handle}
+        self.ops = ["ping", *BATCHED_OPS, *self.ops_table]
 
     def set_identity(self, identity: str) -> None:
         """Handle ids start with the worker identity so the broker can route by them."""
@@ -150,30 +151,37 @@ class ModelEngine:
 
     def run(self, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
             delivered: list[int] | None = None) -> dict:
-        handler = self.ops_table.get(op)
-        if handler is None:
-            raise EngineError(Codes.UNSUPPORTED_OP, f"op {op!r} is not supported by this worker's runtime (supported: {self.ops})")
+        """An op that runs between two steps of the batch: the handle ops, or a continued stream with nothing left
+        to generate (its answer is what was delivered)."""
         with runtime_errors():
-            if delivered:  # a stream whose worker died: continue after the tokens the client has
-                return run_continuation(self, handler, params, delivered, on_token, should_stop)
-            result = handler(params, on_token, should_stop)
-            if "prompt" in params and op in PREFIX_OPS:
-                self.remember(params["prompt"], self.model.encode_prompt(params["prompt"]),
-                              self.config(params).resolved_loops(self.model))
-            return result
+            if op in BATCHED_OPS and delivered:
+                if op == "chat":
+                    params = {**params, "prompt": self.chat_prompt(params)[1]}
+                return delivered_answer(self, params, delivered)
+            handler = self.ops_table.get(op)
+            if handler is None:
+                raise EngineError(Codes.UNSUPPORTED_OP, f"op {op!r} is not supported by this worker's runtime "
+                                  f"(supported: {self.ops})")
+            return handler(params, on_token, should_stop)
 
     # ---------------------------------------------------------------- the batch
 
     def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
              delivered: list[int] | None = None) -> bool:
-        """Add a request to the batch: generate, chat and pool requests, continued or not. False when it must run
-        alone (`run`)."""
-        if op not in BATCHED_OPS or any(k in params for k in SPECULATIVE_FIELDS):
+        """Add a request to the batch: generate, chat, pool, speculative and resume requests, continued or not. False
+        for one that runs between two steps instead (`run`: the handle ops, a continuation with nothing left)."""
+        if op not in BATCHED_OPS:
             return False
         cfg = self.config(params)  # validated once, by the scheduler's submit
         if delivered and len(delivered) >= cfg.max_tokens:  # nothing left to generate: `run` answers it
             return False
         with runtime_errors():
+            if op == "resume":
+                handle = self.handles.get(params["handle"])
+                seq = self.scheduler.resume(handle, cfg, self.callback(on_token, should_stop))
+                self.batch[id(seq)] = Batched(key, seq, params, handle.ids, should_stop, None,
+                                              {"handle": params["handle"]})
+                return True
             if op == "chat":
                 text, ids = self.chat_prompt(params)
                 params = {**params, "prompt": ids, "prompt_text": text}
@@ -181,10 +189,13 @@ class ModelEngine:
             cont = continuation(self, params, ids, delivered) if delivered else None
             run = cont.params(params) if cont else {**params, "prompt": ids}
             sink = self.callback(on_token, should_stop, *((cont.text, len(cont.delivered)) if cont else ()))
+            spec = {k: params[k] for k in SPECULATIVE_FIELDS if k in params}
             seq = self.scheduler.submit(run["prompt"], self.config(run), sink,
-                                        pool=self.pool if op == "generate_pool" else None)
+                                        pool=self.pool if op == "generate_pool" else None,
+                                        speculative=tinyloop.SpeculativeConfig(**spec) if spec or op == "speculative"
+                                        else None)
         self.remember(params["prompt"], ids, seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
-        self.batch[id(seq)] = Batched(key, seq, params, ids, should_stop, cont)
+        self.batch[id(seq)] = Batched(key, seq, params, ids, should_stop, cont, {})
         return True
 
     def step(self) -> list[tuple[str, dict | EngineError]]:
@@ -208,12 +219,13 @@ class ModelEngine:
         seq, params = job.seq, job.params
         # announce the prompt's prefixes again now that its blocks are surely cached (at join they may not be yet):
         # a heartbeat sent after this answer must list them, since the broker forgets its own note of them then
-        self.remember(params["prompt"], job.ids, seq.loops)
+        if "prompt" in params:  # (a resume's prompt is its handle's: the prefix cache does not keep it)
+            self.remember(params["prompt"], job.ids, seq.loops)
         if seq.error is not None:  # given up: out of blocks, or a fault of its own (its batch-mates went on)
             return job.key, engine_error(seq.error)
         try:
             with runtime_errors():
-                result = self.result(seq.result())
+                result = self.result(seq.result(), **job.extra)
                 if job.continued is not None:
                     result = job.continued.result(self.model.codec, result)
                 result = self.scored(params, result)
@@ -249,45 +261,14 @@ class ModelEngine:
 
     # ---------------------------------------------------------------- ops
 
-    def op_generate(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        res = tinyloop.generate_stream(self.model, params["prompt"], self.config(params), self.callback(on_token, should_stop))
-        return self.scored(params, self.result(res))
-
-    def op_generate_pool(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        res = tinyloop.generate_with_pool(self.model, self.pool, params["prompt"], self.config(params),
-                                          on_token=self.callback(on_token, should_stop))
-        return self.result(res)
-
     def op_build_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         kwargs = {"cache_window": params["cache_window"]} if "cache_window" in params else {}
         handle = tinyloop.build_resume_handle(self.model, params["prompt"], params["l_used"], **kwargs)
         return {"handle": self.handles.add(handle), "live_handles": self.live_handles()}
 
-    def op_resume(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        handle = self.handles.get(params["handle"])
-        res = tinyloop.resume_generate(handle, params["loops"], self.config(params),
-                                       on_token=self.callback(on_token, should_stop))
-        return self.result(res, handle=params["handle"])
-
     def op_release_handle(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
         self.handles.release(params["handle"])
         return {"released": params["handle"], "live_handles": self.live_handles()}
-
-    def op_speculative(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        spec_fields = {k: params[k] for k in SPECULATIVE_FIELDS if k in params}
-        sc = tinyloop.SpeculativeConfig(**spec_fields)
-        res = tinyloop.generate_speculative(self.model, params["prompt"], sc, self.config(params),
-                                            on_token=self.callback(on_token, should_stop))
-        return self.scored(params, self.result(res))
-
-    # ---------------------------------------------------------------- gateway: chat and log-probabilities
-
-    def op_chat(self, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool]) -> dict:
-        """Render the messages with the model's chat template, then generate (speculatively if asked)."""
-        text, ids = self.chat_prompt(params)
-        rest = {k: v for k, v in params.items() if k not in CHAT_ONLY}
-        op = self.op_speculative if any(k in params for k in SPECULATIVE_FIELDS) else self.op_generate
-        return {**op({**rest, "prompt": ids}, on_token, should_stop), "prompt_text": text}
 
     def chat_prompt(self, params: dict) -> tuple[str, list[int]]:
         """A chat request's rendered prompt and its ids, with the template options it sent."""

@@ -11,10 +11,9 @@ Two threads, because a generation may take seconds and heartbeats must not wait 
   thread over an inproc socket (ZeroMQ sockets must not be shared between threads). An engine
   with a scheduler (`join` / `step`: workers/engine.py) batches requests continuously: between
   two steps the thread takes the requests that arrived, and a request joins the running batch
-  at the next step and leaves it when done. A request the batch cannot take (`join` says no:
-  speculative, beam, warm start, ...) runs alone once the batch has drained, and requests that
-  arrive after it wait for it (first come, first served). An engine without a scheduler runs one
-  request at a time (`run`).
+  at the next step and leaves it when done. What the batch does not take (`join` says no: the
+  handle ops, a continuation with nothing left to generate) runs between two steps (`run`). An
+  engine without a scheduler runs one request at a time (`run`).
 
 Cancellation and deadlines reach the decode through `should_stop`, which the engine checks
 before each step and from the runtime's on_token callback.
@@ -332,12 +331,8 @@ class WorkerProcess:
                 pass
             while pending:
                 job = pending[0]
-                if job.op == "ping" or job.should_stop() or not batching:
-                    self.run_alone(job, emit)
-                elif not self.join(job, emit):
-                    if not engine.idle():
-                        break  # it runs alone once the batch has drained; later requests wait behind it
-                    self.run_alone(job, emit)
+                if job.op == "ping" or job.should_stop() or not batching or not self.join(job, emit):
+                    self.run_alone(job, emit)  # between two steps: a handle op, a ping, an answer without work
                 pending.popleft()
             if batching and not engine.idle():
                 finished = engine.step()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache import KVCache
-from ..errors import BudgetError
+from ..errors import BudgetError, TinyLoopError
 from ..memory import blocks_for, release_freed_memory
 from . import forward as cached
 from .beam import BeamGroup
@@ -58,12 +58,19 @@ class Runner:
         self.hold_back = False  # set by a preemption, cleared when a sequence finishes
         self.arrivals = self.steps = 0
         self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
+        self.views: dict[int, KVCache] = {}
 
     def is_adaptive(self, threshold: float) -> bool:
         return self.net.adaptive(threshold)
 
     def lane(self, i: int) -> KVCache:
-        return self.cache if self.cache.lanes == 1 else self.cache.lane_view(i)
+        """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same)."""
+        if self.cache.lanes == 1:
+            return self.cache
+        view = self.views.get(i)
+        if view is None:
+            view = self.views[i] = self.cache.lane_view(i)
+        return view
 
     # --- forwards -----------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
@@ -143,7 +150,7 @@ class Runner:
         if seq.cached == len(seq.prompt):
             seq.logits, seq.t_prefilled = logits, time.perf_counter()
             release_freed_memory(self.model.device)
-            if self.prefixes is not None:
+            if self.prefixes is not None and seq.cacheable:
                 self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
         return n
 
@@ -184,6 +191,8 @@ class Runner:
             except BudgetError as exc:
                 finished += self.out_of_blocks(exc)
                 break
+            except TinyLoopError as exc:  # its own fault (a handle freed before its prefill): it fails alone
+                finished.append(self.fail(seq, exc))
         finished += self.postprocess()
         return finished + self.decode_running()
 
@@ -247,21 +256,46 @@ class Runner:
 
     def decode_running(self) -> list[Sequence]:
         """Feed one token per running lane, all in one forward, each lane at its own loops and threshold; fresh logits
-        go to seq.logits."""
+        go to seq.logits. A lane whose driver runs this step (a speculative round, a refine's guessed chunk) runs its
+        own forwards instead; returns the sequences that finished in them."""
         group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)), key=lambda s: s.lane)
         if not group:
             return []
+        finished, alone = [], len(group) == 1
+        # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
+        for seq in [s for s in group if s.driver is not None and not s.prompt_row and s.driver.runs(alone)]:
+            group.remove(seq)
+            try:
+                tokens = seq.driver.step(self.lane(seq.lane))
+            except BudgetError as exc:
+                return finished + self.out_of_blocks(exc)
+            for token in tokens:
+                alive = self.guarded(seq.take, token)
+                if isinstance(alive, Exception):
+                    finished.append(self.fail(seq, alive))
+                    break
+                if not alive:
+                    self.release(seq)
+                    finished.append(seq)
+                    break
+            else:
+                seq.pos += len(tokens)
+        if not group:
+            return finished
         if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
             log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
                       ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
         view = self.cache.select([s.lane for s in group])
+        t = time.perf_counter()
         try:
             out, used = self.decode([s.token for s in group], [s.pos - s.prompt_row for s in group], view,
                                     [s.loops for s in group], [s.threshold for s in group])
         except BudgetError as exc:
-            return self.out_of_blocks(exc)
+            return finished + self.out_of_blocks(exc)
         finally:
             view.commit()
+        if len(group) == 1 and group[0].driver is not None:
+            group[0].driver.plain_row(time.perf_counter() - t)
         for r, seq in enumerate(group):
             if seq.prompt_row:  # its prompt is in: what the end of a prefill does
                 seq.prompt_row, seq.t_prefilled = False, time.perf_counter()
@@ -271,7 +305,7 @@ class Runner:
                 seq.pos += 1
             seq.loop_counts.append(used[r])
             seq.logits = out[r]
-        return []
+        return finished
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
         """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up, and so is the
@@ -347,7 +381,8 @@ class Runner:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:
-            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.cached:
+            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.cached \
+                    and seq.cacheable:
                 self.prefixes.keep(seq.history, seq.loops, self.lane(seq.lane))  # adaptive decode fills loops by copies
             if seq.done:
                 log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps, seq.arrival,

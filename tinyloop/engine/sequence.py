@@ -46,6 +46,11 @@ class Sequence:
         self.prompt_row = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
         self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
+        # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
+        # a refine's GuessFollower): step(cache) -> the tokens it decided (or [] with seq.logits set)
+        self.driver = None
+        self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
+        self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
     # --- sampling -----------------------------------------------------------------------------------------
@@ -140,6 +145,8 @@ class Sequence:
         if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
             self.beam.cancel()
             return self.beam.outcome
+        if self.driver is not None:
+            self.driver.finish()
         st = self.stats
         tokens = self.tokens
         st.generated_tokens, st.stop_reason = len(tokens), self.stop_reason
@@ -147,7 +154,10 @@ class Sequence:
         st.total_ms = (self.t_end - self.t_call) * 1000
         counts = self.loop_counts
         st.loops_mean = sum(counts) / len(counts) if counts else float(self.loops)
-        return GenerateResult(tokens, self.text, st, loops_used=list(counts[:len(tokens)]))
+        res = GenerateResult(tokens, self.text, st, loops_used=list(counts[:len(tokens)]))
+        if self.on_result is not None:
+            self.on_result(res)
+        return res
 
     def fork(self) -> "Sequence":
         """An independent copy (beam search: a child hypothesis); the model, config and callback are shared."""
