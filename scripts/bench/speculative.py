@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from scripts.bench.prompts import LONG_CODE_PROMPTS
+import time
+
+from tinyloop.batch import Scheduler
 from tinyloop.generation import generate
 from tinyloop.runtime import Model, load_model
 from tinyloop.speculative import SpeculativeConfig, SpeculativeStats, choose_speculative, generate_speculative
@@ -68,9 +71,37 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
                      f"{plain_passes / passes:>9.2f}x {'yes' if exact else 'NO':>5}")
     pick = choose_speculative(model, prompts, SpeculativeConfig(2, 8, 4), GenerateConfig(max_tokens=min(n_tokens, 48)))
     lines.append(f"  choose_speculative: {pick.line()}")
+    lines += bench_in_a_batch(model, prompts, 16, n_tokens, 1 if quick else 3)
     lines.append("  plain = generate as shipped; ratios are against plain; chains stop drafting after a doubtful draft "
                  "(DRAFT_CONFIDENCE), so ahead is their longest")
     lines.append("  loop-steps/tok: core passes x tokens per generated token (verification continues the drafts, so a"
                  " chain\n  spends verify_loops per pushed token, like plain decode); passes/tok: sequential layer passes"
                  " per token,\n  the speedup bound on a launch-bound device where a chunk costs one token (pass ratio)")
     return lines
+
+
+def bench_in_a_batch(model: Model, prompts: list[str], lanes: int, n_tokens: int, repeats: int) -> list[str]:
+    """One scheduler of `lanes` lanes (a worker's batch): `lanes` plain requests against `lanes - 1` plain and one
+    speculative, alternating, best of `repeats`: output tokens per second of the whole batch, and the tokens."""
+    cfg, sc = GenerateConfig(max_tokens=n_tokens, loops=8), SpeculativeConfig(2, 8, 4)
+
+    def batch(speculative: bool) -> tuple[float, list[list[int]]]:
+        sched = Scheduler(model, lanes)
+        seqs = [sched.submit(prompts[i % len(prompts)], cfg, speculative=sc if speculative and i == 0 else None)
+                for i in range(lanes)]
+        t = time.perf_counter()
+        while not sched.idle():
+            sched.step()
+        dt = time.perf_counter() - t
+        return sum(s.count for s in seqs) / dt, [s.result().tokens for s in seqs]
+
+    batch(True)  # warm-up
+    best = {False: 0.0, True: 0.0}
+    tokens = {}
+    for _ in range(repeats):
+        for speculative in (False, True):
+            tps, tokens[speculative] = batch(speculative)
+            best[speculative] = max(best[speculative], tps)
+    return [f"  in one {lanes}-lane batch: {lanes} plain {best[False]:.1f} tok/s, {lanes - 1} plain + 1 speculative "
+            f"(2->8 ahead 4) {best[True]:.1f} tok/s = {best[True] / best[False]:.2f}x; tokens identical: "
+            f"{'yes' if tokens[True] == tokens[False] else 'NO'}"]

@@ -13,7 +13,8 @@ One step:
      sampler (stops, grammar, streaming, max_tokens), and every beam request chooses its next beam (engine/beam.py);
      a finished one leaves at once and gives its blocks back; a fault of one request's own fails it alone;
   5. decode: the running lanes feed one token each in one forward, each lane at its own loop count and early-exit
-     threshold (the model's one forward takes them per lane).
+     threshold (the model's one forward takes them per lane); a lane whose driver runs this step (Sequence.driver: a
+     speculative lane's round, a refine's verified piece of its guess) runs its own forwards instead.
 When a forward finds the pool exhausted, the youngest sequence without fresh logits gives its blocks back and
 waits (preemption); waiting sequences rejoin only after a running one finishes (no thrashing).
 
