@@ -81,21 +81,37 @@ class ResumeHandle(Handle):
         cache.reset()
         return cache
 
-    def step(self):
-        T, dev = len(self.ids), self.model.device
-        return self.model.net.make_step(torch.arange(T, device=dev).unsqueeze(0), T)
+    def pieces(self) -> list[tuple[int, int]]:
+        """The prompt's prefill pieces as the runner cuts them (model.prefill_chunk): the handle's entries then have
+        the bits of generate's prefill, and a long prompt is not one huge chunk. A windowed handle runs one piece."""
+        T, c = len(self.ids), self.model.prefill_chunk
+        c = T if not c or self.cache_window else c
+        return [(a, min(a + c, T)) for a in range(0, T, c)]
+
+    def run_loops(self, cache: KVCache, first: int, last: int, latent: cached.Latent, from_ids: bool = False,
+                  head: bool = False) -> torch.Tensor | None:
+        """Loops first..last of the prompt's latent rows (in place), piece by piece through the loop-range forward
+        (from the ids: embedding, prelude and initial state first; first == 0 without them: the initial state from
+        latent.e); with head, the coda and head: the last piece's logits [T_piece, V]."""
+        net, dev = self.model.net, self.model.device
+        logits = None
+        for a, b in self.pieces():
+            step = net.make_step(torch.arange(a, b, device=dev).unsqueeze(0), b)
+            rows = cached.Latent(latent.e[:, a:b], latent.s[:, a:b])
+            if first == 0 and not from_ids:
+                rows.s.copy_(net.init_state(rows.e, step))
+            ids = torch.tensor([self.ids[a:b]], device=dev) if from_ids else None
+            logits = cached.chunk_loops(net, step, cache, first, last, rows, ids, head)
+        return None if logits is None else logits[0]
 
     @torch.inference_mode()
     def build(self) -> None:
         self.model.admit(1, len(self.ids), self.depth, self.cache_window, what=f"a {len(self.ids)}-token resume handle")
-        net, cache, step = self.model.net, self.work_cache(), self.step()
+        cache = self.work_cache()
         try:
-            ctx = cached.context(net, step, cache)
-            e = net.encode(torch.tensor([self.ids], device=self.model.device), ctx)
-            s = net.init_state(e, step)
-            for k in range(self.depth):
-                s = net.loop(s, e, k, ctx)
-            self.e, self.s = e, s
+            latent = cached.Latent.empty(1, len(self.ids), self.model.net)
+            self.run_loops(cache, 0, self.depth, latent, from_ids=True)
+            self.e, self.s = latent.e, latent.s
             self.span = cache.share(self.slots(self.depth), len(self.ids))
         finally:
             cache.reset()
@@ -104,27 +120,24 @@ class ResumeHandle(Handle):
     def prefill(self, cache: KVCache, loops: int, stats: GenerateStats) -> torch.Tensor:
         """Lend the kept blocks to `cache`, run the loops the handle lacks over the prompt, and the coda.
 
-        Returns the prompt's logits [T, V]; deepens the handle when `loops` > depth.
+        Returns the logits [T, V] of the prompt's last piece; deepens the handle when `loops` > depth.
         """
-        net, step = self.model.net, self.step()
         start = self.depth if loops >= self.depth else 0
         # Only loops < start are lent: the recomputed ones must not find stale ring entries beside them.
         held = self.span if start == self.depth else self.span.only(self.slots(0))
         cache.adopt(held)
         if held is not self.span:
             held.release()
-        ctx = cached.context(net, step, cache)
-        s = self.s if start == self.depth else net.init_state(self.e, step)
-        for k in range(start, loops):
-            s = net.loop(s, self.e, k, ctx)
+        latent = cached.Latent(self.e, self.s.clone() if start else torch.empty_like(self.s))
+        logits = self.run_loops(cache, start, loops, latent, head=True)
         stats.skipped_loops = start * len(self.ids)
         if loops > self.depth:
             new = cache.share(range(self.slots(self.depth).stop, self.slots(loops).stop), len(self.ids))
             self.span.blocks.update(new.blocks)
             if new.cell_pos is not None:
                 self.span.cell_pos.update(new.cell_pos)
-            self.s, self.depth = s, loops
-        return net.decode_head(s, ctx)[0]
+            self.s, self.depth = latent.s, loops
+        return logits
 
 
 class GuessFollower:

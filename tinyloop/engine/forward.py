@@ -415,17 +415,24 @@ class LoopForward:
 
     def _torch(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None,
                head: bool) -> torch.Tensor | None:
-        net, cache = self.net, self.cache
+        net = self.net
         with _threads(decode_threads(step.pos.numel(), net.cfg, c_blocks=False) if self.cpu else 0):
-            ctx = context(net, step, cache)
-            if ids is not None:
-                latent.e.copy_(net.encode(ids, ctx))
-                latent.s.copy_(net.init_state(latent.e, step))
-            s = latent.s
-            for k in range(first, last):
-                s = net.loop(s, latent.e, k, ctx)
-            latent.s.copy_(s)
-            return net.decode_head(latent.s, ctx) if head else None
+            return chunk_loops(net, step, self.cache, first, last, latent, ids, head)
+
+
+def chunk_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
+                ids: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
+    """forward_loops through the model's pieces over the chunk's `Cached` context: the path a prompt's prefill
+    takes, so a handle built and deepened piece by piece (tinyloop/resume.py) has the bits of generate's prefill."""
+    ctx = context(net, step, cache)
+    if ids is not None:
+        latent.e.copy_(net.encode(ids, ctx))
+        latent.s.copy_(net.init_state(latent.e, step))
+    s = latent.s
+    for k in range(first, last):
+        s = net.loop(s, latent.e, k, ctx)
+    latent.s.copy_(s)
+    return net.decode_head(latent.s, ctx) if head else None
 
 
 def forward_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
