@@ -159,3 +159,34 @@ def test_speculative_and_resume_lanes_join_a_running_batch_exactly(make_artifact
     tinyloop.free_handle(handle)
     tinyloop.free_handle(mine)
     assert model.pool.used == 0  # every lane gave its blocks back, and the handles theirs
+
+
+def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeypatch):
+    """The step is schedule -> execute -> postprocess: every block the forwards write (prefill pieces, decode rows at
+    several depths, early exit, a speculative lane's rounds) is taken while scheduling, none inside a forward."""
+    from tinyloop.engine.runner import Runner
+
+    model = tinyloop.load_model(make_artifact(), 128)
+    model.prefill_chunk = 8
+    takes = {"schedule": 0, "execute": 0}
+    phase = {"now": "schedule"}
+    take = model.pool.take
+    monkeypatch.setattr(model.pool, "take", lambda: (takes.__setitem__(phase["now"], takes[phase["now"]] + 1), take())[1])
+    execute = Runner.execute
+
+    def watched(self, plan):
+        phase["now"] = "execute"
+        try:
+            return execute(self, plan)
+        finally:
+            phase["now"] = "schedule"
+
+    monkeypatch.setattr(Runner, "execute", watched)
+    sched = tinyloop.Scheduler(model, lanes=4)
+    seqs = [sched.submit(ids(20, 1), G(max_tokens=40, loops=4)), sched.submit(ids(3, 2), G(max_tokens=30, loops=8)),
+            sched.submit(ids(11, 3), G(max_tokens=25, early_exit_threshold=0.3))]
+    drain(sched)
+    spec = sched.submit(ids(6, 4), G(max_tokens=30, loops=6), speculative=tinyloop.SpeculativeConfig(2, 6, 3, fallback=False))
+    drain(sched)
+    assert spec.stats.verify_steps > 0 and all(s.count for s in seqs)
+    assert takes["execute"] == 0 and takes["schedule"] > 20, takes

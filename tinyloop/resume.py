@@ -161,6 +161,10 @@ class GuessFollower:
         self.following = self.following and i < len(self.guess) and seq.token == self.guess[i]
         return self.following and (alone or self.covered(i))
 
+    def span(self) -> int:
+        """Cells its next step may write from seq.pos: a new piece of the guess, or none."""
+        return 1 if self.covered(self.seq.pos - self.base) else self.piece
+
     def plain_row(self, seconds: float) -> None:
         pass
 

@@ -223,6 +223,10 @@ class Speculator:
         # a guess is verified at once; drafting waits for the plain row it is measured against
         return alone and (not self.fallback or bool(self.guess) or self.pays and self.plain_s is not None)
 
+    def span(self) -> int:
+        """Cells a round may write from the pending token's (the root, the drafts or a guessed piece)."""
+        return 1 + max(self.n * self.w, self.piece if self.guess else 0)
+
     def plain_row(self, seconds: float) -> None:
         """The lane decoded as the only row of a step in `seconds`: what a plain token costs it."""
         self.plain_s = seconds if self.plain_s is None else min(self.plain_s, seconds)

@@ -2,20 +2,21 @@
 
 Sequences may be added at any time (`add`); one `step()` is one scheduling iteration (iteration-level scheduling,
 as in Orca and vLLM), and both the in-process calls (`run`: add, then step until done) and the worker drive it.
-One step:
-  1. drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
-  2. admit waiting sequences, oldest first, while a lane is free (a beam request: beam_size lanes) and the pool's
-     free blocks cover them
-     (a preempted sequence is recomputed here, exactly);
-  3. prefill: pieces of admitted prompts, the shortest rest first, up to `chunk` prompt tokens in all (a piece never
-     crosses a multiple of `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards);
+One step, schedule -> execute -> postprocess (the shape of nano-vllm's and vLLM v1's engine step):
+  1. retire: drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
+  2. schedule (a Plan): admit waiting sequences, oldest first, while a lane is free (a beam request: beam_size lanes)
+     and the pool's free blocks cover them (a preempted sequence is recomputed here, exactly); pieces of admitted
+     prompts, the shortest rest first, up to `chunk` prompt tokens in all (a piece never crosses a multiple of
+     `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards); the running lanes'
+     decode rows, and the lanes whose driver (Sequence.driver: a speculative round, a refine's verified piece) runs
+     its own forwards; then `reserve` takes every block they will write, so the forwards take none;
+  3. execute: the pieces, the drivers' forwards, and the decode rows in one forward, each lane at its own loop count
+     and early-exit threshold (the model's one forward takes them per lane);
   4. postprocess: every sequence with fresh logits takes its next token, drawn for all of them in one pass of the
-     sampler (stops, grammar, streaming, max_tokens), and every beam request chooses its next beam (engine/beam.py);
-     a finished one leaves at once and gives its blocks back; a fault of one request's own fails it alone;
-  5. decode: the running lanes feed one token each in one forward, each lane at its own loop count and early-exit
-     threshold (the model's one forward takes them per lane); a lane whose driver runs this step (Sequence.driver: a
-     speculative lane's round, a refine's verified piece of its guess) runs its own forwards instead.
-When a forward finds the pool exhausted, the youngest sequence without fresh logits gives its blocks back and
+     sampler (stops, grammar, streaming, max_tokens), a driven lane the tokens its round decided, and every beam
+     request chooses its next beam (engine/beam.py); a finished one leaves at once and gives its blocks back; a fault
+     of one request's own fails it alone.
+When schedule finds the pool exhausted, the youngest sequence without fresh logits gives its blocks back and
 waits (preemption); waiting sequences rejoin only after a running one finishes (no thrashing).
 
 Forwards: `decode` runs one-token-per-lane rows, `prefill` a chunk, both through the model's one forward over the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +42,14 @@ from .sequence import Sequence
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
 # reuse and warm starts replace the prefill
 Prefill = Callable[[Sequence], torch.Tensor]
+
+@dataclass
+class Plan:
+    """What one step's forwards run (Runner.schedule), their blocks already taken."""
+    pieces: list[tuple[Sequence, int]]  # prefill: a sequence and the prompt tokens of its piece (0: its `first`)
+    rows: list[Sequence]                # one token each, in the step's one decode forward
+    driven: list[Sequence]              # lanes whose driver runs their own forwards (a speculative round)
+
 
 # Every decision at DEBUG level, one line each: admit, prefill piece, decode group, finish, preempt (docs/engine.md).
 log = logging.getLogger("tinyloop.scheduler")
@@ -60,6 +70,7 @@ class Runner:
         self.arrivals = self.steps = 0
         self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
         self.views: dict[int, KVCache] = {}
+        self.reserved: tuple | None = None  # what `reserve` took last, and the pool's epoch after it
 
     def is_adaptive(self, threshold: float) -> bool:
         return self.net.adaptive(threshold)
@@ -114,9 +125,10 @@ class Runner:
         n = len(seq.prompt) - seq.cached
         return min(n, self.chunk - seq.cached % self.chunk) if self.chunk and seq.first is None else n
 
-    def prefill_piece(self, seq: Sequence) -> int:
-        """Advance seq's prompt by one piece (or `seq.first`); sets seq.logits once the prompt is in. Returns the
-        prompt tokens it ran. A one-token prompt with early exit decodes adaptively, as any one-token forward."""
+    def begin_prefill(self, seq: Sequence) -> int:
+        """Schedule seq's next prefill piece: lend it the longest cached prefix of its prompt first (a new prompt), and
+        take the blocks the piece writes. Returns the prompt tokens the piece covers. A prompt the cache holds but for
+        its last token runs no piece: that token becomes a row of this step's decode forward (seq.prompt_row)."""
         t = time.perf_counter()
         prefixes = seq.prefixes or self.prefixes  # a pool request reuses scaffolds even with prefix caching off
         if seq.first is None and not seq.cached and prefixes is not None:
@@ -130,8 +142,18 @@ class Runner:
                           seq.arrival, len(seq.prompt) - 1, seq.lane)
                 seq.first, seq.cached, seq.prompt_row = None, len(seq.prompt), True
                 seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
-                return 1
+                return 0
         n = self.piece_len(seq)
+        if n:  # (a handle's `first`, n == 0, lends its blocks and runs the loops it lacks itself)
+            lo = seq.stats.prefix_hit_tokens if seq.first is not None else seq.cached  # after a cached prefix
+            self.reserve([seq], [lo], [seq.cached + n - 1])
+        seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
+        return n
+
+    def prefill_piece(self, seq: Sequence, n: int) -> None:
+        """Run seq's scheduled piece of n prompt tokens (or `seq.first`); sets seq.logits once the prompt is in. A
+        one-token prompt with early exit decodes adaptively, as any one-token forward."""
+        t = time.perf_counter()
         if seq.first is not None:
             logits, seq.first = seq.first(seq), None
             seq.loop_counts.append(seq.loops)
@@ -153,7 +175,26 @@ class Runner:
             release_freed_memory(self.model.device)
             if self.prefixes is not None and seq.cacheable:
                 self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
-        return n
+
+    def reserve(self, seqs: list[Sequence], lo: list[int], hi: list[int]) -> None:
+        """Take now the blocks cells lo[i]..hi[i] of seqs[i]'s lane need in every slot it writes at its loop count
+        (copy-on-write included), so the step's forwards take none (BudgetError here when the pool is out). Skipped
+        while the same lanes stay in the blocks reserved last time and the pool took, shared or freed none since."""
+        if not seqs:
+            return
+        cfg, cache, bt = self.model.cfg, self.cache, self.cache.bt
+        key = ([s.lane for s in seqs], [c // bt for c in lo], [c // bt for c in hi], [s.loops for s in seqs])
+        if self.reserved == (key, cache.pool.epoch):
+            return
+        cells = [(s.lane, min(a, cache.cells - 1), min(b, cache.cells - 1)) for s, a, b in zip(seqs, lo, hi)]
+        deepest = max(s.loops for s in seqs)
+        for slot in [*range(cfg.n_prelude), *(cfg.coda_slot(j) for j in range(cfg.n_coda))]:
+            cache.prepare(slot, *map(list, zip(*cells)))
+        for k in range(deepest):  # a lane at L loops writes (and holds blocks for) loops 0..L-1 only
+            at = [c for s, c in zip(seqs, cells) if k < s.loops]
+            for j in range(cfg.n_core):
+                cache.prepare(cfg.core_slot(k, j), *map(list, zip(*at)))
+        self.reserved = (key, cache.pool.epoch)
 
     # --- scheduling -----------------------------------------------------------------------------------------
     def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
@@ -171,9 +212,17 @@ class Runner:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """One scheduling iteration; returns the sequences that finished in it (`seq.error` set when one had to be
-        given up: it could not get a block with nothing else running)."""
+        """One scheduling iteration, schedule -> execute -> postprocess; returns the sequences that finished in it
+        (`seq.error` set when one had to be given up: it could not get a block with nothing else running, or a fault
+        of its own)."""
         self.steps += 1
+        finished = self.retire()
+        plan = self.schedule(finished)
+        finished += self.execute(plan)
+        return finished + self.postprocess()
+
+    def retire(self) -> list[Sequence]:
+        """Sequences cancelled from outside, and beam requests that ended, give their lanes back."""
         for group in self.groups():
             if group.root.done:  # cancelled from outside
                 group.cancel()
@@ -181,21 +230,88 @@ class Runner:
         finished += [g.root for g in self.groups() if g.outcome is not None]
         for seq in finished:
             self.release(seq)
+        return finished
+
+    def schedule(self, finished: list[Sequence]) -> Plan:
+        """Decide what this step's forwards run and take their blocks: admit waiting sequences; pieces of admitted
+        prompts, the shortest rest first, up to `chunk` prompt tokens in all; the running lanes' decode rows, and the
+        lanes whose driver runs its own forwards this step (it decodes alone, or a sampled speculative lane). When
+        the pool runs out, a sequence is preempted (or given up: appended to `finished`) and the step goes on with
+        what it has."""
         self.admit()
-        budget, spent = self.chunk or float("inf"), 0
+        plan, budget, spent = Plan([], [], []), self.chunk or float("inf"), 0
         # shortest rest first: a newcomer's short prompt is not stuck behind the pieces of an older long one
         for seq in sorted((s for s in self.admitted if self.prefilling(s)), key=lambda s: len(s.prompt) - s.cached):
             if spent and spent + self.piece_len(seq) > budget:
                 continue  # it waits for a later step, so decode rows are not stalled behind long prompts
             try:
-                spent += self.prefill_piece(seq)
+                n = self.begin_prefill(seq)
             except BudgetError as exc:
                 finished += self.out_of_blocks(exc)
-                break
+                return plan
+            except TinyLoopError as exc:  # its own fault (a cached prefix it cannot take): it fails alone
+                finished.append(self.fail(seq, exc))
+                continue
+            spent += n or 1
+            if n or seq.first is not None:
+                plan.pieces.append((seq, n))
+        group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)
+                        and all(seq is not s for seq, _ in plan.pieces)), key=lambda s: s.lane)
+        alone = len(group) == 1
+        # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
+        plan.driven = [s for s in group if s.driver is not None and not s.prompt_row and s.driver.runs(alone)]
+        plan.rows = [s for s in group if s not in plan.driven]
+        spans = [s.driver.span() for s in plan.driven]
+        try:
+            self.reserve(plan.rows + plan.driven, [s.pos - s.prompt_row for s in plan.rows] + [s.pos for s in plan.driven],
+                         [s.pos - s.prompt_row for s in plan.rows] + [s.pos + n - 1 for s, n in zip(plan.driven, spans)])
+        except BudgetError as exc:
+            finished += self.out_of_blocks(exc)
+            plan.rows, plan.driven = [], []
+        return plan
+
+    def execute(self, plan: Plan) -> list[Sequence]:
+        """The step's forwards over the blocks `schedule` took: the prefill pieces, each driven lane's own forwards
+        (a speculative round: the tokens it decides wait for postprocess), and the decode rows in one forward, each
+        lane at its own loop count and early-exit threshold; fresh logits go to seq.logits. Returns the sequences
+        given up in them (a fault of their own)."""
+        finished = []
+        for seq, n in plan.pieces:
+            try:
+                self.prefill_piece(seq, n)
+            except BudgetError as exc:  # a handle's `first` takes blocks of its own
+                return finished + self.out_of_blocks(exc)
             except TinyLoopError as exc:  # its own fault (a handle freed before its prefill): it fails alone
                 finished.append(self.fail(seq, exc))
-        finished += self.postprocess()
-        return finished + self.decode_running()
+        for seq in plan.driven:
+            seq.decided = seq.driver.step(self.lane(seq.lane))
+        group = plan.rows
+        if not group:
+            return finished
+        if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
+            log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
+                      ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
+        view = self.cache.select([s.lane for s in group])
+        t = time.perf_counter()
+        try:
+            out, used = self.decode([s.token for s in group], [s.pos - s.prompt_row for s in group], view,
+                                    [s.loops for s in group], [s.threshold for s in group])
+        except BudgetError as exc:
+            return finished + self.out_of_blocks(exc)
+        finally:
+            view.commit()
+        if len(group) == 1 and group[0].driver is not None:
+            group[0].driver.plain_row(time.perf_counter() - t)
+        for r, seq in enumerate(group):
+            if seq.prompt_row:  # its prompt is in: what the end of a prefill does
+                seq.prompt_row, seq.t_prefilled = False, time.perf_counter()
+                if self.prefixes is not None:
+                    self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
+            else:
+                seq.pos += 1
+            seq.loop_counts.append(used[r])
+            seq.logits = out[r]
+        return finished
 
     def postprocess(self) -> list[Sequence]:
         """Every lane with fresh logits takes its next token (one pass of the sampler for all of them) and every beam
@@ -215,6 +331,17 @@ class Runner:
             elif not alive:
                 self.release(seq)
                 finished.append(seq)
+        for seq in [s for s in self.admitted if s.decided]:  # a driver's round decided these tokens: take them in turn
+            decided, seq.decided = seq.decided, []
+            for token in decided:
+                alive = self.guarded(seq.take, token)
+                if isinstance(alive, Exception) or not alive:
+                    finished.append(self.fail(seq, alive) if isinstance(alive, Exception) else seq)
+                    if not isinstance(alive, Exception):
+                        self.release(seq)
+                    break
+            else:
+                seq.pos += len(decided)
         for group in self.groups():  # beam requests: their members' logits choose the next beam
             if group.members[0].logits is None:
                 continue
@@ -254,59 +381,6 @@ class Runner:
     def groups(self) -> list[BeamGroup]:
         """The beam-search requests holding lanes, oldest first."""
         return list({id(s.beam): s.beam for s in self.admitted if s.beam is not None}.values())
-
-    def decode_running(self) -> list[Sequence]:
-        """Feed one token per running lane, all in one forward, each lane at its own loops and threshold; fresh logits
-        go to seq.logits. A lane whose driver runs this step (a speculative round, a refine's guessed chunk) runs its
-        own forwards instead; returns the sequences that finished in them."""
-        group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)), key=lambda s: s.lane)
-        if not group:
-            return []
-        finished, alone = [], len(group) == 1
-        # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
-        for seq in [s for s in group if s.driver is not None and not s.prompt_row and s.driver.runs(alone)]:
-            group.remove(seq)
-            try:
-                tokens = seq.driver.step(self.lane(seq.lane))
-            except BudgetError as exc:
-                return finished + self.out_of_blocks(exc)
-            for token in tokens:
-                alive = self.guarded(seq.take, token)
-                if isinstance(alive, Exception):
-                    finished.append(self.fail(seq, alive))
-                    break
-                if not alive:
-                    self.release(seq)
-                    finished.append(seq)
-                    break
-            else:
-                seq.pos += len(tokens)
-        if not group:
-            return finished
-        if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
-            log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
-                      ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
-        view = self.cache.select([s.lane for s in group])
-        t = time.perf_counter()
-        try:
-            out, used = self.decode([s.token for s in group], [s.pos - s.prompt_row for s in group], view,
-                                    [s.loops for s in group], [s.threshold for s in group])
-        except BudgetError as exc:
-            return finished + self.out_of_blocks(exc)
-        finally:
-            view.commit()
-        if len(group) == 1 and group[0].driver is not None:
-            group[0].driver.plain_row(time.perf_counter() - t)
-        for r, seq in enumerate(group):
-            if seq.prompt_row:  # its prompt is in: what the end of a prefill does
-                seq.prompt_row, seq.t_prefilled = False, time.perf_counter()
-                if self.prefixes is not None:
-                    self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
-            else:
-                seq.pos += 1
-            seq.loop_counts.append(used[r])
-            seq.logits = out[r]
-        return finished
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
         """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up, and so is the

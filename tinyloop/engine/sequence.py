@@ -47,8 +47,9 @@ class Sequence:
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
         self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
-        # a refine's GuessFollower): step(cache) -> the tokens it decided (or [] with seq.logits set)
+        # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the tokens it decided (or [] with seq.logits set), plain_row(seconds), finish()
         self.driver = None
+        self.decided: list[int] = []  # tokens its driver's round decided in this step's execute, taken in postprocess
         self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
