@@ -116,7 +116,8 @@ class Scheduler:
         cfg = check_resume(handle, cfg)
         self.check_fits(cfg, len(handle.ids), cfg.resolved_loops(self.model))
         runner = self.runner if not cfg.cache_window else None
-        seq, cached, first = refine_sequence(handle, cfg, on_token, lambda seq: (runner or self.windowed[id(seq)]).lane(seq.lane))
+        lane_of = lambda seq: (runner or self.windowed[id(seq)]).lane(seq.place.lane)  # noqa: E731
+        seq, cached, first = refine_sequence(handle, cfg, on_token, lane_of)
         self.queue(seq, cached=cached, first=first)
         return seq
 

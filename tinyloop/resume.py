@@ -177,7 +177,7 @@ class GuessFollower:
                                  seq.pos + len(chunk))
             self.rows = cached.forward(net, torch.tensor([chunk], device=dev), self.loops, step, cache)[0]
             self.rows_from, self.piece = i, self.piece * 2
-        seq.logits = self.rows[i - self.rows_from]
+        seq.place.logits = self.rows[i - self.rows_from]
         seq.pos += 1
         seq.loop_counts.append(self.loops)
         self.reused += 1

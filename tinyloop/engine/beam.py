@@ -61,18 +61,18 @@ class BeamGroup:
         parents = self.live or [(self.root, 0.0)]
         cands = []  # (total logprob, parent index, token)
         for b, (seq, total) in enumerate(parents):
-            logp = seq.masked(torch.log_softmax(seq.penalised(seq.logits).float(), dim=-1))
+            logp = seq.masked(torch.log_softmax(seq.penalised(seq.place.logits).float(), dim=-1))
             top = torch.topk(logp, min(self.width, logp.shape[-1]))
             cands += [(total + lp, b, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())
                       if lp != float("-inf")]
-            seq.logits = None
+            seq.place.logits = None
         cands.sort(key=lambda c: -c[0])
         live, sources = [], []
         for total, b, token in cands[:self.width]:
             child = parents[b][0].fork()
             if child.take(token):  # the Sequence's bookkeeping: grammar, EOS, stop sequences, max_tokens
                 live.append((child, total))
-                sources.append(parents[b][0].lane)
+                sources.append(parents[b][0].place.lane)
             else:
                 self.finished.append((child, total))
         if not self.stream(live):
@@ -82,7 +82,7 @@ class BeamGroup:
         lanes = self.lanes[:len(live)]
         cache.assign_lanes(lanes, sources)
         for (child, _), lane in zip(live, lanes):
-            child.lane = lane
+            child.place.lane = lane
         self.live = live
         return [child for child, _ in live]
 

@@ -37,7 +37,7 @@ from ..errors import BudgetError, TinyLoopError
 from ..memory import blocks_for, release_freed_memory
 from . import forward as cached
 from .beam import BeamGroup
-from .sequence import Sequence
+from .sequence import Place, Sequence
 
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
 # reuse and warm starts replace the prefill
@@ -117,64 +117,65 @@ class Runner:
 
     @staticmethod
     def prefilling(seq: Sequence) -> bool:
-        return seq.logits is None and (seq.cached < len(seq.prompt) or seq.first is not None)
+        return seq.place.logits is None and (seq.place.cached < len(seq.prompt) or seq.place.first is not None)
 
     def piece_len(self, seq: Sequence) -> int:
         """Prompt tokens seq's next prefill forward runs: up to the next multiple of the chunk, whatever else runs,
         so a prompt is cut at the same places alone or in a batch."""
-        n = len(seq.prompt) - seq.cached
-        return min(n, self.chunk - seq.cached % self.chunk) if self.chunk and seq.first is None else n
+        at = seq.place
+        n = len(seq.prompt) - at.cached
+        return min(n, self.chunk - at.cached % self.chunk) if self.chunk and at.first is None else n
 
     def begin_prefill(self, seq: Sequence) -> int:
         """Schedule seq's next prefill piece: lend it the longest cached prefix of its prompt first (a new prompt), and
         take the blocks the piece writes. Returns the prompt tokens the piece covers. A prompt the cache holds but for
-        its last token runs no piece: that token becomes a row of this step's decode forward (seq.prompt_row)."""
-        t = time.perf_counter()
+        its last token runs no piece: that token becomes a row of this step's decode forward (Place.prompt_row)."""
+        t, at = time.perf_counter(), seq.place
         prefixes = seq.prefixes or self.prefixes  # a pool request reuses scaffolds even with prefix caching off
-        if seq.first is None and not seq.cached and prefixes is not None:
-            seq.first = prefixes.reuse(self, seq, seq.lane)  # the longest cached prefix's blocks; None on a miss
-            if seq.first is not None and seq.stats.prefix_hit_tokens == len(seq.prompt) - 1 \
+        if at.first is None and not at.cached and prefixes is not None:
+            at.first = prefixes.reuse(self, seq, at.lane)  # the longest cached prefix's blocks; None on a miss
+            if at.first is not None and seq.stats.prefix_hit_tokens == len(seq.prompt) - 1 \
                     and not self.is_adaptive(seq.threshold):
                 # Only the prompt's last token is left: it goes in as a row of this step's decode forward (the same
                 # forward at that position) instead of a forward of its own, which costs about a decode step of a
                 # few lanes (a repeated prompt at 8 lanes: ~10 % of a worker's time).
                 log.debug("step %d: #%d joins the decode rows (%d prompt tokens cached, lane %d)", self.steps,
-                          seq.arrival, len(seq.prompt) - 1, seq.lane)
-                seq.first, seq.cached, seq.prompt_row = None, len(seq.prompt), True
+                          at.arrival, len(seq.prompt) - 1, at.lane)
+                at.first, at.cached, at.prompt_row = None, len(seq.prompt), True
                 seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
                 return 0
         n = self.piece_len(seq)
         if n:  # (a handle's `first`, n == 0, lends its blocks and runs the loops it lacks itself)
-            lo = seq.stats.prefix_hit_tokens if seq.first is not None else seq.cached  # after a cached prefix
-            self.reserve([seq], [lo], [seq.cached + n - 1])
+            lo = seq.stats.prefix_hit_tokens if at.first is not None else at.cached  # after a cached prefix
+            self.reserve([seq], [lo], [at.cached + n - 1])
         seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
         return n
 
     def prefill_piece(self, seq: Sequence, n: int) -> None:
-        """Run seq's scheduled piece of n prompt tokens (or `seq.first`); sets seq.logits once the prompt is in. A
-        one-token prompt with early exit decodes adaptively, as any one-token forward."""
-        t = time.perf_counter()
-        if seq.first is not None:
-            logits, seq.first = seq.first(seq), None
+        """Run seq's scheduled piece of n prompt tokens (or its `first`); sets its fresh logits once the prompt is in.
+        A one-token prompt with early exit decodes adaptively, as any one-token forward."""
+        t, at = time.perf_counter(), seq.place
+        if at.first is not None:
+            logits, at.first = at.first(seq), None
             seq.loop_counts.append(seq.loops)
         elif len(seq.prompt) == 1 and self.is_adaptive(seq.threshold):
-            row, used = Runner.decode(self, [seq.prompt[-1]], [0], self.lane(seq.lane), seq.loops, seq.threshold)
+            row, used = Runner.decode(self, [seq.prompt[-1]], [0], self.lane(at.lane), seq.loops, seq.threshold)
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
-            log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, seq.arrival, seq.cached,
-                      seq.cached + n, len(seq.prompt), seq.lane)
-            rows = self.prefill(seq.prompt[seq.cached:seq.cached + n], seq.cached, seq.lane, seq.loops, seq.threshold)
+            log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, at.arrival, at.cached,
+                      at.cached + n, len(seq.prompt), at.lane)
+            rows = self.prefill(seq.prompt[at.cached:at.cached + n], at.cached, at.lane, seq.loops, seq.threshold)
             logits = rows[-1].clone()  # not a view pinning [T, V]
-            if seq.cached + n == len(seq.prompt):
+            if at.cached + n == len(seq.prompt):
                 seq.loop_counts.append(seq.loops)
-        seq.cached += n
+        at.cached += n
         seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
-        if seq.cached == len(seq.prompt):
-            seq.logits, seq.t_prefilled = logits, time.perf_counter()
+        if at.cached == len(seq.prompt):
+            at.logits, seq.t_prefilled = logits, time.perf_counter()
             release_freed_memory(self.model.device)
             if self.prefixes is not None and seq.cacheable:
-                self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
+                self.prefixes.keep(seq.prompt, seq.loops, self.lane(at.lane))
 
     def reserve(self, seqs: list[Sequence], lo: list[int], hi: list[int]) -> None:
         """Take now the blocks cells lo[i]..hi[i] of seqs[i]'s lane need in every slot it writes at its loop count
@@ -183,10 +184,10 @@ class Runner:
         if not seqs:
             return
         cfg, cache, bt = self.model.cfg, self.cache, self.cache.bt
-        key = ([s.lane for s in seqs], [c // bt for c in lo], [c // bt for c in hi], [s.loops for s in seqs])
+        key = ([s.place.lane for s in seqs], [c // bt for c in lo], [c // bt for c in hi], [s.loops for s in seqs])
         if self.reserved == (key, cache.pool.epoch):
             return
-        cells = [(s.lane, min(a, cache.cells - 1), min(b, cache.cells - 1)) for s, a, b in zip(seqs, lo, hi)]
+        cells = [(s.place.lane, min(a, cache.cells - 1), min(b, cache.cells - 1)) for s, a, b in zip(seqs, lo, hi)]
         deepest = max(s.loops for s in seqs)
         for slot in [*range(cfg.n_prelude), *(cfg.coda_slot(j) for j in range(cfg.n_coda))]:
             cache.prepare(slot, *map(list, zip(*cells)))
@@ -200,7 +201,7 @@ class Runner:
     def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
         """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`
         tokens come from a handle instead of a prefill."""
-        seq.cached, seq.first, seq.arrival = cached, first, self.arrivals
+        seq.place = Place(cached=cached, first=first, arrival=self.arrivals)  # the runner's state of it
         if seq.cfg.beam_size > 1 and seq.beam is None:
             seq.beam = BeamGroup(seq)  # it takes beam_size lanes when admitted
         self.arrivals += 1
@@ -241,9 +242,12 @@ class Runner:
         self.admit()
         plan, budget, spent = Plan([], [], []), self.chunk or float("inf"), 0
         # shortest rest first: a newcomer's short prompt is not stuck behind the pieces of an older long one
-        for seq in sorted((s for s in self.admitted if self.prefilling(s)), key=lambda s: len(s.prompt) - s.cached):
+        prefilling = (s for s in self.admitted if self.prefilling(s))
+        for seq in sorted(prefilling, key=lambda s: len(s.prompt) - s.place.cached):
             if spent and spent + self.piece_len(seq) > budget:
                 continue  # it waits for a later step, so decode rows are not stalled behind long prompts
+            if self.shares_a_new_prefix(seq, plan):
+                continue  # the next step finds the blocks this one fills in the prefix cache
             try:
                 n = self.begin_prefill(seq)
             except BudgetError as exc:
@@ -253,27 +257,38 @@ class Runner:
                 finished.append(self.fail(seq, exc))
                 continue
             spent += n or 1
-            if n or seq.first is not None:
+            if n or seq.place.first is not None:
                 plan.pieces.append((seq, n))
-        group = sorted((s for s in self.admitted if s.logits is None and not self.prefilling(s)
-                        and all(seq is not s for seq, _ in plan.pieces)), key=lambda s: s.lane)
+        group = sorted((s for s in self.admitted if s.place.logits is None and not self.prefilling(s)
+                        and all(seq is not s for seq, _ in plan.pieces)), key=lambda s: s.place.lane)
         alone = len(group) == 1
         # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
-        plan.driven = [s for s in group if s.driver is not None and not s.prompt_row and s.driver.runs(alone)]
+        plan.driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.driver.runs(alone)]
         plan.rows = [s for s in group if s not in plan.driven]
         spans = [s.driver.span() for s in plan.driven]
+        rows = [s.pos - s.place.prompt_row for s in plan.rows]  # (a prompt row feeds the prompt's last position)
         try:
-            self.reserve(plan.rows + plan.driven, [s.pos - s.prompt_row for s in plan.rows] + [s.pos for s in plan.driven],
-                         [s.pos - s.prompt_row for s in plan.rows] + [s.pos + n - 1 for s, n in zip(plan.driven, spans)])
+            self.reserve(plan.rows + plan.driven, rows + [s.pos for s in plan.driven],
+                         rows + [s.pos + n - 1 for s, n in zip(plan.driven, spans)])
         except BudgetError as exc:
             finished += self.out_of_blocks(exc)
             plan.rows, plan.driven = [], []
         return plan
 
+    def shares_a_new_prefix(self, seq: Sequence, plan: Plan) -> bool:
+        """Whether seq's prompt starts with a whole block of a prompt whose first piece this step runs: its lookup
+        in the prefix cache comes before that piece's forward, so it waits a step and reuses it instead."""
+        bt = self.cache.bt
+        at = seq.place
+        if at.cached or at.first is not None or (seq.prefixes or self.prefixes) is None or len(seq.prompt) <= bt:
+            return False
+        return any(not other.stats.prefix_hit_tokens and other.prompt[:bt] == seq.prompt[:bt]
+                   for other, n in plan.pieces if n and other.place.cached == 0)
+
     def execute(self, plan: Plan) -> list[Sequence]:
         """The step's forwards over the blocks `schedule` took: the prefill pieces, each driven lane's own forwards
         (a speculative round: the tokens it decides wait for postprocess), and the decode rows in one forward, each
-        lane at its own loop count and early-exit threshold; fresh logits go to seq.logits. Returns the sequences
+        lane at its own loop count and early-exit threshold; fresh logits go to seq.place.logits. Returns the sequences
         given up in them (a fault of their own)."""
         finished = []
         for seq, n in plan.pieces:
@@ -284,17 +299,17 @@ class Runner:
             except TinyLoopError as exc:  # its own fault (a handle freed before its prefill): it fails alone
                 finished.append(self.fail(seq, exc))
         for seq in plan.driven:
-            seq.decided = seq.driver.step(self.lane(seq.lane))
+            seq.place.decided = seq.driver.step(self.lane(seq.place.lane))
         group = plan.rows
         if not group:
             return finished
         if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
             log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
-                      ",".join(str(s.loops) for s in group), ",".join(str(s.arrival) for s in group))
-        view = self.cache.select([s.lane for s in group])
+                      ",".join(str(s.loops) for s in group), ",".join(str(s.place.arrival) for s in group))
+        view = self.cache.select([s.place.lane for s in group])
         t = time.perf_counter()
         try:
-            out, used = self.decode([s.token for s in group], [s.pos - s.prompt_row for s in group], view,
+            out, used = self.decode([s.token for s in group], [s.pos - s.place.prompt_row for s in group], view,
                                     [s.loops for s in group], [s.threshold for s in group])
         except BudgetError as exc:
             return finished + self.out_of_blocks(exc)
@@ -303,14 +318,14 @@ class Runner:
         if len(group) == 1 and group[0].driver is not None:
             group[0].driver.plain_row(time.perf_counter() - t)
         for r, seq in enumerate(group):
-            if seq.prompt_row:  # its prompt is in: what the end of a prefill does
-                seq.prompt_row, seq.t_prefilled = False, time.perf_counter()
+            if seq.place.prompt_row:  # its prompt is in: what the end of a prefill does
+                seq.place.prompt_row, seq.t_prefilled = False, time.perf_counter()
                 if self.prefixes is not None:
-                    self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.lane))
+                    self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.place.lane))
             else:
                 seq.pos += 1
             seq.loop_counts.append(used[r])
-            seq.logits = out[r]
+            seq.place.logits = out[r]
         return finished
 
     def postprocess(self) -> list[Sequence]:
@@ -318,21 +333,21 @@ class Runner:
         request chooses its next beam; returns the requests that finished. A fault while one request samples,
         matches stops, advances its grammar or streams fails that request alone (seq.error); the others go on."""
         finished = []
-        fresh = [s for s in self.admitted if s.logits is not None and s.beam is None]
+        fresh = [s for s in self.admitted if s.place.logits is not None and s.beam is None]
         try:
-            tokens: list = Sequence.sample_all(fresh, [s.logits for s in fresh]) if fresh else []
+            tokens: list = Sequence.sample_all(fresh, [s.place.logits for s in fresh]) if fresh else []
         except Exception:  # noqa: BLE001 (a lane's own fault broke the shared pass: draw each alone to find it)
-            tokens = [self.guarded(s.sample, s.logits) for s in fresh]
+            tokens = [self.guarded(s.sample, s.place.logits) for s in fresh]
         for seq, token in zip(fresh, tokens):
-            seq.logits = None
+            seq.place.logits = None
             alive = token if isinstance(token, Exception) else self.guarded(seq.take, token)
             if isinstance(alive, Exception):
                 finished.append(self.fail(seq, alive))
             elif not alive:
                 self.release(seq)
                 finished.append(seq)
-        for seq in [s for s in self.admitted if s.decided]:  # a driver's round decided these tokens: take them in turn
-            decided, seq.decided = seq.decided, []
+        for seq in [s for s in self.admitted if s.place.decided]:  # a driver's round decided these: take them in turn
+            decided, seq.place.decided = seq.place.decided, []
             for token in decided:
                 alive = self.guarded(seq.take, token)
                 if isinstance(alive, Exception) or not alive:
@@ -343,7 +358,7 @@ class Runner:
             else:
                 seq.pos += len(decided)
         for group in self.groups():  # beam requests: their members' logits choose the next beam
-            if group.members[0].logits is None:
+            if group.members[0].place.logits is None:
                 continue
             old = group.members
             new = self.guarded(group.advance, self.cache)
@@ -385,7 +400,7 @@ class Runner:
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
         """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up, and so is the
         youngest beam-search request when only those are left (their hypotheses are not recomputed)."""
-        victims = [s for s in self.admitted if s.logits is None and s.beam is None]
+        victims = [s for s in self.admitted if s.place.logits is None and s.beam is None]
         if len(self.admitted) == 1 or not victims:
             return [self.fail(self.admitted[-1], exc)]
         self.preempt(victims[-1])
@@ -405,15 +420,16 @@ class Runner:
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
                 sum(cfg.n_slots(s.loops) for s in self.admitted) + seq.cfg.beam_size * cfg.n_slots(seq.loops)
             if self.admitted and need > pool.room():
-                log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.arrival, need, pool.room())
+                log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.place.arrival, need,
+                          pool.room())
                 return
             self.waiting.pop(0)
-            seq.lane = self.free_lanes.pop(0)
+            seq.place.lane = self.free_lanes.pop(0)
             if seq.beam is not None:
-                seq.beam.lanes = [seq.lane] + [self.free_lanes.pop(0) for _ in range(seq.cfg.beam_size - 1)]
+                seq.beam.lanes = [seq.place.lane] + [self.free_lanes.pop(0) for _ in range(seq.cfg.beam_size - 1)]
             self.admitted.append(seq)
             log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
-                      seq.arrival, seq.lane, len(seq.prompt), seq.loops, pool.room())
+                      seq.place.arrival, seq.place.lane, len(seq.prompt), seq.loops, pool.room())
             if seq.count:
                 try:
                     self.recompute(seq)
@@ -424,23 +440,23 @@ class Runner:
     def recompute(self, seq: Sequence) -> None:
         """Rebuild a preempted sequence's cache with the forwards that first built it: the prompt's chunks, then
         each token it has fed one at a time; the token it was about to feed (seq.token) comes next."""
-        cache = self.lane(seq.lane)
+        cache = self.lane(seq.place.lane)
         for start in range(0, len(seq.prompt), self.chunk or len(seq.prompt)):
-            self.prefill(seq.prompt[start:start + (self.chunk or len(seq.prompt))], start, seq.lane, seq.loops,
+            self.prefill(seq.prompt[start:start + (self.chunk or len(seq.prompt))], start, seq.place.lane, seq.loops,
                          seq.threshold)
-        seq.cached = len(seq.prompt)
+        seq.place.cached = len(seq.prompt)
         fed = seq.history[len(seq.prompt):-1]
         for j, token in enumerate(fed):
             Runner.decode(self, [token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
 
     def preempt(self, seq: Sequence) -> None:
-        log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps, seq.arrival,
-                  seq.lane, len(seq.history))
+        log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps,
+                  seq.place.arrival, seq.place.lane, len(seq.history))
         self.release(seq)
-        seq.cached, seq.first, seq.logits, seq.prompt_row = 0, None, None, False
+        seq.place = Place(arrival=seq.place.arrival)  # recomputed from its prompt when it rejoins
         seq.stats.preempted += 1
         self.waiting.append(seq)
-        self.waiting.sort(key=lambda s: s.arrival)
+        self.waiting.sort(key=lambda s: s.place.arrival)
         self.hold_back = True
 
     def release(self, seq: Sequence) -> None:
@@ -451,24 +467,25 @@ class Runner:
             for lane in seq.beam.lanes:
                 self.lane(lane).reset()
             self.free_lanes = sorted(self.free_lanes + seq.beam.lanes)
-            seq.beam.lanes, seq.lane, self.hold_back = [], None, False
+            seq.beam.lanes, seq.place.lane, self.hold_back = [], None, False
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:
-            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.cached \
+            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.place.cached \
                     and seq.cacheable:
-                self.prefixes.keep(seq.history, seq.loops, self.lane(seq.lane))  # adaptive decode fills loops by copies
+                # (not at adaptive depth: its decode fills skipped loops by copies)
+                self.prefixes.keep(seq.history, seq.loops, self.lane(seq.place.lane))
             if seq.done:
-                log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps, seq.arrival,
-                          seq.stop_reason, seq.count, seq.lane)
+                log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps,
+                          seq.place.arrival, seq.stop_reason, seq.count, seq.place.lane)
             self.admitted.remove(seq)
-            self.lane(seq.lane).reset()
-            self.free_lanes.append(seq.lane)
+            self.lane(seq.place.lane).reset()
+            self.free_lanes.append(seq.place.lane)
             self.free_lanes.sort()
             if seq.done:
                 self.hold_back = False
-        seq.lane = None
+        seq.place.lane = None
 
     # --- in-process calls -------------------------------------------------------------------------------------
     def run(self, seqs: list[Sequence], cached: int = 0, first: Prefill | None = None) -> list:

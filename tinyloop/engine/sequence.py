@@ -8,13 +8,28 @@ generate, batches, beam hypotheses (Sequence.fork), speculative rounds, prefix r
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 
 from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+
+
+@dataclasses.dataclass
+class Place:
+    """Where a sequence stands in a runner: the lane state the runner keeps, apart from the request's own (Sequence).
+    Reset when the sequence is preempted; a beam hypothesis gets its own copy."""
+    lane: int | None = None  # the cache lane it holds while admitted
+    cached: int = 0  # prompt tokens in the lane's cache
+    first: Callable | None = None  # what replaces its prefill (a handle's, the prefix cache's): first(seq) -> logits
+    logits: torch.Tensor | None = None  # fresh logits to sample from
+    prompt_row: bool = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
+    decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
+    arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
 
 
 class Sequence:
@@ -40,16 +55,13 @@ class Sequence:
         self.done, self.stop_reason = False, "max_tokens"
         self.loop_counts: list[int] = []  # loops run per forward that produced a sampled token
         self.t_prefilled = self.t_end = self.t_call
-        # the scheduler's view (engine/runner.py): its lane, prompt tokens in the lane, fresh logits to sample from
-        self.lane: int | None = None
-        self.cached, self.first, self.logits, self.arrival = 0, None, None, 0
-        self.prompt_row = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
+        self.place = Place()  # where it stands in a runner (engine/runner.py): the runner's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
         self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
-        # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the tokens it decided (or [] with seq.logits set), plain_row(seconds), finish()
+        # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
+        # tokens it decided (or [] with seq.place.logits set), plain_row(seconds), finish()
         self.driver = None
-        self.decided: list[int] = []  # tokens its driver's round decided in this step's execute, taken in postprocess
         self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
@@ -166,4 +178,5 @@ class Sequence:
         child.matcher = self.matcher.fork()
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.history, child.loop_counts = list(self.history), list(self.loop_counts)
+        child.place = dataclasses.replace(self.place, decided=[])
         return child
