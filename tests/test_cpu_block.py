@@ -186,6 +186,29 @@ def test_the_whole_step_refuses_what_it_cannot_index():
                 cached.forward(net, torch.tensor(ids), 2, net.make_step(torch.tensor(pos), pos[0][0] + 1), cache)
 
 
+def test_an_iteration_step_refuses_what_it_cannot_index():
+    """DecodeStep.iterate (rows at their own loop indices, engine/iteration.py) checks what C indexes by: tokens,
+    positions, loop indices, the latent rows it writes."""
+    cfg = ModelConfig(**BASE)
+    net = make_net(cfg)
+    step, cache = cpu_block.decode_step(net, fused_weights(net)), KVCache(cfg, 2, 128, "fp16")
+    e, s = torch.zeros(2, cfg.d_model), torch.zeros(2, cfg.d_model)
+    with torch.inference_mode():
+        for cells, loop, tokens, err, what in (([0, 0], [0, 0], [96, 1], IndexError, "token id 96"),
+                                               ([0, 128], [0, 0], [1, 1], IndexError, "position 128"),
+                                               ([0, 0], [0, 3], [1, None], ValueError, "loop index 3 is outside"),
+                                               ([0, 0], [0, 1], [1, 2], ValueError, "starts a token at loop index 1"),
+                                               ([0, 0], [0], [1, 2], ValueError, "1 loops")):
+            with pytest.raises(err, match=what):
+                step.iterate(cache, cells, loop, tokens, [True, True], e, s)
+        with pytest.raises(ValueError, match="latent rows"):
+            step.iterate(cache, [0, 0], [0, 0], [1, 2], [True, True], e[:1], s)
+        with pytest.raises(IndexError, match="lane -1"):
+            step.iterate(cache, [0, 0], [0, 0], [1, 2], [True, True], e, s, lanes=[0, -1])
+        logits = step.iterate(cache, [0, 0], [0, 0], [1, 2], [False, True], e, s)
+    assert logits.shape == (1, cfg.vocab_size)
+
+
 @pytest.mark.parametrize("fmt,act_quant", [("bf16", False), ("int8", False), ("int4", False), ("int8", True),
                                            ("int4", True)])
 def test_c_blocks_multiply_in_every_weight_format(fmt, act_quant, monkeypatch):

@@ -62,6 +62,9 @@ typedef struct {
     // speculative tree, whose branches share positions and whose tokens see their own branch only
     const unsigned char *mask;
     long mask_from, mask_width;
+    // NULL, or [B]: elements added to row b's block table in every slot (an iteration step's core pass: row b at its
+    // own loop k_b reads and writes slot core_slot(k_b, j) = core_slot(0, j) + k_b * n_core)
+    const long *shift;
 } tl_block_rows_t;
 
 INLINE float hsum(__m256 v) {
@@ -200,6 +203,11 @@ static void attend(const float *q, long G, long g, long n, const long *table, co
 
 INLINE long lane_of(const tl_block_rows_t *r, long b) { return r->lanes ? r->lanes[b] : b; }
 
+// Row b's block table within `table` (one slot's tables): its lane's, in its own loop's slot when shifted.
+INLINE const long *row_table(const tl_block_rows_t *r, const long *table, long b) {
+    return table + lane_of(r, b) * r->table_stride + (r->shift ? r->shift[b] : 0);
+}
+
 // Floats of scratch a call of B lanes needs with blocks shaped like w: rows of h, qkv, att, o, gu, m.
 long tl_block_scratch(const tl_block_weights *w, long B) {
     return B * (w->qkv.cols + w->qkv.rows + w->wo.cols + w->wo.rows + w->gu.rows + w->down.cols);
@@ -236,7 +244,7 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
             if (w->bqkv)
                 for (long i = 0; i < NQKV; i++) row[i] += w->bqkv[i];
             rotate(row, H + KV, hd, r->cos2 + b * hd, r->sin2 + b * hd);
-            const long cell = r->cells[b], blk = table[lane_of(r, b) * r->table_stride + cell / r->bt];
+            const long cell = r->cells[b], blk = row_table(r, table, b)[cell / r->bt];
             float *kd = r->k_store + (blk * r->bt + cell % r->bt) * KV * hd;
             float *vd = r->v_store + (blk * r->bt + cell % r->bt) * KV * hd;
             for (long i = 0; i < KV * hd; i++) {
@@ -247,7 +255,7 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
 #pragma omp for schedule(static)
         for (long i = 0; i < B * KV; i++) {
             const long b = i / KV, g = i % KV;
-            attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, table + lane_of(r, b) * r->table_stride, r,
+            attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, row_table(r, table, b), r,
                    r->mask ? r->mask + b * r->mask_width : 0, r->mask_from, att + b * as + g * G * hd);
         }
         product(&w->wo, att, o, B, 1);
@@ -318,8 +326,9 @@ typedef struct {
     const long *slots;                      // the layer slot each of them writes
 } tl_step_t;
 
-// Floats of work a call of B rows needs (two rows of passes, [s | e], RoPE rows).
-long tl_step_work(long B, long d, long hd) { return B * (4 * d + 2 * hd); }
+// Floats of work a call of B rows needs (two rows of passes, [s | e], RoPE rows, and the RoPE rows of a subset of
+// them: tl_iterate_rows).
+long tl_step_work(long B, long d, long hd) { return B * (4 * d + 4 * hd); }
 
 // blocks[0..n-1] of the step from x into out (tmp: a third buffer; with n == 0, out = x).
 static void pass(const tl_step_t *s, long first, long n, tl_block_rows_t *r, const long *table, long slot_stride,
@@ -332,6 +341,72 @@ static void pass(const tl_step_t *s, long first, long n, tl_block_rows_t *r, con
         tl_blocks_rows(n, s->blocks + first, r, tables, x, out, tmp);
 }
 
+// The pieces of a forward over B rows (r->B), shared by tl_forward_rows and tl_iterate_rows so both compute a row
+// the same way. x, tmp: [B, d] buffers; cat: [B, 2d].
+
+// RoPE rows at the rows' positions into cos2, sin2 [B, hd], which r points at.
+static void rope_rows(const tl_step_t *s, tl_block_rows_t *r, const long *pos, float *cos2, float *sin2) {
+    const long hd = r->hd;
+    for (long b = 0; b < r->B; b++) {
+        memcpy(cos2 + b * hd, s->cos2 + pos[b] * hd, hd * sizeof(float));
+        memcpy(sin2 + b * hd, s->sin2 + pos[b] * hd, hd * sizeof(float));
+    }
+    r->cos2 = cos2;
+    r->sin2 = sin2;
+}
+
+// The embedding of ids [B] and the prelude into e, the initial states into st.
+static void encode(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
+                   const long *pos, float *e, float *st, float *x, float *tmp) {
+    const long B = r->B, d = r->d;
+    for (long b = 0; b < B; b++) {
+        const float *row = s->embed + ids[b] * d;
+        for (long k = 0; k < d; k++) x[b * d + k] = s->embed_scale != 1.0 ? row[k] * (float)s->embed_scale : row[k];
+    }
+    pass(s, 0, s->n_prelude, r, table, slot_stride, x, e, tmp);
+    for (long b = 0; b < B; b++)
+        for (long k = 0; k < d; k++)
+            st[b * d + k] = s->state_init == 0   ? 0.0f
+                            : s->state_init == 1 ? e[b * d + k]
+                                                 : s->noise[pos[b] * d + k];
+}
+
+// One loop: st <- core(inject(st, e)) at loop `loop` (rows shifted by r->shift run at their own), then the loop norm.
+static void core_pass(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, long loop,
+                      const float *e, float *st, float *x, float *tmp, float *cat) {
+    const long B = r->B, d = r->d, n = B * d;
+    const float *in = st;
+    if (s->injection == 1) {
+        for (long i = 0; i < n; i++) x[i] = st[i] + e[i];
+        in = x;
+    } else if (s->injection == 2) {
+        for (long b = 0; b < B; b++) {
+            memcpy(cat + 2 * b * d, st + b * d, d * sizeof(float));
+            memcpy(cat + 2 * b * d + d, e + b * d, d * sizeof(float));
+        }
+        product(&s->adapter, cat, x, B, (int)r->threads);
+        in = x;
+    }
+    float *out = in == st ? x : st;
+    pass(s, s->n_prelude + loop * s->n_core, s->n_core, r, table, slot_stride, in, out, tmp);
+    if (s->loop_norm) tl_rms_norm_rows(out, s->norm_w, r->eps, B, d, out);
+    if (out != st) memcpy(st, out, n * sizeof(float));
+}
+
+// The coda, final norm and head of states st (left as they are: the caller may continue them): logits [B, V].
+// st may be cat (normalised in place for the coda norm).
+static void decode_head(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const float *st,
+                        float *logits, float *x, float *tmp, float *cat) {
+    const float *in = st;
+    if (s->coda_norm) {
+        tl_rms_norm_rows(st, s->norm_w, r->eps, r->B, r->d, cat);
+        in = cat;
+    }
+    pass(s, s->n_prelude + s->loops * s->n_core, s->n_coda, r, table, slot_stride, in, x, tmp);
+    if (s->final_norm) tl_rms_norm_rows(x, s->norm_w, r->eps, r->B, r->d, x);
+    product(&s->head, x, logits, r->B, (int)r->threads);
+}
+
 // Loops first..last-1 of B rows, with what comes before and after them when asked:
 //   ids != NULL   first the embedding of tokens ids [B], the prelude (into e) and the initial state (into st);
 //   ids == NULL   st [B, d] holds the rows' states after `first` loops and e [B, d] their prelude outputs;
@@ -341,52 +416,74 @@ static void pass(const tl_step_t *s, long first, long n, tl_block_rows_t *r, con
 // elements per slot.
 void tl_forward_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
                      const long *pos, long first, long last, float *e, float *st, float *logits, float *work) {
+    const long B = r->B, n = B * r->d;
+    float *x = work, *tmp = x + n, *cat = tmp + n, *cos2 = cat + 2 * n;
+    rope_rows(s, r, pos, cos2, cos2 + B * r->hd);
+    if (ids) encode(s, r, table, slot_stride, ids, pos, e, st, x, tmp);
+    for (long loop = first; loop < last; loop++) core_pass(s, r, table, slot_stride, loop, e, st, x, tmp, cat);
+    if (logits) decode_head(s, r, table, slot_stride, st, logits, x, tmp, cat);
+}
+
+#define MAX_ITERATE_ROWS 64
+
+// rows idx[0..m-1] of r as a call of their own (their cells, lanes and RoPE rows gathered into the arrays given).
+static tl_block_rows_t subset(const tl_block_rows_t *r, const long *idx, long m, long *cells, long *lanes,
+                              float *cos2, float *sin2) {
+    tl_block_rows_t sub = *r;
+    const long hd = r->hd;
+    for (long i = 0; i < m; i++) {
+        cells[i] = r->cells[idx[i]];
+        lanes[i] = lane_of(r, idx[i]);
+        memcpy(cos2 + i * hd, r->cos2 + idx[i] * hd, hd * sizeof(float));
+        memcpy(sin2 + i * hd, r->sin2 + idx[i] * hd, hd * sizeof(float));
+    }
+    sub.B = m, sub.cells = cells, sub.lanes = lanes, sub.cos2 = cos2, sub.sin2 = sin2, sub.shift = 0, sub.mask = 0;
+    return sub;
+}
+
+// The indices of the rows whose flag is set, into idx: how many.
+static long flagged(const unsigned char *flag, long B, long *idx) {
+    long m = 0;
+    for (long b = 0; b < B; b++)
+        if (flag[b]) idx[m++] = b;
+    return m;
+}
+
+// One iteration-level step over B <= 64 rows (kernels/cpu_block.py's DecodeStep.iterate): every row runs one core
+// pass at its own loop loop[b] (writing and attending slots core_slot(loop[b], j) of its lane), the rows sharing
+// each product, so the weights stream once for the step whatever the rows' depths. Before it, the rows with
+// start[b] run the embedding of ids[b], the prelude (into e) and the initial state (into st); after it, the rows with
+// finish[b] run the coda, final norm and head: logits [rows finishing, V], in row order. e, st [B, d] are read (the
+// rows that do not start) and written (e: starting rows; st: every row, its state after the pass). A row goes through
+// the pieces tl_forward_rows runs, in the same order, and every piece computes a row the same way in any batch:
+// a lane's tokens have the bits of the lane decoded alone at its loop count.
+void tl_iterate_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
+                     const long *pos, const long *loop, const unsigned char *start, const unsigned char *finish,
+                     float *e, float *st, float *logits, float *work) {
     const long B = r->B, d = r->d, hd = r->hd, n = B * d;
-    const int threads = (int)r->threads;
-    float *x = work, *tmp = x + n, *cat = tmp + n, *cos2 = cat + 2 * n, *sin2 = cos2 + B * hd;
-    for (long b = 0; b < B; b++) {
-        memcpy(cos2 + b * hd, s->cos2 + pos[b] * hd, hd * sizeof(float));
-        memcpy(sin2 + b * hd, s->sin2 + pos[b] * hd, hd * sizeof(float));
-    }
-    r->cos2 = cos2;
-    r->sin2 = sin2;
-    if (ids) {
-        for (long b = 0; b < B; b++) {
-            const float *row = s->embed + ids[b] * d;
-            for (long k = 0; k < d; k++) x[b * d + k] = s->embed_scale != 1.0 ? row[k] * (float)s->embed_scale : row[k];
+    float *x = work, *tmp = x + n, *cat = tmp + n, *cos2 = cat + 2 * n, *sub_cos = cos2 + 2 * B * hd;
+    long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS], ids_in[MAX_ITERATE_ROWS],
+        pos_in[MAX_ITERATE_ROWS], shift[MAX_ITERATE_ROWS];
+    rope_rows(s, r, pos, cos2, cos2 + B * hd);
+    long m = flagged(start, B, idx);
+    if (m) {  // the prelude of the starting rows alone: their e into cat, their states into tmp, then scattered
+        tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+        for (long i = 0; i < m; i++) ids_in[i] = ids[idx[i]], pos_in[i] = pos[idx[i]];
+        float *e_sub = cat, *st_sub = cat + m * d;
+        encode(s, &sub, table, slot_stride, ids_in, pos_in, e_sub, st_sub, x, tmp);
+        for (long i = 0; i < m; i++) {
+            memcpy(e + idx[i] * d, e_sub + i * d, d * sizeof(float));
+            memcpy(st + idx[i] * d, st_sub + i * d, d * sizeof(float));
         }
-        pass(s, 0, s->n_prelude, r, table, slot_stride, x, e, tmp);
-        for (long b = 0; b < B; b++)
-            for (long k = 0; k < d; k++)
-                st[b * d + k] = s->state_init == 0   ? 0.0f
-                                : s->state_init == 1 ? e[b * d + k]
-                                                     : s->noise[pos[b] * d + k];
     }
-    for (long loop = first; loop < last; loop++) {
-        const float *in = st;
-        if (s->injection == 1) {
-            for (long i = 0; i < n; i++) x[i] = st[i] + e[i];
-            in = x;
-        } else if (s->injection == 2) {
-            for (long b = 0; b < B; b++) {
-                memcpy(cat + 2 * b * d, st + b * d, d * sizeof(float));
-                memcpy(cat + 2 * b * d + d, e + b * d, d * sizeof(float));
-            }
-            product(&s->adapter, cat, x, B, threads);
-            in = x;
-        }
-        float *out = in == st ? x : st;
-        pass(s, s->n_prelude + loop * s->n_core, s->n_core, r, table, slot_stride, in, out, tmp);
-        if (s->loop_norm) tl_rms_norm_rows(out, s->norm_w, r->eps, B, d, out);
-        if (out != st) memcpy(st, out, n * sizeof(float));
+    for (long b = 0; b < B; b++) shift[b] = loop[b] * s->n_core * slot_stride;
+    r->shift = shift;  // loop 0's blocks and slots, each row in its own loop's slots
+    core_pass(s, r, table, slot_stride, 0, e, st, x, tmp, cat);
+    r->shift = 0;
+    m = flagged(finish, B, idx);
+    if (m) {  // the head of the finishing rows alone, from their states gathered into cat
+        tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+        for (long i = 0; i < m; i++) memcpy(cat + i * d, st + idx[i] * d, d * sizeof(float));
+        decode_head(s, &sub, table, slot_stride, cat, logits, x, tmp, cat);
     }
-    if (!logits) return;
-    const float *in = st;  // the state stays as it is: the caller may continue it
-    if (s->coda_norm) {
-        tl_rms_norm_rows(st, s->norm_w, r->eps, B, d, cat);
-        in = cat;
-    }
-    pass(s, s->n_prelude + s->loops * s->n_core, s->n_coda, r, table, slot_stride, in, x, tmp);
-    if (s->final_norm) tl_rms_norm_rows(x, s->norm_w, r->eps, B, d, x);
-    product(&s->head, x, logits, B, threads);
 }

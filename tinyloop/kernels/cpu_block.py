@@ -13,7 +13,9 @@ products.
 lanes (cells, RoPE factors, the cache) once per step; `Rows.blocks` then runs consecutive blocks (the prelude, a
 loop pass, the coda) in one call. `DecodeStep` goes further: the model's forward over rows for any range of loops
 (engine/forward.py's `forward`, `decode_rows` and `LoopForward`), from the embedding or from latent states to the
-states or the logits, as one C call.
+states or the logits, as one C call; `DecodeStep.iterate` runs one iteration-level step (engine/iteration.py): each
+row one core pass at its own loop index, with the prelude of the rows that start a token and the head of the rows
+that finish one, as one C call.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class _Rows(ctypes.Structure):
     _fields_ = [("B", _L), ("d", _L), ("H", _L), ("KV", _L), ("hd", _L), ("ffn", _L), ("bt", _L), ("threads", _L),
                 ("eps", ctypes.c_double), ("cos2", _p), ("sin2", _p), ("cells", _p), ("lanes", _p), ("k_store", _p),
                 ("v_store", _p), ("table_stride", _L), ("scratch", _p), ("mask", _p), ("mask_from", _L),
-                ("mask_width", _L)]
+                ("mask_width", _L), ("shift", _p)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -235,6 +237,72 @@ class DecodeStep:
                                  first, last, e.data_ptr(), s.data_ptr(), _ptr(logits), lane.work.data_ptr())
         return logits
 
+    def iterate(self, cache, cells: list[int], loop: list[int], tokens: list[int | None], finish: list[bool],
+                e: torch.Tensor, s: torch.Tensor, *, lanes: list[int] | None = None,
+                pos: list[int] | None = None) -> torch.Tensor:
+        """One iteration-level step, one C call (tl_iterate_rows): row b (writing cell cells[b] of lane lanes[b],
+        default lane b, at position pos[b], default the cell) runs one core pass at its own loop index loop[b]: it
+        writes and attends slots core_slot(loop[b], j) of its lane, and its state s[b] goes from loop[b] to loop[b] + 1
+        loops. All rows share each product: the weights stream once, whatever the rows' depths. A row with a token
+        (tokens[b] not None; loop[b] must be 0) first runs its embedding, the prelude (into e[b]) and the initial
+        state; a row with finish[b] then runs the coda, final norm and head. e, s: the rows' latent [rows, d] (fp32,
+        contiguous, read and written in place). Returns the logits of the finishing rows [n finishing, V], in row
+        order. Each row has the bits of its token decoded alone (`run` from 0 to its loop count)."""
+        B, cfg = len(cells), self.cfg
+        pos = cells if pos is None else pos
+        lanes = list(range(B)) if lanes is None else lanes
+        if not 0 < B <= MAX_LANES or not len(loop) == len(tokens) == len(finish) == len(lanes) == len(pos) == B:
+            raise ValueError(f"iterate takes 1..{MAX_LANES} rows with one loop index, token (or None), finish flag, "
+                             f"lane and position each; got {B} cells, {len(loop)} loops, {len(tokens)} tokens, "
+                             f"{len(finish)} finish flags, {len(lanes)} lanes, {len(pos)} positions")
+        for b, (k, token) in enumerate(zip(loop, tokens)):
+            if not 0 <= k < cfg.max_loops:
+                raise ValueError(f"row {b}: loop index {k} is outside 0..{cfg.max_loops - 1}")
+            if token is not None and k:
+                raise ValueError(f"row {b} starts a token at loop index {k}: a token starts at loop 0")
+        ids = [0 if t is None else t for t in tokens]
+        if min(ids) < 0 or max(ids) >= cfg.vocab_size:  # C indexes the tables by them: checked here, as in run
+            raise IndexError(f"token id {max(ids) if max(ids) >= 0 else min(ids)} is outside the vocabulary "
+                             f"(0..{cfg.vocab_size - 1})")
+        if min(pos) < 0 or max(pos) >= self.positions:
+            raise IndexError(f"position {max(pos) if min(pos) >= 0 else min(pos)} is outside the model's position "
+                             f"tables (0..{self.positions - 1})")
+        if min(lanes) < 0 or max(lanes) >= cache.lanes:
+            raise IndexError(f"lane {max(lanes) if min(lanes) >= 0 else min(lanes)} is outside the cache's lanes "
+                             f"(0..{cache.lanes - 1})")
+        e, s = _rows(e, B, cfg.d_model), _rows(s, B, cfg.d_model)
+        cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
+        self._prepare_rows(cache, lanes, cells, loop, tokens, finish)
+        lane = self._lanes(B, cache)
+        lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B], lane.loop[:B] = ids, cells, lanes, pos, loop
+        lane.start[:B] = [t is not None for t in tokens]
+        lane.finish[:B] = [bool(f) for f in finish]
+        lane.struct.mask, lane.struct.mask_width = None, 0
+        logits = torch.empty(sum(lane.finish[:B]), self.struct.head.rows)
+        table = cache.table
+        _lib().tl_iterate_rows(self.ref, lane.ref, table.data_ptr(), table.stride(0), ctypes.addressof(lane.ids),
+                               ctypes.addressof(lane.pos), ctypes.addressof(lane.loop), ctypes.addressof(lane.start),
+                               ctypes.addressof(lane.finish), e.data_ptr(), s.data_ptr(), logits.data_ptr(),
+                               lane.work.data_ptr())
+        return logits
+
+    def _prepare_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
+                      finish: list[bool]) -> None:
+        """Blocks for every cell an iteration step writes: each row's core slots at its own loop, the prelude's slots
+        for the rows that start, the coda's for the rows that finish. A block already there and the lane's own is
+        checked inline (cache.prepare's own test), the rest go to cache.prepare: the rows' slots differ every step,
+        so DecodeStep._prepare's skip does not apply, and a call per slot cost ~2x this."""
+        cfg, held, refs, bt = self.cfg, cache.held, cache.pool.refs, cache.bt
+        for lane, cell, k, token, done in zip(lanes, cells, loop, tokens, finish):
+            i = cell // bt
+            slots = [cfg.core_slot(k, j) for j in range(cfg.n_core)]
+            slots += self.prelude_slots if token is not None else []
+            slots += self.coda_slots if done else []
+            for slot in slots:
+                ids = held[slot][lane]
+                if i >= len(ids) or refs[ids[i]] != 1:
+                    cache.prepare(slot, [lane], [cell], [cell])
+
     def _prepare(self, cache, lanes: list[int], cells: list[int], first: int, last: int, prelude: bool,
                  coda: bool) -> None:
         """Blocks for the rows' cells in every slot the call writes (cache.prepare). Skipped while the rows stay in
@@ -288,12 +356,22 @@ class _Lanes:
         lib = cpu._lib
         step_work = lib.tl_step_work(B, cfg.d_model, cfg.head_dim)
         self.key, self.ids, self.cells, self.lanes, self.pos = key, (_L * B)(), (_L * B)(), (_L * B)(), (_L * B)()
+        self.loop, self.start, self.finish = (_L * B)(), (ctypes.c_ubyte * B)(), (ctypes.c_ubyte * B)()  # iterate
         self.e, self.s = torch.empty(B, cfg.d_model), torch.empty(B, cfg.d_model)
         self.work = torch.empty(step_work + lib.tl_block_scratch(shape, B))
         self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, bt, threads,
                             cfg.norm_eps, None, None, ctypes.addressof(self.cells), ctypes.addressof(self.lanes), k, v,
                             table_stride, self.work.data_ptr() + 4 * step_work)
         self.ref = ctypes.byref(self.struct)
+
+
+def _lib() -> ctypes.CDLL:
+    """The library with tl_iterate_rows's argument types declared (once: kernels/cpu.py declares the others)."""
+    lib = cpu._lib
+    if lib.tl_iterate_rows.argtypes is None:
+        lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
+        lib.tl_iterate_rows.restype = None
+    return lib
 
 
 _steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
