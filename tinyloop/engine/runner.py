@@ -34,10 +34,13 @@ import torch
 
 from ..cache import KVCache
 from ..errors import BudgetError, TinyLoopError
+from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
+from ..model import ExitState
 from . import forward as cached
 from .beam import BeamGroup
-from .sequence import Place, Sequence
+from . import iteration
+from .sequence import InFlight, Place, Sequence
 
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
 # reuse and warm starts replace the prefill
@@ -71,6 +74,9 @@ class Runner:
         self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
         self.views: dict[int, KVCache] = {}
         self.reserved: tuple | None = None  # what `reserve` took last, and the pool's epoch after it
+        # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
+        # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
+        self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
 
     def is_adaptive(self, threshold: float) -> bool:
         return self.net.adaptive(threshold)
@@ -263,7 +269,8 @@ class Runner:
                         and all(seq is not s for seq, _ in plan.pieces)), key=lambda s: s.place.lane)
         alone = len(group) == 1
         # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
-        plan.driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.driver.runs(alone)]
+        plan.driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.place.token is None
+                       and s.driver.runs(alone)]
         plan.rows = [s for s in group if s not in plan.driven]
         spans = [s.driver.span() for s in plan.driven]
         rows = [s.pos - s.place.prompt_row for s in plan.rows]  # (a prompt row feeds the prompt's last position)
@@ -306,6 +313,8 @@ class Runner:
         if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
             log.debug("step %d: decode %d lane(s) at loops %s: #%s", self.steps, len(group),
                       ",".join(str(s.loops) for s in group), ",".join(str(s.place.arrival) for s in group))
+        if self.iterative and self.by_iteration(group):
+            return finished + self.iterate(group)
         view = self.cache.select([s.place.lane for s in group])
         t = time.perf_counter()
         try:
@@ -358,8 +367,8 @@ class Runner:
             else:
                 seq.pos += len(decided)
         for group in self.groups():  # beam requests: their members' logits choose the next beam
-            if group.members[0].place.logits is None:
-                continue
+            if any(m.place.logits is None for m in group.members):
+                continue  # (a member's token still loops)
             old = group.members
             new = self.guarded(group.advance, self.cache)
             if isinstance(new, Exception):
@@ -396,6 +405,89 @@ class Runner:
     def groups(self) -> list[BeamGroup]:
         """The beam-search requests holding lanes, oldest first."""
         return list({id(s.beam): s.beam for s in self.admitted if s.beam is not None}.values())
+
+    # --- continuous-depth batching: a step is one loop iteration of every row ------------------------------------
+    def by_iteration(self, rows: list[Sequence]) -> bool:
+        """Whether this step's rows advance by loop iterations: a token is in flight, or the rows' depths differ, or
+        one may exit early. (All at one fixed depth, one forward of every loop per step does the same work in fewer
+        calls.)"""
+        return any(s.place.token is not None for s in rows) or len({s.loops for s in rows}) > 1 \
+            or any(self.is_adaptive(s.threshold) for s in rows)
+
+    def iterate(self, rows: list[Sequence]) -> list[Sequence]:
+        """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight
+        starts its next one (prelude and loop 0), the others run their next loop, each at its own loop index; a token
+        whose loops are done (its loop count, or its exit rule fired) gets its logits and the lane samples at this
+        step's postprocess, while deeper lanes keep looping. An exited token's skipped loops get copies of its last
+        loop's K/V (the family's exit_kv "copy"; "compute" runs them and keeps the exit state's logits)."""
+        net, dev = self.net, self.model.device
+        starting = [s.place.token is None for s in rows]
+        for seq, new in zip(rows, starting):
+            if new:
+                exits = ExitState(net, torch.zeros(1, 1, net.cfg.d_model, device=dev), [seq.loops],
+                                  seq.threshold) if self.is_adaptive(seq.threshold) else None
+                rows_latent = cached.Latent.empty(1, 1, net)
+                seq.place.token = InFlight(0, rows_latent.e, rows_latent.s, exits)
+        flights = [s.place.token for s in rows]
+        latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
+        before = latent.s.clone() if any(f.exits is not None for f in flights) else None
+        # a fixed-depth token's last pass ends with its coda and head in the same call
+        finish = [f.exits is None and f.done + 1 == s.loops for s, f in zip(rows, flights)]
+        positions = [s.pos - s.place.prompt_row for s in rows]
+        logits = iteration.iterate(net, self.cache, positions, [f.done for f in flights],
+                                   [s.token if new else None for s, new in zip(rows, starting)], finish, latent,
+                                   lanes=[s.place.lane for s in rows])
+        heads, ended = iter(logits), []  # (ended: early-exit tokens whose head runs below)
+        for b, (seq, f) in enumerate(zip(rows, flights)):
+            f.e, f.s, f.done = latent.e[b:b + 1], latent.s[b:b + 1], f.done + 1
+            if finish[b]:
+                self.token_done(seq, next(heads), seq.loops)
+            elif f.exits is not None:
+                if starting[b]:  # the state loop 0 started from: the initial state of its prelude output
+                    at = torch.tensor([[positions[b]]], device=dev)
+                    before[b:b + 1] = net.init_state(f.e, net.make_step(at, positions[b] + 1))
+                f.exits.after(f.done - 1, [0], before[b:b + 1], f.s)
+                if f.done == seq.loops or f.exits.used[0] <= f.done and net.cfg.exit_kv == "copy":
+                    ended.append(seq)
+        if ended:
+            self.exit_heads(ended)
+        return []
+
+    def exit_heads(self, rows: list[Sequence]) -> None:
+        """The coda and head of early-exit tokens whose loops are done, from the state they exited with, in one
+        forward; their skipped loops' K/V copied from the last loop they ran."""
+        net, cfg, dev = self.net, self.model.cfg, self.model.device
+        for seq in rows:
+            used, want = seq.place.token.exits.used[0], seq.loops
+            if cfg.exit_kv == "copy" and used < want:
+                at = torch.tensor([[seq.pos - seq.place.prompt_row]], device=dev)
+                lane = torch.tensor([seq.place.lane], device=dev)
+                for k in range(used, want):
+                    for j in range(cfg.n_core):
+                        self.cache.copy_slot(cfg.core_slot(used - 1, j), cfg.core_slot(k, j), at, lane)
+        view = self.cache.select([s.place.lane for s in rows])
+        positions = torch.tensor([[s.pos - s.place.prompt_row] for s in rows], device=dev)
+        out = torch.cat([s.place.token.exits.out for s in rows])
+        latent = cached.Latent(torch.cat([s.place.token.e for s in rows]), out.contiguous())
+        try:
+            logits = cached.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
+                                          latent)[:, -1]
+        finally:
+            view.commit()
+        for seq, row in zip(rows, logits):
+            self.token_done(seq, row, seq.place.token.exits.used[0])
+
+    def token_done(self, seq: Sequence, logits: torch.Tensor, used: int) -> None:
+        """A token's loops are done: its logits are the lane's fresh logits (what a decode row gives)."""
+        seq.place.token = None
+        if seq.place.prompt_row:  # its prompt is in: what the end of a prefill does
+            seq.place.prompt_row, seq.t_prefilled = False, time.perf_counter()
+            if self.prefixes is not None:
+                self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.place.lane))
+        else:
+            seq.pos += 1
+        seq.loop_counts.append(used)
+        seq.place.logits = logits
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
         """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up, and so is the
@@ -446,6 +538,16 @@ class Runner:
                          seq.threshold)
         seq.place.cached = len(seq.prompt)
         fed = seq.history[len(seq.prompt):-1]
+        if self.iterative and self.is_adaptive(seq.threshold):  # its tokens exited as loop iterations decided: again
+            pending, pos, counts = seq.token, seq.pos, list(seq.loop_counts)
+            seq.pos = len(seq.prompt)
+            for token in fed:
+                seq.token = token
+                while seq.place.logits is None:
+                    self.iterate([seq])
+                seq.place.logits = None
+            seq.token, seq.pos, seq.loop_counts = pending, pos, counts
+            return
         for j, token in enumerate(fed):
             Runner.decode(self, [token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
 

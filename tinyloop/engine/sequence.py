@@ -30,6 +30,17 @@ class Place:
     prompt_row: bool = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
+    token: "InFlight | None" = None  # the token it is looping, when the runner schedules loop iterations
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A token between loop iterations (continuous-depth batching, Runner.iterate): the passes it has run, its latent
+    rows (the prelude's output e and the state s, [1, 1, d] each), and its early-exit bookkeeping."""
+    done: int
+    e: torch.Tensor
+    s: torch.Tensor
+    exits: object | None  # model.ExitState of an early-exit lane (None: fixed depth)
 
 
 class Sequence:
@@ -178,5 +189,5 @@ class Sequence:
         child.matcher = self.matcher.fork()
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.history, child.loop_counts = list(self.history), list(self.loop_counts)
-        child.place = dataclasses.replace(self.place, decided=[])
+        child.place = dataclasses.replace(self.place, decided=[], token=None)
         return child
