@@ -372,6 +372,21 @@ class KVCache:
         data = {name: t[blk, row] for name, t in self.pool.store.items()}
         self.write(dst, pos, cells, data, lane)
 
+    def copy_cell(self, src: list[int], dst: list[int], pos: int, lane: int) -> None:
+        """Copy one cell (position pos) of `lane` from slots src[i] to slots dst[i], in one indexed copy per stored
+        tensor (an early-exited token's skipped loops get its last loop's entries)."""
+        cell = pos % self.ring if self.window else pos
+        for slot in dst:
+            self.prepare(slot, [lane], [cell if not self.window else pos], [cell if not self.window else pos])
+        self.changed()
+        at, row = cell // self.bt, cell % self.bt
+        src_blocks = self.table[torch.tensor(src, device=self.device), lane, at]
+        dst_blocks = self.table[torch.tensor(dst, device=self.device), lane, at]
+        for t in self.pool.store.values():
+            t[dst_blocks, row] = t[src_blocks, row]
+        if self.cell_pos is not None:
+            self.cell_pos[torch.tensor(dst, device=self.device), lane, cell] = pos
+
     # --- speculative decode ---------------------------------------------------------------------------
     def rollback(self, length: int, slots: list[int] | None = None) -> None:
         """Forget positions >= length (rejected drafts). Without a window nothing to do: the mask is causal by

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from scripts.bench.batch import bench_batch
+from scripts.bench.depth import bench_depth
 from scripts.bench.detokenize import bench_detokenize
 from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from tinyloop.cache import CACHE_MODES
@@ -97,6 +98,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "speculative": bench_speculative,
     "detokenize": bench_detokenize,
     "engine": bench_engine,
+    "depth": bench_depth,
     "peers": bench_peers,
 }
 OPT_IN = ("peers",)  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)

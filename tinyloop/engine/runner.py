@@ -415,11 +415,20 @@ class Runner:
             or any(self.is_adaptive(s.threshold) for s in rows)
 
     def iterate(self, rows: list[Sequence]) -> list[Sequence]:
+        """Loop iterations of every row (`one_pass`) until some row's token is done: that lane samples at this step's
+        postprocess and starts its next token at the next step, while deeper lanes keep looping. Between two passes
+        where no token ends there is nothing to schedule (no lane frees, nothing is sampled), so they run in one
+        step: at batch 1 a token is one step, as at fixed depth."""
+        while not self.one_pass(rows):
+            pass
+        return []
+
+    def one_pass(self, rows: list[Sequence]) -> bool:
         """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight
         starts its next one (prelude and loop 0), the others run their next loop, each at its own loop index; a token
-        whose loops are done (its loop count, or its exit rule fired) gets its logits and the lane samples at this
-        step's postprocess, while deeper lanes keep looping. An exited token's skipped loops get copies of its last
-        loop's K/V (the family's exit_kv "copy"; "compute" runs them and keeps the exit state's logits)."""
+        whose loops are done (its loop count, or its exit rule fired) gets its logits. An exited token's skipped
+        loops get copies of its last loop's K/V (the family's exit_kv "copy"; "compute" runs them and keeps the exit
+        state's logits). True when some row's token is done."""
         net, dev = self.net, self.model.device
         starting = [s.place.token is None for s in rows]
         for seq, new in zip(rows, starting):
@@ -451,7 +460,7 @@ class Runner:
                     ended.append(seq)
         if ended:
             self.exit_heads(ended)
-        return []
+        return any(s.place.logits is not None for s in rows)
 
     def exit_heads(self, rows: list[Sequence]) -> None:
         """The coda and head of early-exit tokens whose loops are done, from the state they exited with, in one
@@ -460,11 +469,10 @@ class Runner:
         for seq in rows:
             used, want = seq.place.token.exits.used[0], seq.loops
             if cfg.exit_kv == "copy" and used < want:
-                at = torch.tensor([[seq.pos - seq.place.prompt_row]], device=dev)
-                lane = torch.tensor([seq.place.lane], device=dev)
-                for k in range(used, want):
-                    for j in range(cfg.n_core):
-                        self.cache.copy_slot(cfg.core_slot(used - 1, j), cfg.core_slot(k, j), at, lane)
+                skipped = [(j, k) for k in range(used, want) for j in range(cfg.n_core)]
+                self.cache.copy_cell([cfg.core_slot(used - 1, j) for j, _ in skipped],
+                                     [cfg.core_slot(k, j) for j, k in skipped], seq.pos - seq.place.prompt_row,
+                                     seq.place.lane)
         view = self.cache.select([s.place.lane for s in rows])
         positions = torch.tensor([[s.pos - s.place.prompt_row] for s in rows], device=dev)
         out = torch.cat([s.place.token.exits.out for s in rows])
@@ -543,8 +551,7 @@ class Runner:
             seq.pos = len(seq.prompt)
             for token in fed:
                 seq.token = token
-                while seq.place.logits is None:
-                    self.iterate([seq])
+                self.iterate([seq])
                 seq.place.logits = None
             seq.token, seq.pos, seq.loop_counts = pending, pos, counts
             return
