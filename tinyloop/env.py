@@ -11,6 +11,8 @@ TINYLOOP_PREFIX_CACHE   on | off                 default load_model prefix_cachi
 TINYLOOP_WEIGHTS        fp32 | bf16 | int8 | int4[:group]  default load_model weights (the artifact's own format)
 TINYLOOP_SPECULATIVE    draft:verify:ahead[:width]  default SpeculativeConfig of generate_speculative / choose_speculative
                                                   (read by tinyloop.speculative.speculative_from_env; e.g. 2:8:4)
+TINYLOOP_DEPTH_STEPS    1 | 0                    1: decode rows at different depths advance by loop iterations
+                                                  (continuous-depth batching, docs/engine.md); 0: by whole tokens
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import re
 from .errors import ConfigError
 
 ENV_VARS = ("TINYLOOP_CACHE_MODE", "TINYLOOP_MEMORY_BUDGET", "TINYLOOP_EARLY_EXIT", "TINYLOOP_CACHE_WINDOW", "TINYLOOP_LOOPS", "TINYLOOP_SPECULATIVE",
-            "TINYLOOP_PREFILL_CHUNK", "TINYLOOP_PREFIX_CACHE")
+            "TINYLOOP_PREFILL_CHUNK", "TINYLOOP_PREFIX_CACHE", "TINYLOOP_DEPTH_STEPS")
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
