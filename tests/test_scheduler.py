@@ -190,3 +190,23 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     drain(sched)
     assert spec.stats.verify_steps > 0 and all(s.count for s in seqs)
     assert takes["execute"] == 0 and takes["schedule"] > 20, takes
+
+
+def test_a_preempted_beam_request_is_recomputed_exactly(make_artifact):
+    """A pool with room for about three lanes: a beam request (3 hypotheses) beside plain lanes is preempted when
+    the pool runs out, all its hypotheses at once, and rebuilt later from its prompt and each hypothesis's tokens:
+    its result equals beam search alone, and so do the plain lanes'."""
+    art = make_artifact(eos_id=319)
+    probe = tinyloop.load_model(art, 96)
+    model = tinyloop.load_model(art, 96, memory_budget=tinyloop.plan_memory(probe, lanes=3, loops=4).total_bytes)
+    sched = tinyloop.Scheduler(model, lanes=8)
+    plain = [G(max_tokens=78 + i, loops=4, ignore_eos=True) for i in range(3)]
+    beam = G(max_tokens=60, loops=4, beam_size=3)
+    seqs = [sched.submit(ids(8 + 3 * i, 70 + i), c) for i, c in enumerate(plain)]
+    seqs.append(sched.submit(ids(10, 90), beam))
+    drain(sched)
+    assert seqs[-1].stats.preempted > 0, "precondition: the pool must run out while the beam request runs"
+    assert seqs[-1].result().tokens == tinyloop.generate(probe, ids(10, 90), beam).tokens
+    for i, (c, s) in enumerate(zip(plain, seqs)):
+        assert s.result().tokens == tinyloop.generate(probe, ids(8 + 3 * i, 70 + i), c).tokens
+    assert model.pool.used == 0

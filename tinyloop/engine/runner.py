@@ -258,6 +258,7 @@ class Runner:
                 n = self.begin_prefill(seq)
             except BudgetError as exc:
                 finished += self.out_of_blocks(exc)
+                plan.pieces = [(q, n) for q, n in plan.pieces if q in self.admitted]  # (the preempted one's went)
                 return plan
             except TinyLoopError as exc:  # its own fault (a cached prefix it cannot take): it fails alone
                 finished.append(self.fail(seq, exc))
@@ -280,6 +281,7 @@ class Runner:
         except BudgetError as exc:
             finished += self.out_of_blocks(exc)
             plan.rows, plan.driven = [], []
+            plan.pieces = [(q, n) for q, n in plan.pieces if q in self.admitted]
         return plan
 
     def shares_a_new_prefix(self, seq: Sequence, plan: Plan) -> bool:
@@ -498,10 +500,14 @@ class Runner:
         seq.place.logits = logits
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
-        """Preempt the youngest sequence without fresh logits (they would be lost); alone, it is given up, and so is the
-        youngest beam-search request when only those are left (their hypotheses are not recomputed)."""
-        victims = [s for s in self.admitted if s.place.logits is None and s.beam is None]
-        if len(self.admitted) == 1 or not victims:
+        """Preempt the youngest request none of whose lanes holds fresh logits (they would be lost); a beam request
+        goes with all its hypotheses. Alone, it is given up."""
+        units: dict[int, tuple[Sequence, list[Sequence]]] = {}  # request (a beam's root) -> the lanes it holds
+        for seq in self.admitted:
+            root = seq.beam.root if seq.beam is not None else seq
+            units.setdefault(id(root), (root, []))[1].append(seq)
+        victims = [root for root, lanes in units.values() if all(s.place.logits is None for s in lanes)]
+        if len(units) == 1 or not victims:
             return [self.fail(self.admitted[-1], exc)]
         self.preempt(victims[-1])
         return []
@@ -525,12 +531,23 @@ class Runner:
                 return
             self.waiting.pop(0)
             seq.place.lane = self.free_lanes.pop(0)
+            rebuilt = [seq]  # the sequences whose lanes a preempted request had (a beam's live hypotheses)
             if seq.beam is not None:
                 seq.beam.lanes = [seq.place.lane] + [self.free_lanes.pop(0) for _ in range(seq.cfg.beam_size - 1)]
-            self.admitted.append(seq)
+                if seq.beam.live:
+                    rebuilt = seq.beam.members
+                    for member, lane in zip(rebuilt, seq.beam.lanes):
+                        member.place = Place(lane=lane, arrival=seq.place.arrival)
+            self.admitted += rebuilt
             log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
                       seq.place.arrival, seq.place.lane, len(seq.prompt), seq.loops, pool.room())
-            if seq.count:
+            if rebuilt != [seq]:
+                try:
+                    self.recompute_beam(rebuilt)
+                except BudgetError as exc:
+                    self.out_of_blocks(exc)
+                    return
+            elif seq.count:
                 try:
                     self.recompute(seq)
                 except BudgetError as exc:
@@ -558,11 +575,26 @@ class Runner:
         for j, token in enumerate(fed):
             Runner.decode(self, [token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
 
+    def recompute_beam(self, members: list[Sequence]) -> None:
+        """Rebuild a preempted beam request's lanes: its prompt's chunks once, shared by every hypothesis's lane
+        (copy-on-write), then each hypothesis's own tokens one at a time, as they were first fed."""
+        first, P = members[0], len(members[0].prompt)
+        for start in range(0, P, self.chunk or P):
+            self.prefill(first.prompt[start:start + (self.chunk or P)], start, first.place.lane, first.loops,
+                         first.threshold)
+        self.cache.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
+        for m in members:
+            m.place.cached = P
+            for j, token in enumerate(m.history[P:-1]):
+                Runner.decode(self, [token], [P + j], self.lane(m.place.lane), m.loops, m.threshold)
+
     def preempt(self, seq: Sequence) -> None:
         log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps,
                   seq.place.arrival, seq.place.lane, len(seq.history))
-        self.release(seq)
-        seq.place = Place(arrival=seq.place.arrival)  # recomputed from its prompt when it rejoins
+        arrival = seq.place.arrival
+        self.release(seq)  # (a beam request: every lane it holds)
+        for member in ([seq] if seq.beam is None else [seq, *seq.beam.members]):
+            member.place = Place(arrival=arrival)  # recomputed from its prompt (and tokens) when it rejoins
         seq.stats.preempted += 1
         self.waiting.append(seq)
         self.waiting.sort(key=lambda s: s.place.arrival)
