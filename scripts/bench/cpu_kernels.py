@@ -1,6 +1,11 @@
 """CPU products of the d768 config's matrices: tinyloop/kernels/cpu.py vs torch, in GB/s of stored weight bytes.
 
   .venv/bin/python scripts/bench/cpu_kernels.py [--batches 1,2,4,8,16] [--threads 1,2] [--formats ...] [--reps 15]
+  .venv/bin/python scripts/bench/cpu_kernels.py --gemm [--batches 48,256] [--threads 1,2]
+
+--gemm: the many-row products (prefill chunks, issue 34) in GF/s (Gop/s for integer activations) over the
+--matrices summed, best of --reps: the tiled GEMM (cpu.linear(tiled=True)), the row kernels, and the path before
+the tiles (fp32 F.linear; the others formats.reference_linear: quantise x, widen W, MKL); int8 / int4 act_quant.
 
 Each product reads its weight from memory, as in a decode step (which cycles through far more weight than the
 last-level cache holds): every call uses the next of several copies of the matrix totalling > 256 MB. A
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import torch
@@ -80,6 +86,36 @@ def print_errors(names: list[str], B: int = 4) -> None:
             print(f"{fmt:5} {name:8} | {err(cpu.linear(x, w)):8.1e} | {aq} | {err(torch_product(fmt, w, W)(x)):8.1e}")
 
 
+def gemm_rates(fmt: str, names: list[str], B: int, threads: int, reps: int) -> dict[str, float]:
+    """GF/s of the three many-row paths over the named matrices (the weights stay in cache: compute-bound)."""
+    torch.set_num_threads(threads)
+    seconds = {"tiled": 0.0, "row kernels": 0.0, "before (torch)": 0.0}
+    flops = 0
+    for name in names:
+        N, K = MATRICES[name]
+        w = formats.quantize(torch.randn(N, K) * 0.02, fmt)
+        if fmt in ("int8", "int4"):
+            w = dataclasses.replace(w, act_quant=True)
+        x = torch.randn(B, K)
+        old = (lambda x, c: F.linear(x, c)) if fmt == "fp32" else formats.reference_linear
+        seconds["tiled"] += best_time(lambda x, c: cpu.linear(x, c, threads=threads, tiled=True), [w], x, reps)
+        seconds["row kernels"] += best_time(lambda x, c: cpu.linear(x, c, threads=threads), [w], x, reps)
+        seconds["before (torch)"] += best_time(old, [w], x, reps)
+        flops += 2 * B * N * K
+    return {k: flops / s / 1e9 for k, s in seconds.items()}
+
+
+def print_gemm(fmts: list[str], names: list[str], batches: list[int], threads: list[int], reps: int) -> None:
+    print(f"many-row products over {'+'.join(names)}, GF/s; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'fmt':5} {'B':>4} {'thr':>3} | {'tiled':>7} | {'row kernels':>11} | {'before (torch)':>14} | {'tiled/before':>12}")
+    for fmt in fmts:
+        for B in batches:
+            for t in threads:
+                r = gemm_rates(fmt, names, B, t, reps)
+                print(f"{fmt:5} {B:4d} {t:3d} | {r['tiled']:7.1f} | {r['row kernels']:11.1f} | "
+                      f"{r['before (torch)']:14.1f} | {r['tiled'] / r['before (torch)']:11.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,2,4,8,16")
@@ -88,11 +124,19 @@ def main() -> None:
     ap.add_argument("--matrices", default=",".join(MATRICES))
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--errors", action="store_true", help="only print each product's error against the reference")
+    ap.add_argument("--gemm", action="store_true", help="the many-row products: tiled GEMM, row kernels, torch")
     args = ap.parse_args()
     if not cpu.available():
         raise SystemExit("CPU kernels unavailable (see the warning above)")
     if args.errors:
         return print_errors(args.matrices.split(","))
+    if args.gemm:
+        if not cpu.gemm_available():
+            raise SystemExit("the tiled GEMM needs AVX-512 with VNNI")
+        names = [n for n in args.matrices.split(",") if n != "head"]
+        batches = "48,256" if args.batches == "1,2,4,8,16" else args.batches
+        return print_gemm(args.formats.split(","), names, [int(b) for b in batches.split(",")],
+                          [int(t) for t in args.threads.split(",")], args.reps)
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     stream = {t: max(cpu.stream_bandwidth(threads=t) for _ in range(3)) for t in threads}

@@ -12,11 +12,19 @@ weights and runs greedy decode at batch 1 and 16 through:
 A peer that is not installed is named with the command that installs it. Every run is timed the same way: from
 the first generated token to the last (decode only, prefill excluded), on wall clock, best of interleaved
 rounds. Greedy tokens of each row are compared with TinyLoop's fp32 row at the same batch.
+
+Prefill (issue 34), in the same run on the same models: tok/s of a 40- and a 512-token prompt (a fresh random prompt
+per round, so no prefix is reused): TinyLoop from the call to its first token (`generate_stream`, one token), with
+the tiled many-row GEMM (cpu_gemv.c: tl_gemm) and without it (TINYLOOP_CPU_GEMM=0: the products past the lanes run
+through torch, as before issue 34); transformers a forward of the prompt; llama.cpp `eval` of it after `reset`.
+`python -m scripts.bench.peers --prefill [--quick] [--json out.json]` runs only this part.
 """
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import os
 import sys
 import tempfile
 import time
@@ -50,6 +58,8 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 VARIANTS = {**{fmt: {"weights": fmt} for fmt in FORMATS},
             **{f"{fmt} weight-only": {"weights": fmt, "act_quant": False} for fmt in ("int8", "int4")}}
 BATCHES = (1, 16)
+PREFILL_LENS = (40, 512)
+PREFILL_VARIANTS = ("fp32", "bf16", "int8", "int4")  # as load_model gives them; each with the tiles on and off
 INSTALL = {
     "transformers": "pip install 'transformers==4.56.2'   (or: pip install -e '.[peers]')",
     "llama.cpp": "nice pip install llama-cpp-python gguf   (compiles llama.cpp from source, ~8 minutes; "
@@ -180,6 +190,87 @@ def llama_runner(llm, prompt: list[int], n: int) -> Run:
     return run
 
 
+# ----------------------------------------------------------------------------------------------- prefill
+Prefill = Callable[[list[int]], float]  # seconds to prefill a prompt
+
+
+def tinyloop_prefill(model, loops: int, tiles: bool) -> Prefill:
+    """Seconds to the first token (the prompt's prefill and one head), with the tiled GEMM on or off."""
+    from tinyloop.types import GenerateConfig
+
+    cfg = GenerateConfig(max_tokens=1, loops=loops, stop_sequences=())
+
+    def run(prompt: list[int]) -> float:
+        old = os.environ.get("TINYLOOP_CPU_GEMM")
+        os.environ["TINYLOOP_CPU_GEMM"] = "1" if tiles else "0"  # read on every product (kernels/cpu.py)
+        try:
+            t0 = time.perf_counter()
+            generate_stream(model, prompt, cfg, lambda tok, i: True)
+            return time.perf_counter() - t0
+        finally:
+            if old is None:
+                os.environ.pop("TINYLOOP_CPU_GEMM")
+            else:
+                os.environ["TINYLOOP_CPU_GEMM"] = old
+    return run
+
+
+def hf_prefill(twin) -> Prefill:
+    @torch.inference_mode()
+    def run(prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        twin(torch.tensor([prompt]), use_cache=True)
+        return time.perf_counter() - t0
+    return run
+
+
+def llama_prefill(llm) -> Prefill:
+    def run(prompt: list[int]) -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - t0
+    return run
+
+
+def prefill_rows(name: str, runs: dict[tuple[str, str], Prefill], vocab: int, rounds: int,
+                 progress: Callable[[str], None]) -> list[dict]:
+    """tok/s of each prefill row at each prompt length, best of interleaved rounds, a fresh prompt per round."""
+    g = torch.Generator().manual_seed(2)
+    first = 3 + 256
+    best: dict = {}
+    for P in PREFILL_LENS:
+        for r in range(rounds + 1):  # round 0 warms up
+            prompt = torch.randint(first, vocab, (P,), generator=g).tolist()
+            for key, run in runs.items():
+                s = run(prompt)
+                if r:
+                    best[key, P] = min(best.get((key, P), float("inf")), s)
+        progress(f"  [{name}] prefill {P} tokens done")
+    return [{"config": name, "system": sys_, "format": fmt, "prompt_len": P, "tok_s": P / s}
+            for ((sys_, fmt), P), s in best.items()]
+
+
+def prefill_table(rows: list[dict]) -> list[str]:
+    lines = [f"  {'runtime':<13}{'format':<22}" + "".join(f"{f'{P} tok/s':>14}" for P in PREFILL_LENS)]
+    for key in dict.fromkeys((r["system"], r["format"]) for r in rows):
+        got = {r["prompt_len"]: r["tok_s"] for r in rows if (r["system"], r["format"]) == key}
+        lines.append(f"  {key[0]:<13}{key[1]:<22}" + "".join(f"{got.get(P, float('nan')):>14.1f}" for P in PREFILL_LENS))
+    return lines
+
+
+def prefill_runs(models: dict, loops: int, twin, twin_bf16, llamas: dict) -> dict[tuple[str, str], Prefill]:
+    runs: dict[tuple[str, str], Prefill] = {}
+    for fmt in PREFILL_VARIANTS:
+        runs["tinyloop", fmt] = tinyloop_prefill(models[fmt], loops, tiles=True)
+        runs["tinyloop", f"{fmt} (no tiles)"] = tinyloop_prefill(models[fmt], loops, tiles=False)
+    if twin is not None:
+        runs["transformers", "fp32"], runs["transformers", "bf16"] = hf_prefill(twin), hf_prefill(twin_bf16)
+    for qtype, llm in llamas.items():
+        runs["llama.cpp", qtype] = llama_prefill(llm)
+    return runs
+
+
 # ----------------------------------------------------------------------------------------------- one config
 def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
     """Share of positions where two greedy outputs agree."""
@@ -188,11 +279,13 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 
 
 def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int, rounds: int, tmp: Path,
-                 echo: Callable[[str], None], progress: Callable[[str], None]) -> tuple[list[dict], dict]:
+                 echo: Callable[[str], None], progress: Callable[[str], None], decode_rounds: int | None = None
+                 ) -> tuple[list[dict], dict]:
     """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
     loops = cfg.default_loops
     art = random_artifact(cfg, tmp / f"{name}.tinyloop")
-    models = {label: load_model(art, prompt_len + n_tokens + 16, **how) for label, how in VARIANTS.items()}
+    ctx = max(prompt_len + n_tokens, max(PREFILL_LENS)) + 16
+    models = {label: load_model(art, ctx, **how) for label, how in VARIANTS.items()}
     model = models["fp32"]
     g = torch.Generator().manual_seed(1)
     first = 3 + 256  # past the control and byte tokens of the GGUF vocabulary (tokens a real prompt would hold)
@@ -205,6 +298,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
     progress(f"  [{name}] {model.net.num_params() / 1e6:.0f}M parameters loaded; setting up the peers")
     runs["tinyloop", "fp32", 1]()  # fuses the weights, so the twin below shares the tensors TinyLoop runs
     checks: dict = {}
+    twin = twin_bf16 = None
     if installed("transformers"):
         twin = hf_twin(model.net, loops).requires_grad_(False)
         with torch.inference_mode():
@@ -220,22 +314,27 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         for B in BATCHES:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
             runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
-    llamas = []
+    llamas = {}
     if installed("llama_cpp") and installed("gguf"):
         from llama_cpp import Llama
 
         for qtype in GGUF_TYPES:
             path = write_gguf(model.net, loops, tmp / f"{name}-{qtype}.gguf", qtype)
-            llm = Llama(str(path), n_ctx=prompt_len + n_tokens + 16, n_batch=512, n_threads=torch.get_num_threads(),
+            llm = Llama(str(path), n_ctx=ctx, n_batch=512, n_threads=torch.get_num_threads(),
                         n_threads_batch=torch.get_num_threads(), verbose=False)
-            llamas.append(llm)
+            llamas[qtype] = llm
             runs["llama.cpp", qtype, 1] = llama_runner(llm, prompts[0], n_tokens)
-    progress(f"  [{name}] warm-up, then {rounds} rounds of {len(runs)} rows")
+    prefill = prefill_rows(name, prefill_runs(models, loops, twin, twin_bf16, llamas), cfg.vocab_size, rounds,
+                           progress)
+    if decode_rounds == 0:
+        runs = {}
+    decode_rounds = rounds if decode_rounds is None else decode_rounds
+    progress(f"  [{name}] warm-up, then {decode_rounds} rounds of {len(runs)} rows")
     for run in runs.values():  # warm-up: compiled kernels, allocator pools, llama.cpp's first-use work
         run()
     best: dict = {}
     tokens: dict = {}
-    for r in range(rounds):
+    for r in range(decode_rounds):
         for key, run in runs.items():
             toks, decoded, seconds = run()
             tokens[key] = toks
@@ -248,12 +347,13 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         rows.append({"config": name, "system": system, "format": fmt, "batch": B, "tok_s": 1.0 / s_per_tok,
                      "weight_bytes_per_step": numel * per_weight, "greedy_agreement": agreement(ref, tokens[system, fmt, B]),
                      "tokens": tokens[system, fmt, B]})
-    for llm in llamas:
+    for llm in llamas.values():
         llm.close()
     for m in models.values():
         free_model(m)
     facts = {"config": cfg.to_dict(), "loops": loops, "layer_passes": cfg.n_prelude + cfg.n_core * loops + cfg.n_coda,
-             "weights_read_per_step": numel, "prompt_len": prompt_len, "new_tokens": n_tokens, "rounds": rounds, **checks}
+             "weights_read_per_step": numel, "prompt_len": prompt_len, "new_tokens": n_tokens, "rounds": rounds,
+             "prefill": prefill, **checks}
     return rows, facts
 
 
@@ -321,6 +421,8 @@ def bench_peers(model_path: str | None, quick: bool):
             lines.append("")
             lines.append(describe(name, facts))
             lines += table(got, bandwidth)
+            lines.append(f"  prefill ({name}, best of {facts['rounds']} rounds, a fresh prompt per round):")
+            lines += prefill_table(facts["prefill"])
     rat = ratios(rows)
     if rat:
         lines.append("")
@@ -336,3 +438,27 @@ def bench_peers(model_path: str | None, quick: bool):
     data = {"threads": threads, "bandwidth_Bps": bandwidth, "configs": configs, "rows": rows, "ratios": rat,
             "missing_peers": missing}
     return Report(lines, data)
+
+
+def main() -> None:
+    """`python -m scripts.bench.peers --prefill [--quick] [--json PATH]`: the prefill rows only."""
+    args = sys.argv[1:]
+    if "--prefill" not in args:
+        raise SystemExit("usage: python -m scripts.bench.peers --prefill [--quick] [--json PATH] "
+                         "(the whole section: tinyloop bench --peers)")
+    quick = "--quick" in args
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tinyloop-prefill-") as tmp:
+        for name, cfg in (QUICK if quick else CONFIGS).items():
+            _, facts = bench_config(name, cfg, prompt_len=8, n_tokens=8, rounds=1 if quick else 3, tmp=Path(tmp),
+                                    echo=print, progress=lambda t: print(t, file=sys.stderr, flush=True),
+                                    decode_rounds=0)
+            print(f"{name}: prefill tok/s, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
+            print("\n".join(prefill_table(facts["prefill"])), flush=True)
+            out[name] = facts["prefill"]
+    if "--json" in args:
+        Path(args[args.index("--json") + 1]).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,8 @@
 Decode at batch 1 is bound by reading weight bytes, and torch's CPU products stream the small matrices of a
 decode step well below the machine's read bandwidth (int8 and int4 worst). cpu_gemv.c streams W once for any
 batch, in its stored format, split over threads by rows.
+Past the engine's lanes (prefill chunks) a product is bound by multiply-adds instead: `linear(..., tiled=True)` runs
+cpu_gemv.c's tiled GEMM (AVX-512, integer dot products for act_quant int8 / int4), where gemm_available().
 
 The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) into a cache directory, keyed by
 a hash of the source, flags, compiler and CPU, and loads with ctypes (which releases the GIL during a call).
@@ -51,6 +53,7 @@ MAX_ROWS = {"fp32": 32, "bf16": 32, "int8": 32, "int4": 32}
 _lib: ctypes.CDLL | None = None
 _state: str = "unknown"  # "unknown" -> "ok" | "off"
 _warned_off = False
+_gemm: bool | None = None  # tl_gemm_ok(), asked once
 
 
 def _cache_dir() -> Path:
@@ -119,6 +122,8 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_linear_bf16.argtypes = [p, p, p, L, L, L, i]
     lib.tl_linear_int8.argtypes = [p, p, p, p, L, L, L, i, i]
     lib.tl_linear_int4.argtypes = [p, p, p, p, L, L, L, L, i, i]
+    lib.tl_gemm.argtypes = [i, p, p, p, p, L, L, L, L, i, i]
+    lib.tl_gemm.restype = None
     lib.tl_stream_read.argtypes = [p, L, i]
     lib.tl_stream_read.restype = ctypes.c_double
     lib.tl_huge_pages.argtypes = [p, L]
@@ -145,6 +150,19 @@ def available() -> bool:
     return _load() is not None
 
 
+def gemm_available() -> bool:
+    """True when the tiled many-row product (cpu_gemv.c: tl_gemm, AVX-512 with VNNI) runs here."""
+    global _gemm
+    if os.environ.get("TINYLOOP_CPU_GEMM", "").strip() == "0":
+        return False  # read on every call, like TINYLOOP_CPU_KERNELS: benches compare both paths in one process
+    lib = _load()
+    if lib is None:
+        return False
+    if _gemm is None:
+        _gemm = bool(lib.tl_gemm_ok())
+    return _gemm
+
+
 def _lib_or_raise() -> ctypes.CDLL:
     lib = _load()
     if lib is None:
@@ -160,7 +178,8 @@ def _check(t: torch.Tensor, dtype: torch.dtype, shape: tuple, what: str) -> None
                       f"{t.dtype} {list(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
 
 
-def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None = None, tiled: bool = False
+           ) -> torch.Tensor:
     """y [B, N] fp32 = x [B, K] @ dequantize(w).T, streaming w once in its stored format.
 
     act_quant (int8 / int4 weights only; None: the matrix's own act_quant): quantise x to int8 per block of 32 and
@@ -169,6 +188,9 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
     up to fp32 rounding; a row's result is bitwise the same whatever the batch it is multiplied in and whatever the
     thread count (batch invariance: one summation order per element).
     threads 0 = torch.get_num_threads().
+    tiled: the GEMM for many rows (tl_gemm; only where gemm_available()): x rows packed into tiles of 16, each
+    weight broadcast over 48 rows, act_quant on integers (VNNI). The same product to fp32 rounding, but NOT
+    batch-invariant, so the dispatcher uses it only past the engine's lanes (kernels/linear.py).
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
     """
@@ -176,6 +198,8 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
         raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
                           f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
+    if tiled and not gemm_available():
+        raise ConfigError("the tiled CPU product needs AVX-512 with VNNI (cpu.gemm_available() is False)")
     if not x.is_contiguous():
         x = x.contiguous()
     B, K = x.shape
@@ -188,7 +212,10 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
         y = torch.empty(B, N, dtype=torch.float32)
         if B and N:
             _check(w, torch.float32, (N, K), "fp32 weight")
-            lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
+            if tiled:
+                lib.tl_gemm(0, x.data_ptr(), w.data_ptr(), None, y.data_ptr(), B, N, K, 0, 0, t)
+            else:
+                lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
         return y
     fmt, data = w.fmt, w.data
     N = data.shape[0]
@@ -202,10 +229,17 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
         return y
     if fmt == "bf16":
         _check(data, torch.bfloat16, (N, K), "bf16 weight data")
+        if tiled:
+            lib.tl_gemm(1, x.data_ptr(), data.data_ptr(), None, y.data_ptr(), B, N, K, 0, 0, t)
+            return y
         lib.tl_linear_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), B, N, K, t)
     elif fmt == "int8":
         _check(data, torch.int8, (N, K), "int8 weight data")
         _check(w.scale, torch.float32, (N,), "int8 weight scale")
+        if tiled:
+            lib.tl_gemm(2, x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, 0,
+                        int(act_quant), t)
+            return y
         lib.tl_linear_int8(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
                            int(act_quant), t)
     elif fmt == "int4":
@@ -213,6 +247,10 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
             raise ConfigError(f"int4 group {w.group} must be a positive multiple of {INT4_BLOCK} dividing K={K}")
         _check(data, torch.uint8, (N, K // 2), "int4 weight data")
         _check(w.scale, torch.float32, (N, K // w.group), "int4 weight scale")
+        if tiled:
+            lib.tl_gemm(3, x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
+                        int(act_quant), t)
+            return y
         lib.tl_linear_int4(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
                            int(act_quant), t)
     else:

@@ -638,3 +638,259 @@ long tl_huge_pages(void *p, long bytes) {
     }
     return 0;
 }
+
+// ---- many rows (prefill chunks, batches past the engine's 32 lanes): tiled GEMM on AVX-512
+//
+// The products above keep W rows in registers and walk x rows: right at few rows, where W's bytes are the cost.
+// With many rows the multiply-adds are the cost, and a dot-product tile (R W rows x BT x rows, each accumulator
+// a vector along k, a horizontal sum per element) spends a load per fma. Here a vector runs along 16 x rows
+// instead: x is packed once per call into tiles of 16 rows, column-major within the tile (xp[t][k][16]), and each
+// weight is broadcast from its stored row and feeds MB x vectors. A tile of R = 8 W rows x MB = 3 x vectors
+// (48 rows) is 24 fmas per 3 + 8 loads, no horizontal sums, and each W panel is read once per 48 rows, from L1.
+//   fp32: W rows as stored; bf16 and weight-only int8 / int4: a panel of R rows widened to fp32 once per chunk
+//         of x (the same values the row kernels use), then the fp32 tile.
+//   act_quant int8 / int4: x quantised per block of 32 as in quant_x (same q and scales, so the same product as
+//         formats.reference_linear up to fp32 rounding), stored as q + 128 (vpdpbusd multiplies unsigned by
+//         signed bytes); vpdpbusd sums 4 products per lane, 64 per instruction. Per block of 32 the int32 sums
+//         start at -128 * sum(w block) (the +128's share, precomputed per panel), then scale into fp32
+//         accumulators by the x block's scales (a vector: one per x row) and, for int4, the weight group's scale.
+//         int4 panels are unpacked to int8 (q - 8) once per chunk.
+// Not batch-invariant (the summation order differs from the row kernels): the dispatcher sends only products of
+// more rows than the engine's lanes here, which torch's GEMM ran before.
+// Chunks: x tiles are taken in chunks of about 1 MiB (L2 is 1-2 MiB per core on the targets), panels inside a
+// chunk split over the threads; W is read once per chunk.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TL_GEMM 1
+#define GT 16        // x rows per vector
+#define GR 8         // W rows per fp32 panel
+#define GM 3         // x vectors per fp32 tile
+#define IR 4         // W rows per integer panel
+#define IM 3         // x vectors per integer tile
+#define CHUNK_BYTES (1L << 20)
+
+// acc[r][m] holds y[b0 + 16 m + i, n + r] for lanes i: written back transposed, rows past B dropped; times
+// scale[r] after adding tail[r][b] (the int8 K tail) where given.
+INLINE void gemm_store(int R, int MB, __m512 acc[GR][GM], float *y, long ldy, long B, long b0, const float *scale) {
+    float t[GT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) {
+            _mm512_storeu_ps(t, scale ? _mm512_mul_ps(acc[r][m], _mm512_set1_ps(scale[r])) : acc[r][m]);
+            for (int i = 0; i < GT && b0 + m * GT + i < B; i++) y[(b0 + m * GT + i) * ldy + r] = t[i];
+        }
+}
+
+INLINE void f32_gemm_tile(int R, int MB, const float *w, long ldw, const float *xp, long K, float *y, long ldy,
+                          long B, long b0, const float *scale) {
+    __m512 acc[GR][GM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k++) {
+        __m512 xv[GM];
+        for (int m = 0; m < MB; m++) xv[m] = _mm512_load_ps(xp + (m * K + k) * GT);
+        for (int r = 0; r < R; r++) {
+            const __m512 wb = _mm512_set1_ps(w[r * ldw + k]);
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm512_fmadd_ps(xv[m], wb, acc[r][m]);
+        }
+    }
+    gemm_store(R, MB, acc, y, ldy, B, b0, scale);
+}
+
+// xq: [t][K/4 words][16] of q + 128; sxq: [t][KB][16]; corr: [R][KB]; wsc: [R][G] (int4) or 0 (int8).
+INLINE void int_gemm_tile(int R, int MB, const int8_t *w, long ldw, const int32_t *corr, const float *wsc, long G,
+                          long bpg, const int32_t *xq, const float *sxq, long KB, float *y, long ldy, long B,
+                          long b0, const float *scale) {
+    __m512 acc[GR][GM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
+    // g: the weight group of block blk, counted up (a division per block cost ~a third of an int4 tile)
+    for (long blk = 0, g = 0, in_g = 0; blk < KB; blk++) {
+        __m512i ai[IR][IM];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MB; m++) ai[r][m] = _mm512_set1_epi32(corr[r * KB + blk]);
+        const int32_t *xb = xq + blk * 8 * GT;
+        // fully unrolled: otherwise gcc copies every accumulator after each vpdpbusd (a move per instruction)
+#pragma GCC unroll 8
+        for (int s = 0; s < QB / 4; s++) {
+            __m512i xv[IM];
+            for (int m = 0; m < MB; m++) xv[m] = _mm512_load_si512(xb + (m * KB * 8 + s) * GT);
+            for (int r = 0; r < R; r++) {
+                int32_t wd;
+                memcpy(&wd, w + r * ldw + blk * QB + 4 * s, 4);
+                const __m512i wb = _mm512_set1_epi32(wd);
+                for (int m = 0; m < MB; m++) ai[r][m] = _mm512_dpbusd_epi32(ai[r][m], xv[m], wb);
+            }
+        }
+        for (int m = 0; m < MB; m++) {
+            const __m512 sv = _mm512_load_ps(sxq + (m * KB + blk) * GT);
+            for (int r = 0; r < R; r++) {
+                const __m512 d = wsc ? _mm512_mul_ps(sv, _mm512_set1_ps(wsc[r * G + g])) : sv;
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][m]), d, acc[r][m]);
+            }
+        }
+        if (++in_g == bpg) in_g = 0, g++;
+    }
+    gemm_store(R, MB, acc, y, ldy, B, b0, scale);
+}
+
+#define GSWITCH_MB(R_, mb, TILE)                                                         \
+    switch (mb) { case 1: TILE(R_, 1); break; case 2: TILE(R_, 2); break; default: TILE(R_, 3); break; }
+#define GSWITCH(R, mb, TILE)                                                             \
+    switch (R) {                                                                         \
+        case 1: GSWITCH_MB(1, mb, TILE) break; case 2: GSWITCH_MB(2, mb, TILE) break;    \
+        case 3: GSWITCH_MB(3, mb, TILE) break; case 4: GSWITCH_MB(4, mb, TILE) break;    \
+        case 5: GSWITCH_MB(5, mb, TILE) break; case 6: GSWITCH_MB(6, mb, TILE) break;    \
+        case 7: GSWITCH_MB(7, mb, TILE) break; default: GSWITCH_MB(8, mb, TILE) break; }
+
+// x [B, K] -> tiles t0..t1-1 of xp[t][k][16], rows past B zero.
+static void pack_f32(const float *x, long B, long K, long t, float *xp) {
+    float *d = xp + t * K * GT;
+    for (long i = 0; i < GT; i++) {
+        const long b = t * GT + i;
+        for (long k = 0; k < K; k++) d[k * GT + i] = b < B ? x[b * K + k] : 0.0f;
+    }
+}
+
+// fmt: F32, BF16, I8 (weight-only, scale per row) or 3 (int4 weight-only, group scales).
+static void gemm_widened(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N,
+                         long K, long group, int threads) {
+    const long T = (B + GT - 1) / GT, tc = CHUNK_BYTES / (K * GT * 4) < GM ? GM : CHUNK_BYTES / (K * GT * 4);
+    float *xp = aligned_alloc(64, T * K * GT * 4);
+    const long G = fmt == 3 ? K / group : 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wide = fmt == F32 ? 0 : wide_buffer(GR * K);
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) pack_f32(x, B, K, t, xp);
+        for (long c0 = 0; c0 < T; c0 += tc) {
+            const long c1 = c0 + tc < T ? c0 + tc : T;
+#pragma omp for schedule(static) nowait
+            for (long p = 0; p < (N + GR - 1) / GR; p++) {
+                const long n = p * GR, R = N - n < GR ? N - n : GR;
+                const float *wp = (const float *)w + n * K, *sc = 0;
+                if (fmt == BF16 || fmt == I8) {
+                    for (long r = 0; r < R; r++) widen_rows(fmt, 1, (const char *)w + (n + r) * K * ESZ(fmt), K, wide + r * K);
+                    wp = wide;
+                    sc = fmt == I8 ? scale + n : 0;
+                } else if (fmt == 3) {
+                    for (long r = 0; r < R; r++)
+                        widen_rows_int4(1, (const uint8_t *)w + (n + r) * (K / 2), K / 2, scale + (n + r) * G, G, group, K,
+                                        wide + r * K);
+                    wp = wide;
+                }
+                for (long t = c0; t < c1; t += GM) {
+                    const long mb = c1 - t < GM ? c1 - t : GM;
+#define TILE(R_, MB_) f32_gemm_tile(R_, MB_, wp, K, xp + t * K * GT, K, y + n, N, B, t * GT, sc)
+                    GSWITCH(R, mb, TILE)
+#undef TILE
+                }
+            }
+        }
+    }
+    free(xp);
+}
+
+// act_quant: int8 weights (group 0, scale per row) or int4 (group > 0, scale [N][K / group]).
+static void gemm_int(const float *x, const void *w, const float *scale, float *y, long B, long N, long K, long group,
+                     int threads) {
+    const long KB = K / QB, KW = KB * QB / 4, T = (B + GT - 1) / GT, G = group ? K / group : 0;
+    const long tc = CHUNK_BYTES / (KW * GT * 4) < IM ? IM : CHUNK_BYTES / (KW * GT * 4);
+    int8_t *qx = aligned_alloc(64, (B * KB * QB + 64) & ~63L);
+    float *sx = malloc((B * KB + 1) * sizeof(float));
+    int32_t *xq = aligned_alloc(64, (T * KW * GT + 16) * 4);
+    float *sxq = aligned_alloc(64, (T * KB * GT + 16) * 4);
+#pragma omp parallel num_threads(threads)
+    {
+        // per thread: the panel's int8 rows (int4 unpacked) and corrections, in the wide buffer
+        float *buf = wide_buffer(IR * (K + KB) + IR);
+        int8_t *wq = (int8_t *)buf;
+        int32_t *corr = (int32_t *)(buf + IR * K / 4 + 1);
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) quant_x(x + b * K, 1, K, KB, qx + b * KB * QB, sx + b * KB, 0);
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++)
+            for (long i = 0; i < GT; i++) {
+                const long b = t * GT + i;
+                const int32_t *src = (const int32_t *)(qx + b * KB * QB);
+                for (long j = 0; j < KW; j++) xq[(t * KW + j) * GT + i] = b < B ? src[j] ^ (int32_t)0x80808080 : (int32_t)0x80808080;
+                for (long blk = 0; blk < KB; blk++) sxq[(t * KB + blk) * GT + i] = b < B ? sx[b * KB + blk] : 0.0f;
+            }
+        for (long c0 = 0; c0 < T; c0 += tc) {
+            const long c1 = c0 + tc < T ? c0 + tc : T;
+#pragma omp for schedule(static) nowait
+            for (long p = 0; p < (N + IR - 1) / IR; p++) {
+                const long n = p * IR, R = N - n < IR ? N - n : IR;
+                const int8_t *wp = (const int8_t *)w + n * K;
+                long ldw = K;
+                if (group) {  // int4: byte j of a block holds value j (low nibble) and j + 16 (high); q - 8
+                    const __m128i lo = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+                    for (long r = 0; r < R; r++)
+                        for (long blk = 0; blk < KB; blk++) {
+                            const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + (n + r) * (K / 2) +
+                                                                                blk * QB / 2));
+                            int8_t *d = wq + r * K + blk * QB;
+                            _mm_storeu_si128((__m128i *)d, _mm_sub_epi8(_mm_and_si128(v, lo), eight));
+                            _mm_storeu_si128((__m128i *)(d + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), lo), eight));
+                        }
+                    wp = wq;
+                }
+                // the +128 of x's bytes, per block: sad sums (w ^ 0x80) = w + 128 as unsigned bytes
+                for (long r = 0; r < R; r++)
+                    for (long blk = 0; blk < KB; blk++) {
+                        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + r * ldw + blk * QB)),
+                                                           _mm256_set1_epi8((char)0x80));
+                        const __m256i q = _mm256_sad_epu8(v, _mm256_setzero_si256());
+                        const long sum = _mm256_extract_epi64(q, 0) + _mm256_extract_epi64(q, 1) +
+                                         _mm256_extract_epi64(q, 2) + _mm256_extract_epi64(q, 3) - 128 * QB;
+                        corr[r * KB + blk] = (int32_t)(-128 * sum);
+                    }
+                for (long t = c0; t < c1; t += IM) {
+                    const long mb = c1 - t < IM ? c1 - t : IM;
+                    const float *wsc = group ? scale + n * G : 0, *rsc = group ? 0 : scale + n;
+                    float *yt = y + n;
+#define TILE(R_, MB_)                                                                                          \
+    int_gemm_tile(R_, MB_, wp, ldw, corr, wsc, G, group / QB, xq + t * KW * GT, sxq + t * KB * GT, KB, yt, N, B, \
+                  t * GT, KB * QB < K ? 0 : rsc)
+                    switch (R) { case 1: GSWITCH_MB(1, mb, TILE) break; case 2: GSWITCH_MB(2, mb, TILE) break;
+                                 case 3: GSWITCH_MB(3, mb, TILE) break; default: GSWITCH_MB(4, mb, TILE) break; }
+#undef TILE
+                    if (KB * QB < K)  // int8's K tail in fp32 (x not quantised there, as in quant_x), then the scale
+                        for (long b = t * GT; b < B && b < (t + mb) * GT; b++)
+                            for (long r = 0; r < R; r++) {
+                                float s = 0;
+                                for (long k = KB * QB; k < K; k++) s += x[b * K + k] * (float)wp[r * ldw + k];
+                                yt[b * N + r] = (yt[b * N + r] + s) * rsc[r];
+                            }
+                }
+            }
+        }
+    }
+    free(qx);
+    free(sx);
+    free(xq);
+    free(sxq);
+}
+#endif
+
+// 1 when the tiled GEMM below is compiled in and this CPU runs it; 0: callers keep another product for many rows.
+int tl_gemm_ok(void) {
+#ifdef TL_GEMM
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+// y[B, N] = x[B, K] @ W^T for many rows. fmt 0 fp32, 1 bf16, 2 int8 (scale [N]), 3 int4 (scale [N][K / group]);
+// act_quant: int8 / int4 on integers. Only where tl_gemm_ok().
+void tl_gemm(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N, long K, long group,
+             int act_quant, int threads) {
+#ifdef TL_GEMM
+    if (act_quant && fmt >= 2) gemm_int(x, w, scale, y, B, N, K, fmt == 3 ? group : 0, threads);
+    else gemm_widened(fmt == 0 ? F32 : fmt == 1 ? BF16 : fmt == 2 ? I8 : 3, x, w, scale, y, B, N, K, group, threads);
+#else
+    (void)fmt, (void)x, (void)w, (void)scale, (void)y, (void)B, (void)N, (void)K, (void)group, (void)act_quant,
+        (void)threads;
+#endif
+}

@@ -5,10 +5,12 @@ Which implementation runs (the weights are held once, in their format's layout, 
   CPU, few rows      tinyloop/kernels/cpu.py's kernels (weights streamed once for all rows, both cores), up to
                      cpu.max_rows(format) = 32 rows, the engine's lane cap: their result for a row does not depend
                      on the batch it is in, so a decode step gives a request the same bits alone or batched
-  CPU, more rows     fp32: MKL (F.linear); bf16/int8/int4: widened to fp32 per product, then MKL (a prefill chunk
-                     is compute-bound, so the widening is paid once for all its rows; torch's int8 weight-only
-                     GEMM took 634 ms where this takes 16, 256 rows x a 4096 x 768 matrix); an act_quant matrix's
-                     rows are quantised first (formats.reference_linear), so every path computes the same product
+  CPU, more rows     cpu.py's tiled GEMM (tl_gemm, AVX-512 + VNNI: x rows in tiles of 16, each weight broadcast
+                     over 48 rows, act_quant int8/int4 on integer dot products), for every format: prefill chunks and
+                     batches past the lanes are compute-bound, and it runs 1.3-1.5x MKL's fp32 rate per core, the
+                     integer formats 2-3x (docs/kernels.md). Not batch-invariant, hence only past the lanes.
+  CPU, more rows,    fp32: MKL (F.linear); bf16/int8/int4: widened to fp32 per product, then MKL; an act_quant
+  no AVX-512 VNNI    matrix's rows are quantised first (formats.reference_linear): every path computes one product
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def _product(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor
     on_cpu = x.device.type == "cpu"
     fmt = w.fmt if isinstance(w, QMatrix) else "fp32"
     c_kernel = on_cpu and (any_rows or x.shape[0] <= cpu.max_rows(fmt)) and cpu.available()
+    if on_cpu and not c_kernel and _tiled_ok(x, w):
+        return cpu.linear(x, w, tiled=True)
     if isinstance(w, torch.Tensor):
         if c_kernel and w.dtype == torch.float32:
             return cpu.linear(x.float(), w)
@@ -47,3 +51,13 @@ def _product(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor
     if c_kernel:
         return cpu.linear(x.float(), w)
     return reference_linear(x, w)
+
+
+def _tiled_ok(x: torch.Tensor, w: Matrix) -> bool:
+    """The tiled GEMM takes fp32 rows and no autograd (a product that trains keeps torch's)."""
+    wt = isinstance(w, torch.Tensor)
+    if x.dtype != torch.float32 or (wt and w.dtype != torch.float32):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (wt and w.requires_grad)):
+        return False
+    return cpu.gemm_available()

@@ -1,0 +1,113 @@
+"""The tiled many-row CPU product (cpu_gemv.c: tl_gemm) against formats.reference_linear, and where the dispatcher
+(kernels/linear.py) sends products of many rows."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tinyloop import formats
+from tinyloop.errors import ConfigError
+from tinyloop.kernels import cpu
+from tinyloop.kernels.linear import linear
+
+
+def tiled(x: torch.Tensor, w, **kw) -> torch.Tensor | None:
+    """The tiled product; on a CPU without the tiles (no AVX-512 VNNI) the ConfigError the dispatcher relies on to
+    keep the row kernels (then None: nothing tiled to compare)."""
+    if cpu.gemm_available():
+        return cpu.linear(x, w, tiled=True, **kw)
+    with pytest.raises(ConfigError):
+        cpu.linear(x, w, tiled=True, **kw)
+    return None
+
+
+# (fmt, N, K, group): N not a multiple of the panels (8 fp32 rows, 4 integer rows), K tails for fp32 / bf16 / int8
+# (100: not a multiple of 32, the int8 tail in fp32), int4 groups 32 and 64 and an odd count of 32-blocks (96).
+SHAPES = [("fp32", 37, 100, 32), ("fp32", 64, 768, 32), ("bf16", 37, 200, 32), ("bf16", 21, 768, 32),
+          ("int8", 37, 100, 32), ("int8", 33, 768, 32), ("int4", 37, 96, 32), ("int4", 64, 768, 64),
+          ("int4", 21, 544, 32)]
+ROWS = (1, 15, 33, 48, 49, 100, 300)  # partial tiles of 16 rows, one and several 48-row tiles, several chunks
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+def make(fmt: str, N: int, K: int, group: int, act_quant: bool = False) -> formats.Matrix:
+    w = formats.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.02, fmt, group)
+    return dataclasses.replace(w, act_quant=True) if act_quant else w
+
+
+CASES = [(*shape, act_quant) for shape in SHAPES for act_quant in (False, True)
+         if not act_quant or shape[0] in ("int8", "int4")]  # activations are quantised for integer weights only
+
+
+@pytest.mark.parametrize("fmt,N,K,group,act_quant", CASES)
+def test_tiled_matches_reference(fmt, N, K, group, act_quant):
+    w = make(fmt, N, K, group, act_quant)
+    for B in ROWS:
+        x = torch.randn(B, K, generator=torch.Generator().manual_seed(B))
+        y = tiled(x, w)
+        if y is None:
+            return
+        assert y.shape == (B, N)
+        assert rel_err(y, formats.reference_linear(x, w)) < 1e-5, B
+
+
+def test_tiled_in_a_long_chunk_of_rows():
+    """Rows past one chunk of x tiles (about 1 MiB: 512 fp32 rows of K = 2048 are four chunks) come out right."""
+    w = make("fp32", 24, 2048, 32)
+    x = torch.randn(512, 2048, generator=torch.Generator().manual_seed(1))
+    y = tiled(x, w)
+    assert y is None or rel_err(y, formats.reference_linear(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_tiled_threads_agree(fmt):
+    """Threads split the weight rows, never the K sum: the thread count changes no bit."""
+    w = make(fmt, 101, 256, 32, act_quant=fmt in ("int8", "int4"))
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(2))
+    one = tiled(x, w, threads=1)
+    assert one is None or torch.equal(one, tiled(x, w, threads=2))
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_tiled_row_view(fmt):
+    """QMatrix.rows(a, b) (the k|v rows of a fused qkv) multiplies as the rows it stands for."""
+    w = make(fmt, 96, 256, 32)
+    part = w[40:71] if fmt == "fp32" else w.rows(40, 71)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    y = tiled(x, part)
+    assert y is None or rel_err(y, formats.reference_linear(x, w)[:, 40:71]) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_dispatcher_sends_many_rows_to_the_tiles(fmt):
+    """Up to the 32 lanes the batch-invariant row kernels run; past them the tiles (where the CPU has them, else the
+    row kernels); any_rows keeps the row kernels."""
+    w = make(fmt, 48, 256, 32, act_quant=fmt in ("int8", "int4"))
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
+    many = tiled(x, w)
+    assert torch.equal(linear(x, w), cpu.linear(x, w) if many is None else many)
+    assert torch.equal(linear(x[:32], w), cpu.linear(x[:32], w))
+    assert torch.equal(linear(x, w, any_rows=True), cpu.linear(x, w))
+
+
+def test_dispatcher_keeps_autograd():
+    """A product that trains (x or W needs a gradient) stays torch's, so gradients flow."""
+    W = (torch.randn(48, 64) * 0.02).requires_grad_()
+    x = torch.randn(40, 64)
+    linear(x, W).sum().backward()
+    assert W.grad is not None and torch.allclose(W.grad, x.sum(0).expand(48, 64))
+
+
+def test_tiled_where_unavailable_raises(monkeypatch):
+    """tiled=True without the tiles is a ConfigError, never a wrong product."""
+    assert cpu.available(), "the CPU kernels must build here (a C compiler: setup_env.sh)"
+    monkeypatch.setattr(cpu, "_gemm", False)
+    with pytest.raises(ConfigError):
+        cpu.linear(torch.randn(40, 64), torch.randn(8, 64), tiled=True)
+    x, W = torch.randn(40, 64), torch.randn(8, 64)
+    assert rel_err(linear(x, W), x @ W.T) < 1e-5  # the dispatcher falls back to torch
