@@ -36,7 +36,6 @@ from ..cache import KVCache
 from ..errors import BudgetError, TinyLoopError
 from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
-from ..model import ExitState
 from . import forward as cached
 from .beam import BeamGroup
 from . import iteration
@@ -435,41 +434,69 @@ class Runner:
         starting = [s.place.token is None for s in rows]
         for seq, new in zip(rows, starting):
             if new:
-                exits = ExitState(net, torch.zeros(1, 1, net.cfg.d_model, device=dev), [seq.loops],
-                                  seq.threshold) if self.is_adaptive(seq.threshold) else None
-                rows_latent = cached.Latent.empty(1, 1, net)
-                seq.place.token = InFlight(0, rows_latent.e, rows_latent.s, exits)
+                fresh = cached.Latent.empty(1, 1, net)
+                seq.place.token = InFlight(0, fresh.e, fresh.s, self.is_adaptive(seq.threshold), used=seq.loops,
+                                           cdf=torch.zeros(1, 1, device=dev), rest=torch.ones(1, 1, device=dev))
         flights = [s.place.token for s in rows]
         latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
-        before = latent.s.clone() if any(f.exits is not None for f in flights) else None
+        adaptive = [b for b, f in enumerate(flights) if f.adaptive]
+        before = latent.s[adaptive].clone() if adaptive else None
         # a fixed-depth token's last pass ends with its coda and head in the same call
-        finish = [f.exits is None and f.done + 1 == s.loops for s, f in zip(rows, flights)]
+        finish = [not f.adaptive and f.done + 1 == s.loops for s, f in zip(rows, flights)]
         positions = [s.pos - s.place.prompt_row for s in rows]
         logits = iteration.iterate(net, self.cache, positions, [f.done for f in flights],
                                    [s.token if new else None for s, new in zip(rows, starting)], finish, latent,
                                    lanes=[s.place.lane for s in rows])
-        heads, ended = iter(logits), []  # (ended: early-exit tokens whose head runs below)
+        heads = iter(logits)
         for b, (seq, f) in enumerate(zip(rows, flights)):
             f.e, f.s, f.done = latent.e[b:b + 1], latent.s[b:b + 1], f.done + 1
             if finish[b]:
                 self.token_done(seq, next(heads), seq.loops)
-            elif f.exits is not None:
+        if adaptive:
+            for i, b in enumerate(adaptive):
                 if starting[b]:  # the state loop 0 started from: the initial state of its prelude output
                     at = torch.tensor([[positions[b]]], device=dev)
-                    before[b:b + 1] = net.init_state(f.e, net.make_step(at, positions[b] + 1))
-                f.exits.after(f.done - 1, [0], before[b:b + 1], f.s)
-                if f.done == seq.loops or f.exits.used[0] <= f.done and net.cfg.exit_kv == "copy":
-                    ended.append(seq)
-        if ended:
-            self.exit_heads(ended)
+                    before[i:i + 1] = net.init_state(flights[b].e, net.make_step(at, positions[b] + 1))
+            ended = self.exits([rows[b] for b in adaptive], before, latent.s[adaptive])
+            if ended:
+                self.exit_heads(ended)
         return any(s.place.logits is not None for s in rows)
+
+    def exits(self, rows: list[Sequence], s_old: torch.Tensor, s_new: torch.Tensor) -> list[Sequence]:
+        """The exit rule of every early-exit row after its pass, in one go (what model.ExitState.after does for a
+        token): the relative latent change under the row's threshold or the exit gate at 0.5, or the cdf rule's
+        cumulative exit probability; returns the rows whose token's loops are done."""
+        net, dev = self.net, s_new.device
+        flights = [s.place.token for s in rows]
+        thr = torch.tensor([s.threshold for s in rows], dtype=torch.float32, device=dev)
+        if net.cfg.exit_rule == "cdf":
+            lam = net.exit_prob(s_new).float()
+            last = torch.tensor([[f.done == s.loops] for s, f in zip(rows, flights)], device=dev)
+            rest, cdf = torch.cat([f.rest for f in flights]), torch.cat([f.cdf for f in flights])
+            cdf = cdf + torch.where(last, rest, lam * rest)
+            rest = rest * (1 - lam)
+            stop = ((cdf >= thr.unsqueeze(1)) & (thr > 0).unsqueeze(1)).all(dim=1).tolist()
+            for i, f in enumerate(flights):
+                f.cdf, f.rest = cdf[i:i + 1], rest[i:i + 1]
+        else:
+            stop = net.exit_mask(s_old, s_new, thr).tolist()
+        ended = []
+        for seq, f, row, stops in zip(rows, flights, s_new, stop):
+            if not f.chosen:
+                f.out = row.unsqueeze(0).clone()
+            f.chosen |= stops
+            if stops and f.used == seq.loops and f.done < seq.loops:
+                f.used = f.done
+            if f.done == seq.loops or f.used <= f.done and net.cfg.exit_kv == "copy":
+                ended.append(seq)
+        return ended
 
     def exit_heads(self, rows: list[Sequence]) -> None:
         """The coda and head of early-exit tokens whose loops are done, from the state they exited with, in one
         forward; their skipped loops' K/V copied from the last loop they ran."""
         net, cfg, dev = self.net, self.model.cfg, self.model.device
         for seq in rows:
-            used, want = seq.place.token.exits.used[0], seq.loops
+            used, want = seq.place.token.used, seq.loops
             if cfg.exit_kv == "copy" and used < want:
                 skipped = [(j, k) for k in range(used, want) for j in range(cfg.n_core)]
                 self.cache.copy_cell([cfg.core_slot(used - 1, j) for j, _ in skipped],
@@ -477,7 +504,7 @@ class Runner:
                                      seq.place.lane)
         view = self.cache.select([s.place.lane for s in rows])
         positions = torch.tensor([[s.pos - s.place.prompt_row] for s in rows], device=dev)
-        out = torch.cat([s.place.token.exits.out for s in rows])
+        out = torch.cat([s.place.token.out for s in rows])
         latent = cached.Latent(torch.cat([s.place.token.e for s in rows]), out.contiguous())
         try:
             logits = cached.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
@@ -485,7 +512,7 @@ class Runner:
         finally:
             view.commit()
         for seq, row in zip(rows, logits):
-            self.token_done(seq, row, seq.place.token.exits.used[0])
+            self.token_done(seq, row, seq.place.token.used)
 
     def token_done(self, seq: Sequence, logits: torch.Tensor, used: int) -> None:
         """A token's loops are done: its logits are the lane's fresh logits (what a decode row gives)."""

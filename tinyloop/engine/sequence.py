@@ -36,11 +36,18 @@ class Place:
 @dataclasses.dataclass
 class InFlight:
     """A token between loop iterations (continuous-depth batching, Runner.iterate): the passes it has run, its latent
-    rows (the prelude's output e and the state s, [1, 1, d] each), and its early-exit bookkeeping."""
+    rows (the prelude's output e and the state s, [1, 1, d] each), and, for a lane that may exit early, what the
+    model's ExitState keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
+    used, and the cdf rule's cumulative exit probability and the mass left ([1, 1] each)."""
     done: int
     e: torch.Tensor
     s: torch.Tensor
-    exits: object | None  # model.ExitState of an early-exit lane (None: fixed depth)
+    adaptive: bool = False
+    out: torch.Tensor | None = None
+    chosen: bool = False
+    used: int = 0
+    cdf: torch.Tensor | None = None
+    rest: torch.Tensor | None = None
 
 
 class Sequence:
