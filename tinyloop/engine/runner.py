@@ -105,8 +105,7 @@ class Runner:
                loops: list[int] | int | None = None, threshold: list[float] | float | None = None
                ) -> tuple[torch.Tensor, list[int]]:
         """One token per lane (lanes 0..B-1 of `cache`, default the runner's), each lane at its own loop count and
-        threshold (lists, or one value for all): logits [B, V] and the loops each lane ran. Subclasses may answer
-        from elsewhere (resume's refine verifies a guessed continuation)."""
+        threshold (lists, or one value for all): logits [B, V] and the loops each lane ran."""
         cache = self.cache if cache is None else cache
         B = len(tokens)
         loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
@@ -164,7 +163,7 @@ class Runner:
             logits, at.first = at.first(seq), None
             seq.loop_counts.append(seq.loops)
         elif len(seq.prompt) == 1 and self.is_adaptive(seq.threshold):
-            row, used = Runner.decode(self, [seq.prompt[-1]], [0], self.lane(at.lane), seq.loops, seq.threshold)
+            row, used = self.decode([seq.prompt[-1]], [0], self.lane(at.lane), seq.loops, seq.threshold)
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
@@ -600,7 +599,7 @@ class Runner:
             seq.token, seq.pos, seq.loop_counts = pending, pos, counts
             return
         for j, token in enumerate(fed):
-            Runner.decode(self, [token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
+            self.decode([token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
 
     def recompute_beam(self, members: list[Sequence]) -> None:
         """Rebuild a preempted beam request's lanes: its prompt's chunks once, shared by every hypothesis's lane
@@ -613,7 +612,7 @@ class Runner:
         for m in members:
             m.place.cached = P
             for j, token in enumerate(m.history[P:-1]):
-                Runner.decode(self, [token], [P + j], self.lane(m.place.lane), m.loops, m.threshold)
+                self.decode([token], [P + j], self.lane(m.place.lane), m.loops, m.threshold)
 
     def preempt(self, seq: Sequence) -> None:
         log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps,
