@@ -327,14 +327,7 @@ class Runner:
         if len(group) == 1 and group[0].driver is not None:
             group[0].driver.plain_row(time.perf_counter() - t)
         for r, seq in enumerate(group):
-            if seq.place.prompt_row:  # its prompt is in: what the end of a prefill does
-                seq.place.prompt_row, seq.t_prefilled = False, time.perf_counter()
-                if self.prefixes is not None:
-                    self.prefixes.keep(seq.prompt, seq.loops, self.lane(seq.place.lane))
-            else:
-                seq.pos += 1
-            seq.loop_counts.append(used[r])
-            seq.place.logits = out[r]
+            self.token_done(seq, out[r], used[r])
         return finished
 
     def postprocess(self) -> list[Sequence]:
@@ -514,7 +507,8 @@ class Runner:
             self.token_done(seq, row, seq.place.token.used)
 
     def token_done(self, seq: Sequence, logits: torch.Tensor, used: int) -> None:
-        """A token's loops are done: its logits are the lane's fresh logits (what a decode row gives)."""
+        """A fed token's forward is done (a decode row, or its last loop iteration): its logits are the lane's fresh
+        logits."""
         seq.place.token = None
         if seq.place.prompt_row:  # its prompt is in: what the end of a prefill does
             seq.place.prompt_row, seq.t_prefilled = False, time.perf_counter()
