@@ -666,6 +666,19 @@ class LoopedLM(nn.Module):
         return self.decode_head(exits.out, ctx), exits.used
 
 
+def exit_stops(net: LoopedLM, s_old: torch.Tensor | None, s_new: torch.Tensor, thr: torch.Tensor, last: torch.Tensor,
+               cdf: torch.Tensor, rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One loop's exit decision for lanes [B] of tokens [T] (states s_old -> s_new [B, T, d], thresholds thr [B],
+    `last` [B, 1]: the lane's last loop): which tokens may stop [B, T], and the cdf rule's cumulative exit probability
+    and the mass left after this loop ([B, T] each; unchanged under the latent rule). Shared by ExitState (a forward
+    of whole tokens) and the runner's loop-iteration steps."""
+    if net.cfg.exit_rule != "cdf":
+        return net.exit_mask(s_old, s_new, thr).unsqueeze(1).expand(-1, s_new.shape[1]), cdf, rest
+    lam = net.exit_prob(s_new).float()
+    cdf = cdf + torch.where(last, rest, lam * rest)
+    return (cdf >= thr.unsqueeze(1)) & (thr > 0).unsqueeze(1), cdf, rest * (1 - lam)
+
+
 class ExitState:
     """Early-exit bookkeeping of a forward: which loop each lane (or, in a chunk under the cdf rule, each token)
     exits at, and the states to take logits from.
@@ -687,16 +700,9 @@ class ExitState:
     def after(self, k: int, lanes: list[int], s_old: torch.Tensor | None, s_new: torch.Tensor) -> None:
         """Loop k (0-based) of `lanes` gave states s_new [len(lanes), T, d] from s_old."""
         idx = torch.tensor(lanes, device=s_new.device)
-        thr = self.thr[idx]
-        if self.net.cfg.exit_rule == "cdf":
-            lam = self.net.exit_prob(s_new).float()
-            last = torch.tensor([k == self.want[i] - 1 for i in lanes], device=s_new.device).unsqueeze(1)
-            rest = self.rest[idx]
-            self.cdf[idx] += torch.where(last, rest, lam * rest)
-            self.rest[idx] = rest * (1 - lam)
-            stop = (self.cdf[idx] >= thr.unsqueeze(1)) & (thr > 0).unsqueeze(1)
-        else:
-            stop = self.net.exit_mask(s_old, s_new, thr).unsqueeze(1).expand(-1, s_new.shape[1])
+        last = torch.tensor([k == self.want[i] - 1 for i in lanes], device=s_new.device).unsqueeze(1)
+        stop, self.cdf[idx], self.rest[idx] = exit_stops(self.net, s_old, s_new, self.thr[idx], last, self.cdf[idx],
+                                                         self.rest[idx])
         fresh = ~self.chosen[idx]
         self.out[idx] = torch.where(fresh.unsqueeze(-1), s_new, self.out[idx])
         self.chosen[idx] |= stop

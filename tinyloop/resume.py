@@ -203,20 +203,20 @@ def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken
         seq = Sequence(model, ids, cfg, on_token)
         seq.on_result = lambda res: setattr(handle, "draft", res.tokens)
         return seq, 0, None
+    sc = None
     if L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive and not cfg.cache_window:
         # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
         sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
         seq = speculative_sequence(model, ids, sc, cfg, on_token, handle.draft)
-        reused = lambda: seq.stats.accepted
     else:
         seq = Sequence(model, ids, cfg, on_token)
         if not (adaptive or cfg.cache_window):
             # early exit decides per token, not per chunk; a ring would need room for the chunk's extra cells
             seq.driver = GuessFollower(seq, handle.draft[:cfg.max_tokens - 1], L)
-        reused = lambda: seq.stats.draft_reused_tokens
 
     def done(res: GenerateResult) -> None:
-        res.stats.draft_reused_tokens = reused()
+        if sc is not None:  # the answer tokens a self-speculative refine took from drafts at the handle's depth
+            res.stats.draft_reused_tokens = res.stats.accepted
         handle.draft = res.tokens
 
     def first(seq: Sequence) -> torch.Tensor:

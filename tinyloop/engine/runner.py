@@ -36,6 +36,7 @@ from ..cache import KVCache
 from ..errors import BudgetError, TinyLoopError
 from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
+from ..model import exit_stops
 from . import forward as cached
 from .beam import BeamGroup
 from . import iteration
@@ -342,20 +343,15 @@ class Runner:
             tokens = [self.guarded(s.sample, s.place.logits) for s in fresh]
         for seq, token in zip(fresh, tokens):
             seq.place.logits = None
-            alive = token if isinstance(token, Exception) else self.guarded(seq.take, token)
-            if isinstance(alive, Exception):
-                finished.append(self.fail(seq, alive))
-            elif not alive:
-                self.release(seq)
-                finished.append(seq)
+            ended = self.ended(seq, token if isinstance(token, Exception) else self.guarded(seq.take, token))
+            if ended is not None:
+                finished.append(ended)
         for seq in [s for s in self.admitted if s.place.decided]:  # a driver's round decided these: take them in turn
             decided, seq.place.decided = seq.place.decided, []
             for token in decided:
-                alive = self.guarded(seq.take, token)
-                if isinstance(alive, Exception) or not alive:
-                    finished.append(self.fail(seq, alive) if isinstance(alive, Exception) else seq)
-                    if not isinstance(alive, Exception):
-                        self.release(seq)
+                ended = self.ended(seq, self.guarded(seq.take, token))
+                if ended is not None:
+                    finished.append(ended)
                     break
             else:
                 seq.pos += len(decided)
@@ -375,6 +371,16 @@ class Runner:
                 self.release(group.root)
                 finished.append(group.root)
         return finished
+
+    def ended(self, seq: Sequence, alive: object) -> Sequence | None:
+        """After a take (its result, or the exception it raised): the request if it ended, its lane given back (a
+        fault of its own fails it alone), else None."""
+        if isinstance(alive, Exception):
+            return self.fail(seq, alive)
+        if not alive:
+            self.release(seq)
+            return seq
+        return None
 
     @staticmethod
     def guarded(fn: Callable, *args: object) -> object:
@@ -426,9 +432,11 @@ class Runner:
         starting = [s.place.token is None for s in rows]
         for seq, new in zip(rows, starting):
             if new:
-                fresh = cached.Latent.empty(1, 1, net)
-                seq.place.token = InFlight(0, fresh.e, fresh.s, self.is_adaptive(seq.threshold), used=seq.loops,
-                                           cdf=torch.zeros(1, 1, device=dev), rest=torch.ones(1, 1, device=dev))
+                fresh, adaptive = cached.Latent.empty(1, 1, net), self.is_adaptive(seq.threshold)
+                seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops)
+                if adaptive:  # (the cdf rule's exit probability so far, and the mass left)
+                    flight = seq.place.token
+                    flight.cdf, flight.rest = torch.zeros(1, 1, device=dev), torch.ones(1, 1, device=dev)
         flights = [s.place.token for s in rows]
         latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
         adaptive = [b for b, f in enumerate(flights) if f.adaptive]
@@ -461,17 +469,12 @@ class Runner:
         net, dev = self.net, s_new.device
         flights = [s.place.token for s in rows]
         thr = torch.tensor([s.threshold for s in rows], dtype=torch.float32, device=dev)
-        if net.cfg.exit_rule == "cdf":
-            lam = net.exit_prob(s_new).float()
-            last = torch.tensor([[f.done == s.loops] for s, f in zip(rows, flights)], device=dev)
-            rest, cdf = torch.cat([f.rest for f in flights]), torch.cat([f.cdf for f in flights])
-            cdf = cdf + torch.where(last, rest, lam * rest)
-            rest = rest * (1 - lam)
-            stop = ((cdf >= thr.unsqueeze(1)) & (thr > 0).unsqueeze(1)).all(dim=1).tolist()
-            for i, f in enumerate(flights):
-                f.cdf, f.rest = cdf[i:i + 1], rest[i:i + 1]
-        else:
-            stop = net.exit_mask(s_old, s_new, thr).tolist()
+        last = torch.tensor([[f.done == s.loops] for s, f in zip(rows, flights)], device=dev)
+        cdf, rest = torch.cat([f.cdf for f in flights]), torch.cat([f.rest for f in flights])
+        stop, cdf, rest = exit_stops(net, s_old, s_new, thr, last, cdf, rest)
+        for i, f in enumerate(flights):
+            f.cdf, f.rest = cdf[i:i + 1], rest[i:i + 1]
+        stop = stop.all(dim=1).tolist()
         ended = []
         for seq, f, row, stops in zip(rows, flights, s_new, stop):
             if not f.chosen:
