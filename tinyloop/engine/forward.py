@@ -297,7 +297,7 @@ def decode_threads(lanes: int, cfg, cache: KVCache | None = None, c_blocks: bool
     return 1 if lanes * cfg.d_model * cfg.d_model < 2 ** 18 else 0
 
 
-class _threads:
+class torch_threads:
     """torch's intra-op threads set to n for a block (0: unchanged)."""
 
     def __init__(self, n: int):
@@ -323,8 +323,8 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     cpu_rows = rows and ids.device.type == "cpu"
     c_blocks = cpu_rows and cpu_block.supported(net.cfg, cache, ids.shape[0], net.embed.weight.dtype)
     threads = decode_threads(ids.shape[0], net.cfg, c_blocks=c_blocks) if cpu_rows else 0
-    with _threads(threads):
-        plan = _c_step(net, cache) if c_blocks and not exit_threshold else None
+    with torch_threads(threads):
+        plan = c_step(net, cache) if c_blocks and not exit_threshold else None
         if plan is not None:  # the whole step in one C call, with the bits of the step below
             logits = plan.run(cache, step.pos.reshape(-1).tolist(), 0, loops, tokens=ids.reshape(-1).tolist())
             return logits.unsqueeze(1)
@@ -337,7 +337,7 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         return logits
 
 
-def _c_step(net: LoopedLM, cache: KVCache) -> cpu_block.DecodeStep | None:
+def c_step(net: LoopedLM, cache: KVCache) -> cpu_block.DecodeStep | None:
     """The DecodeStep running token rows on the CPU when their blocks run in C (the caller checked
     cpu_block.supported), or None (Triton forced on the CPU runs its kernels instead)."""
     return None if use_triton(cache.device) else cpu_block.decode_step(net, fused_weights(net))
@@ -348,9 +348,9 @@ def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: i
     those rows, without building tensors the CPU's whole-step decode would only turn back into lists."""
     B, dev = len(tokens), cache.device
     if dev.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
-        plan = _c_step(net, cache)
+        plan = c_step(net, cache)
         if plan is not None:
-            with _threads(decode_threads(B, net.cfg, c_blocks=True)):
+            with torch_threads(decode_threads(B, net.cfg, c_blocks=True)):
                 return plan.run(cache, positions, 0, loops, tokens=tokens)
     ids = torch.tensor([[t] for t in tokens], device=dev)
     pos = torch.tensor([[p] for p in positions], device=dev)
@@ -381,7 +381,7 @@ class LoopForward:
     def __init__(self, net: LoopedLM, cache: KVCache):
         self.net, self.cache = net, cache
         cpu = cache.device.type == "cpu"
-        self.plan = _c_step(net, cache) if cpu and cpu_block.supported(net.cfg, cache, 1, net.embed.weight.dtype) \
+        self.plan = c_step(net, cache) if cpu and cpu_block.supported(net.cfg, cache, 1, net.embed.weight.dtype) \
             else None
         self.cpu = cpu
 
@@ -416,7 +416,7 @@ class LoopForward:
     def _torch(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None,
                head: bool) -> torch.Tensor | None:
         net = self.net
-        with _threads(decode_threads(step.pos.numel(), net.cfg, c_blocks=False) if self.cpu else 0):
+        with torch_threads(decode_threads(step.pos.numel(), net.cfg, c_blocks=False) if self.cpu else 0):
             return chunk_loops(net, step, self.cache, first, last, latent, ids, head)
 
 
@@ -473,7 +473,7 @@ def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], s
     """One token per lane, each lane at its own loop count, stopping early where its threshold or the model's exit
     gate says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
     threads = decode_threads(ids.shape[0], net.cfg, cache) if ids.device.type == "cpu" else 0
-    with _threads(threads):
+    with torch_threads(threads):
         return net.forward_adaptive(ids, loops, context(net, step, cache), threshold)
 
 

@@ -24,7 +24,7 @@ import torch
 from ..cache import KVCache
 from ..kernels import cpu_block
 from ..model import LoopedLM
-from .forward import Cached, Latent, _c_step, _threads, context, decode_threads
+from .forward import Cached, Latent, c_step, torch_threads, context, decode_threads
 
 
 def iterate(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int], tokens: list[int | None],
@@ -39,11 +39,11 @@ def iterate(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int]
     lanes = list(range(B)) if lanes is None else list(lanes)
     _check(cfg, cache, positions, loop, tokens, finish, latent, lanes)
     if cache.device.type == "cpu" and cpu_block.supported(cfg, cache, B, net.embed.weight.dtype):
-        plan = _c_step(net, cache)
+        plan = c_step(net, cache)
         if plan is not None:
-            with _threads(decode_threads(B, cfg, c_blocks=True)):
+            with torch_threads(decode_threads(B, cfg, c_blocks=True)):
                 return plan.iterate(cache, positions, loop, tokens, finish, latent.e, latent.s, lanes=lanes)
-    with _threads(decode_threads(B, cfg, c_blocks=False) if cache.device.type == "cpu" else 0):
+    with torch_threads(decode_threads(B, cfg, c_blocks=False) if cache.device.type == "cpu" else 0):
         return _torch(net, cache, positions, loop, tokens, finish, latent, lanes)
 
 
