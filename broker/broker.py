@@ -69,7 +69,7 @@ CONTINUABLE_OPS = frozenset({"generate", "generate_pool", "speculative"})
 ANSWERED_KEEP = 1024
 ANSWERED_TTL_S = 60.0
 # Readiness: error codes that mean the service failed a request (not the client's mistakes).
-SERVICE_FAULT_CODES = frozenset({Codes.RUNTIME_ERROR, Codes.WORKER_LOST, Codes.TIMEOUT})
+SERVICE_FAULT_CODES = frozenset({Codes.RUNTIME_ERROR, Codes.WORKER_LOST, Codes.TIMEOUT, Codes.FORWARD_FAILED})
 DEFAULT_READY_WINDOW_S = 60.0
 DEFAULT_READY_MAX_ERROR_RATE = 0.5
 READY_MIN_SAMPLES = 5  # fewer finished requests than this in the window say nothing about the error rate
@@ -403,6 +403,12 @@ class Broker:
     def continuable(self, req: Request) -> bool:
         return not self.why_not_continuable(req)
 
+    def may_retry(self, req: Request) -> bool:
+        """Whether a request its worker failed through no fault of its own runs again: attempts left, not cancelled,
+        not tied to its worker's handle, and nothing streamed that another run could not continue."""
+        return req.attempts < self.max_attempts and not req.cancelled and req.pinned is None and \
+            (not req.delivered or self.continuable(req))
+
     def on_cancel(self, client: bytes, client_id: str) -> None:
         key = self.by_client.get((client, client_id))
         if key is None:
@@ -553,6 +559,13 @@ class Broker:
             self.answer_done(req, result)
         elif msg["code"] == Codes.SHUTTING_DOWN and not req.delivered and not req.cancelled:
             # The worker began shutting down as this request reached it: give it to another worker.
+            self.requeue(req)
+        elif msg["code"] == Codes.FORWARD_FAILED and self.may_retry(req):
+            # A forward it shared with others failed on the worker, not through anything in the request: run it again
+            # (a stream continues after the tokens delivered), up to --max-attempts in all.
+            log.warning("retrying request %s after a failed forward on %s (attempt %d of %d)", req.client_id,
+                        worker.name, req.attempts, self.max_attempts)
+            self.metrics.retries.inc()
             self.requeue(req)
         else:
             self.answer_error(req, msg["code"], msg["message"])

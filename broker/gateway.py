@@ -50,7 +50,7 @@ BUNDLED_MODEL_ID = "tinyloop-default"
 STATUS_FOR_CODE = {
     "invalid_field": 400, "config_error": 400, "mode_error": 400, "too_large": 413, "unknown_op": 400,
     "unsupported_op": 400, "busy": 429, "timeout": 504, "shutting_down": 503, "worker_lost": 502,
-    "cancelled": 499,
+    "forward_failed": 502, "cancelled": 499,
 }
 
 

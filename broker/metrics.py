@@ -45,7 +45,7 @@ class BrokerMetrics:
         self.stop_reasons = Counter("tinyloop_stop_reasons", "Finished generations, by stop reason", ["reason"], registry=r)
         self.output_tokens = Counter("tinyloop_output_tokens", "Generated tokens", registry=r)
         self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens", registry=r)
-        self.retries = Counter("tinyloop_retries", "Requests re-queued after their worker was lost", registry=r)
+        self.retries = Counter("tinyloop_retries", "Requests re-queued after their worker was lost or a forward they shared failed", registry=r)
         self.workers_lost = Counter("tinyloop_workers_lost", "Workers that stopped heartbeating", registry=r)
         self.routed = Counter("tinyloop_routed", "Queued requests given to a free worker by cache-aware routing: to the "
                               "worker holding their prompt prefix (affinity) or not (least_loaded)", ["how"], registry=r)

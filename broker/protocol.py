@@ -65,6 +65,7 @@ class Codes:
     CONFIG_ERROR = "config_error"  # the runtime rejected a GenerateConfig field
     MODE_ERROR = "mode_error"  # the runtime rejected a combination of modes
     BUDGET = "budget"  # the request's KV blocks do not fit the worker's memory budget (tinyloop.BudgetError)
+    FORWARD_FAILED = "forward_failed"  # a forward the request shared with others failed (the broker retries it)
     RUNTIME_ERROR = "runtime_error"  # any other runtime failure on the worker
     SHUTTING_DOWN = "shutting_down"  # the broker is stopping
 
@@ -74,7 +75,7 @@ ERROR_CODES = {
 }
 
 # Errors a client may safely retry without changing the request.
-RETRYABLE_CODES = frozenset({Codes.BUSY, Codes.WORKER_LOST, Codes.SHUTTING_DOWN})
+RETRYABLE_CODES = frozenset({Codes.BUSY, Codes.WORKER_LOST, Codes.SHUTTING_DOWN, Codes.FORWARD_FAILED})
 
 
 class WorkerExit(IntEnum):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import click
@@ -24,7 +25,8 @@ import zmq
 
 import tinyloop
 from broker import launcher, protocol
-from broker.client import CONNECT_TIMEOUT_S, AsyncClient, Client, InvalidRequest, RequestTimeout, build_request
+from broker.client import (CONNECT_TIMEOUT_S, AsyncClient, Client, InvalidRequest, RequestTimeout, ServiceError,
+                           build_request)
 from test_broker import Service
 from test_gateway import free_port, wait_health
 from test_health import get
@@ -254,6 +256,48 @@ def test_client_mistakes_never_move_readiness():
     finally:
         raw.close(linger=0)
         svc.close()
+
+
+def fails_at_step_4(monkeypatch, max_attempts: int) -> launcher.LocalService:
+    """A 1-worker service whose batch's 4th step breaks its forwards once (the test-only TINYLOOP_TEST_FAIL_STEP)."""
+    monkeypatch.setenv("TINYLOOP_TEST_FAIL_STEP", "4")
+    return launcher.LocalService(1, ["--max-seq-len", "128", "--threads", "1", "--max-lanes", "4"],
+                                 broker_args=["--max-attempts", str(max_attempts), "--metrics-port", "0"],
+                                 heartbeat_interval=0.3)
+
+
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+
+
+def test_a_failed_shared_forward_is_run_again_and_its_streams_continue(monkeypatch):
+    """Item 2: a forward that breaks under three requests fails that step's lanes on the worker; the broker runs
+    again (a stream continues after what it delivered), so every answer is the clean one, no stream position comes
+    twice, and the worker was never restarted."""
+    expected = [tinyloop.generate(tinyloop.load_model(None, 128), p, tinyloop.GenerateConfig(max_tokens=12)).tokens
+                for p in PROMPTS]
+    with fails_at_step_4(monkeypatch, 2) as svc, Client(svc.frontend, timeout=60) as client:
+        worker_pid = next(iter(svc.workers.values())).pid
+        streamed = client.submit("generate", {"prompt": PROMPTS[0], "max_tokens": 12}, stream=True)
+        others = [client.submit("generate", {"prompt": p, "max_tokens": 12}) for p in PROMPTS[1:]]
+        positions = [event.pos for event in streamed]
+        replies = [streamed.result()] + [p.result() for p in others]
+        assert [r.tokens for r in replies] == expected
+        assert positions == list(range(12))
+        assert replies[0].stats["continued_after"] == 3  # the stream's tokens of steps 1-3 were not sent again
+        assert len(client.status()["workers"]) == 1 and next(iter(svc.workers.values())).pid == worker_pid
+        assert next(iter(svc.workers.values())).poll() is None
+        with urllib.request.urlopen(svc.info["metrics"] + "/metrics", timeout=5) as reply:
+            metrics = reply.read().decode()
+    retried = re.search(r"^tinyloop_retries_total (\d+)\.0$", metrics, re.M)
+    assert retried and 1 <= int(retried.group(1)) <= 3, metrics  # every request the failed step ran (at least the stream)
+
+
+def test_a_forward_that_fails_on_the_last_attempt_is_answered_forward_failed(monkeypatch):
+    with fails_at_step_4(monkeypatch, 1) as svc, Client(svc.frontend, timeout=60) as client:
+        with pytest.raises(ServiceError, match="forward_failed") as failed:
+            client.generate(PROMPTS[0], max_tokens=12)
+        assert failed.value.retryable
+        assert client.generate(PROMPTS[1], max_tokens=4).tokens  # the worker serves on
 
 
 # ---------------------------------------------------------------------------- serve's start-up

@@ -170,3 +170,29 @@ def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch):
     for i in (2, 3):
         assert answers[f"ok{i}"]["tokens"] == clean[f"c{i}"]["tokens"]
     assert tinyloop.generate(model, prompts[0], tinyloop.GenerateConfig(max_tokens=4)).stats.generated_tokens == 4
+
+
+def test_a_failed_shared_forward_fails_only_its_steps_lanes(engine):
+    """A forward that breaks through no request's fault (Runner.fail_at_step, the test-only hook the worker reads
+    from TINYLOOP_TEST_FAIL_STEP) fails the lanes of that step with forward_failed; the request still waiting for a
+    lane, and every request after, answer what a clean run does."""
+    prompts = ["def mean(xs):\n", "while True:\n", "try:\n    import json\n", "x = [i * i for i in", "# a note\n"]
+    clean, _ = run_batch(engine, [(f"c{i}", "generate", {"prompt": p, "max_tokens": 10}, None)
+                                  for i, p in enumerate(prompts)])
+    runner = engine.scheduler.runner
+    runner.fail_at_step = runner.steps + 3  # decode steps of the first four (4 lanes); the fifth waits for a lane
+    try:
+        for i, p in enumerate(prompts):
+            assert engine.join(f"r{i}", "generate", {"prompt": p, "max_tokens": 10}, None, never)
+        answers = {}
+        while len(answers) < len(prompts):
+            answers.update(engine.step())
+    finally:
+        runner.fail_at_step = None
+    for i in range(4):
+        assert answers[f"r{i}"].code == "forward_failed", answers[f"r{i}"]
+        assert "injected" in answers[f"r{i}"].message
+    assert answers["r4"]["tokens"] == clean["c4"]["tokens"]
+    again, _ = run_batch(engine, [(f"a{i}", "generate", {"prompt": p, "max_tokens": 10}, None)
+                                  for i, p in enumerate(prompts)])
+    assert [again[f"a{i}"]["tokens"] for i in range(5)] == [clean[f"c{i}"]["tokens"] for i in range(5)]

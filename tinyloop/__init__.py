@@ -16,7 +16,7 @@ _API = {
     "ModelConfig": "config",
     "Hypothesis": "decoding", "beam_search": "decoding",
     "ArtifactError": "errors", "BudgetError": "errors", "BusyError": "errors", "ConfigError": "errors",
-    "HandleError": "errors", "ModeError": "errors", "TinyLoopError": "errors",
+    "ForwardError": "errors", "HandleError": "errors", "ModeError": "errors", "TinyLoopError": "errors",
     "GenerateConfig": "types", "GenerateResult": "types", "GenerateStats": "types", "generate": "generation",
     "generate_stream": "generation",
     "MemoryPlan": "memory", "plan_memory": "memory",

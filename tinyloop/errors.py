@@ -27,3 +27,8 @@ class BudgetError(TinyLoopError):
 
 class BusyError(TinyLoopError):
     """A model or handle is already in use by another call (they are not reentrant)."""
+
+
+class ForwardError(TinyLoopError):
+    """A forward several requests shared failed (not a fault of theirs): each request of that engine step fails with
+    it, the others go on. Nothing of the request is wrong, so a service runs it again (`--max-attempts`)."""

@@ -25,6 +25,7 @@ from broker.protocol import DIGEST_CHARS, DIGEST_TOKENS, MAX_ANNOUNCED_PREFIXES,
 from tinyloop.batch import DEFAULT_LANES
 from tinyloop.chat import chat_prompt
 from tinyloop.detokenize import Detokenizer
+from tinyloop.env import env_number
 from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
 from tinyloop.scoring import token_logprobs
 from workers.continuation import Continuation, continuation, delivered_answer
@@ -89,6 +90,8 @@ class ModelEngine:
         self.model = model
         self.slots = lanes
         self.scheduler = tinyloop.Scheduler(model, lanes)
+        # test-only: the forwards of the batch's Nth step raise (a fault no request caused; tests/test_hard_to_break.py)
+        self.scheduler.runner.fail_at_step = env_number("TINYLOOP_TEST_FAIL_STEP", int, None, 1)
         self.batch: dict[int, Batched] = {}  # id(seq) -> the request it serves
         self.plan_bytes = plan_bytes
         self.model_name = model_name
@@ -300,7 +303,8 @@ class ModelEngine:
 def engine_error(exc: Exception) -> EngineError:
     """A runtime exception as the wire's error code (anything else is a runtime_error naming its type)."""
     for kind, code in ((tinyloop.ModeError, Codes.MODE_ERROR), (tinyloop.ConfigError, Codes.CONFIG_ERROR),
-                       (tinyloop.HandleError, Codes.HANDLE_UNKNOWN), (tinyloop.BudgetError, Codes.BUDGET)):
+                       (tinyloop.HandleError, Codes.HANDLE_UNKNOWN), (tinyloop.BudgetError, Codes.BUDGET),
+                       (tinyloop.ForwardError, Codes.FORWARD_FAILED)):
         if isinstance(exc, kind):
             return EngineError(code, str(exc))
     return EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache
-from ..errors import BudgetError, TinyLoopError
+from ..errors import BudgetError, ForwardError, TinyLoopError
 from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
 from ..model import exit_stops
@@ -77,6 +77,7 @@ class Runner:
         # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
         # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
+        self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
     def is_adaptive(self, threshold: float) -> bool:
         return self.net.adaptive(threshold)
@@ -224,7 +225,10 @@ class Runner:
         self.steps += 1
         finished = self.retire()
         plan = self.schedule(finished)
-        finished += self.execute(plan)
+        try:
+            finished += self.execute(plan)
+        except Exception as exc:  # noqa: BLE001 (a shared forward broke: its lanes fail, nobody else's)
+            finished += self.fail_step(plan, exc)
         return finished + self.postprocess()
 
     def retire(self) -> list[Sequence]:
@@ -299,6 +303,8 @@ class Runner:
         lane at its own loop count and early-exit threshold; fresh logits go to seq.place.logits. Returns the sequences
         given up in them (a fault of their own)."""
         finished = []
+        if self.steps == self.fail_at_step and (plan.pieces or plan.rows or plan.driven):
+            raise RuntimeError(f"a fault injected into step {self.steps}'s forwards (Runner.fail_at_step)")
         for seq, n in plan.pieces:
             try:
                 self.prefill_piece(seq, n)
@@ -400,6 +406,21 @@ class Runner:
             root.beam.cancel()
         self.release(root)
         return root
+
+    def fail_step(self, plan: Plan, exc: Exception) -> list[Sequence]:
+        """A forward of the step failed on no request's account: every request whose lane it ran (a prefill piece, a
+        decode row, a driven round) fails with a ForwardError, its lanes and their half-written cells given back; the
+        waiting ones and lanes the step did not run go on."""
+        log.error("step %d: a shared forward failed (%s: %s); its %d lane(s) fail", self.steps, type(exc).__name__,
+                  exc, len(plan.pieces) + len(plan.rows) + len(plan.driven))
+        error = ForwardError(f"a forward this request shared with others failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        failed: list[Sequence] = []
+        for seq in [s for s, _ in plan.pieces] + plan.rows + plan.driven:
+            root = seq.beam.root if seq.beam is not None else seq
+            if root.error is None and not any(root is f for f in failed):
+                failed.append(self.fail(root, error))
+        return failed
 
     def groups(self) -> list[BeamGroup]:
         """The beam-search requests holding lanes, oldest first."""
