@@ -3,12 +3,18 @@ runs at in-process speed), N workers divide the physical cores, and the kernels 
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
+from pathlib import Path
 
+import pytest
+import torch
 import zmq
 
 from broker import launcher, protocol
 from broker.client import Client
+from tinyloop.memory import CUDA_CONTEXT_BYTES, cuda_process_bytes, process_bytes
 from workers.worker import WorkerProcess
 
 
@@ -96,3 +102,40 @@ def test_peak_rss_under_48_long_prompts_stays_within_the_budget():
         peak = peak_rss_bytes(pid)
     assert all(r.stats["generated_tokens"] >= 1 for r in replies)
     assert peak <= budget, f"peak RSS {peak / 2**20:.1f} MiB over the budget of {budget / 2**20:.1f} MiB"
+
+
+def worker_plan(*args: str) -> dict:
+    out = subprocess.run(launcher.service_command("worker", "--plan-only", "--connect", "ipc:///tmp/tl-none", *args),
+                         capture_output=True, text=True, timeout=120, env=launcher.child_env(), cwd=str(launcher.REPO_ROOT))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_plan_sizes_the_pool_for_the_lanes_that_run_together():
+    """Item 7: without a budget the pool holds --max-lanes full-length sequences (not one), so the batch's lanes do
+    not preempt each other at full length; the baseline line is the process itself."""
+    pools = {}
+    for lanes in (1, 4, 16):
+        plan = worker_plan("--max-seq-len", "256", "--max-handles", "0", "--max-lanes", str(lanes))
+        pool = next(b for name, b in plan["items"] if name.startswith("KV block pool"))
+        assert any(name.startswith("KV block pool") and f"{lanes} x 256 tok" in name for name, _ in plan["items"])
+        pools[lanes] = pool
+        baseline = next(b for name, b in plan["items"] if name.startswith("process baseline"))
+        assert 150 * 2**20 < baseline < 1024 * 2**20  # the interpreter and torch, measured (~280 MiB)
+    block = (pools[4] - pools[1]) // 3  # (the pool has one null block beside the lanes' blocks)
+    assert pools[16] - pools[1] == 15 * block and block > 0
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_process_baseline_counts_what_the_process_holds_on_its_device(device):
+    """Item 7: the baseline is the process's resident memory on CPU; on CUDA its context and the allocator's reserve
+    (measured by NVML, else the reserve plus the documented context estimate), never less than the reserve."""
+    baseline = process_bytes(device)
+    if device == "cpu":
+        rss = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+        assert abs(baseline - rss) < 64 * 2**20
+    else:
+        held = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+        baseline = process_bytes(device)
+        assert baseline >= torch.cuda.memory_reserved() >= held.numel()
+        assert baseline >= held.numel() + (cuda_process_bytes(torch.device(device)) is None) * CUDA_CONTEXT_BYTES

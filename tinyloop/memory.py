@@ -140,18 +140,49 @@ def available_bytes(device: torch.device | str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+CUDA_CONTEXT_BYTES = 512 * 2**20  # a CUDA context's device memory where NVML cannot measure it (several hundred MiB)
+
+
 def process_bytes(device: torch.device | str) -> int:
     """What this process holds before a model: its resident memory on CPU (the interpreter, torch and the runtime:
-    `import torch` alone is ~280 MiB), the allocator's reserve on a CUDA device. A budget that is everything a
-    worker may use counts it (workers/startup.py)."""
+    `import torch` alone is ~280 MiB); on a CUDA device its context (kernels, cuBLAS workspace) and the allocator's
+    reserve, as NVML reports this process's use of the device, else the reserve plus CUDA_CONTEXT_BYTES. A budget
+    that is everything a worker may use counts it (workers/startup.py)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.memory_reserved(device))
+        torch.cuda.init()  # the context exists from here on: what it takes is part of the process
+        reserved = int(torch.cuda.memory_reserved(device))
+        return max(reserved, cuda_process_bytes(device) or reserved + CUDA_CONTEXT_BYTES)
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def cuda_process_bytes(device: torch.device) -> int | None:
+    """This process's memory on a CUDA device as NVML (nvidia-ml-py, where installed) reports it; None without it."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index if device.index is not None else
+                                                   torch.cuda.current_device())
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+        return int(mine[0]) if mine and mine[0] else None
+    except pynvml.NVMLError:
+        return None
+
+
+def baseline_what(device: torch.device | str) -> str:
+    """What process_bytes counts on this device, for the plan's line."""
+    if torch.device(device).type != "cuda":
+        return "interpreter, torch, runtime"
+    measured = cuda_process_bytes(torch.device(device)) is not None
+    return "CUDA context and allocator reserve" + ("" if measured else f", the context estimated at "
+                                                   f"{CUDA_CONTEXT_BYTES // 2**20} MiB without NVML")
 
 
 def available_what(device: torch.device | str) -> str:

@@ -79,7 +79,7 @@ def run_worker(opts: WorkerOptions) -> int:
     from tinyloop.env import env_choice
     from tinyloop.formats import parse_spec
     from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
-    from tinyloop.memory import available_bytes, available_what, process_bytes
+    from tinyloop.memory import available_bytes, available_what, baseline_what, blocks_for, process_bytes
     from tinyloop.runtime import default_device, weight_format_for
 
     from workers.engine import ModelEngine, load_prefix_file
@@ -110,9 +110,10 @@ def run_worker(opts: WorkerOptions) -> int:
         fmt, group = weight_format_for(path, stored, *(parse_spec(opts.weights) if opts.weights else (None, None)))
         cache_mode = opts.cache_mode or env_choice("TINYLOOP_CACHE_MODE", tinyloop.CACHE_MODES, "fp16")
         dtype = torch.bfloat16 if device.startswith("cuda") else dtype
-        plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=1,
+        # the pool holds every lane the batch runs at once at full length and deepest loops (--max-lanes)
+        plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=opts.max_lanes,
                                     max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group)
-        plan.items.insert(0, ("process baseline (interpreter, torch, runtime; measured at start)", baseline))
+        plan.items.insert(0, (f"process baseline ({baseline_what(device)}; measured at start)", baseline))
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return WorkerExit.LOAD_FAILED
@@ -151,6 +152,8 @@ def run_worker(opts: WorkerOptions) -> int:
                             heartbeat_liveness=opts.heartbeat_liveness, curve_dir=opts.curve_dir)
     engine.set_identity(process.identity)
     process.install_signal_handlers()
-    log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s), ops %s", opts.name, device,
-             plan.total_bytes / 2**20, budget / 2**20, budget_what, engine.ops)
+    full = model.pool.num_blocks // blocks_for(cfg, opts.max_seq_len, cfg.max_loops)
+    log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s); the pool holds %d of the %d lanes at %d tokens "
+             "and %d loops; ops %s", opts.name, device, plan.total_bytes / 2**20, budget / 2**20, budget_what, full,
+             opts.max_lanes, opts.max_seq_len, cfg.max_loops, engine.ops)
     return process.run()
