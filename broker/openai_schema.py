@@ -18,7 +18,9 @@ from tinyloop.fields import (DEFAULT_MAX_TOKENS, GENERATE_FIELDS, SPECULATIVE_FI
                              list_of, number_in, plain_map, text)
 
 # Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field, checked there.
-EXTRA_FIELDS = ("loops", "early_exit_threshold", "cache_window", *SPECULATIVE_FIELDS)
+EXTRA_FIELDS = ("loops", "early_exit_threshold", "exit_rule", "min_loops", "cache_window", *SPECULATIVE_FIELDS)
+# the name looped-model servers (a vLLM fork for Ouro) give `loops` beside min_loops: the most loops a token runs
+ALIASES = {"max_loops": "loops"}
 # Sampler fields (OpenAI's penalties and logit_bias, vLLM's extra sampling parameters) that map 1:1 onto the wire's
 # GenerateConfig fields, checked here with their rules from tinyloop/fields.py so a bad value is a 400 naming it.
 SAMPLER_FIELDS = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
@@ -161,7 +163,7 @@ class Plan:
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known - VLLM_FIELDS - set(EXTRA_FIELDS) - set(IGNORED_FIELDS))
+    unknown = sorted(set(body) - known - VLLM_FIELDS - set(EXTRA_FIELDS) - set(ALIASES) - set(IGNORED_FIELDS))
     if unknown:
         raise APIError(400, f"unrecognized request argument(s): {unknown} (see docs/gateway.md for the supported "
                             f"fields and TinyLoop's extra fields)", param=unknown[0], code="unrecognized_argument")
@@ -293,6 +295,11 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     for name in EXTRA_FIELDS:  # wire-validated by the broker client (errors name the field)
         if body.get(name) is not None:
             params[name] = body[name]
+    for alias, name in ALIASES.items():
+        if body.get(alias) is not None:
+            if params.get(name, body[alias]) != body[alias]:
+                raise bad(alias, f"is another name for {name!r}; give one of them, or the same value")
+            params[name] = body[alias]
     timeout = get_num(body, "timeout", 0.0, 24 * 3600.0, None, lo_open=True)
     plan = dict(kind=kind, model=model, n=get_int(body, "n", 1, MAX_N, 1), stream=stream, include_usage=include_usage,
                 continuous_usage=continuous_usage, seed=get_int(body, "seed", 0, 2**63 - 1 - MAX_N), timeout=timeout,

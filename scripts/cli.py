@@ -5,6 +5,8 @@ import sys
 
 import click
 
+from tinyloop.fields import EXIT_RULES
+
 
 @click.group()
 def main() -> None:
@@ -32,7 +34,12 @@ def fail(err: Exception) -> None:
 @click.option("--cache-mode", type=click.Choice(["fp16", "int8", "int4"]), default=None,
               help="KV cache mode (default: $TINYLOOP_CACHE_MODE or fp16).")
 @click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
-@click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+@click.option("--early-exit", type=float, default=None, help="Early-exit threshold of the exit rule (0 = off).")
+@click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
+              help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
+                   "(default: the model's own).")
+@click.option("--min-loops", type=click.IntRange(1), default=1, show_default=True,
+              help="No token stops looping before this many loops.")
 @click.option("--beam-size", type=int, default=1, show_default=True, help="Beam search width (greedy only).")
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
@@ -47,8 +54,8 @@ def fail(err: Exception) -> None:
               help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own). On the CPU "
                    "int8 / int4 products quantise activations to int8 (TINYLOOP_ACT_QUANT=off: weight-only).")
 def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, top_k, top_p, repetition_penalty, seed,
-             stop, cache_mode, cache_window, early_exit, beam_size, grammar, speculative, chat, system, dtype,
-             init_scale, weights) -> None:
+             stop, cache_mode, cache_window, early_exit, exit_rule, min_loops, beam_size, grammar, speculative, chat,
+             system, dtype, init_scale, weights) -> None:
     """Generate a continuation of PROMPT, streamed, then print the stats line.
 
     stdout carries the prompt and the answer only; the stats line and errors go to stderr. Everything
@@ -74,7 +81,8 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
             prompt_ids, prompt_text = prompt, prompt
         cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
-                                      stop_sequences=list(stop), beam_size=beam_size, grammar=grammar)
+                                      stop_sequences=list(stop), beam_size=beam_size, grammar=grammar,
+                                      exit_rule=exit_rule, min_loops=min_loops)
         if cache_window is not None:
             cfg.cache_window = cache_window
         if early_exit is not None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import click
 
+from tinyloop.fields import EXIT_RULES
+
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
@@ -300,7 +302,11 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--beam-size", type=int, default=None, help="Beam search width (greedy only).")
 @click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
-@click.option("--early-exit", type=float, default=None, help="Early-exit threshold on relative latent change.")
+@click.option("--early-exit", type=float, default=None, help="Early-exit threshold of the exit rule (0 = off).")
+@click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
+              help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
+                   "(default: the model's own).")
+@click.option("--min-loops", type=click.IntRange(1), default=None, help="No token stops looping before this many loops.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode (op speculative): draft loops, verify loops, draft-ahead, tree width.")
 @click.option("--timeout", default=120.0, show_default=True, help="Request deadline in seconds.")
@@ -309,8 +315,8 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-                   grammar, beam_size, cache_window, early_exit, speculative, timeout, no_stream, as_json,
-                   curve_dir) -> None:
+                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, speculative, timeout, no_stream,
+                   as_json, curve_dir) -> None:
     """Send one request to a running service and stream the answer.
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
@@ -319,7 +325,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 
     config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
-                  cache_window=cache_window, early_exit_threshold=early_exit)
+                  cache_window=cache_window, early_exit_threshold=early_exit, exit_rule=exit_rule, min_loops=min_loops)
     config = {k: v for k, v in config.items() if v is not None}
     if stop:
         config["stop_sequences"] = list(stop)

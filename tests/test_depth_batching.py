@@ -20,22 +20,28 @@ def drain(sched: tinyloop.Scheduler) -> int:
     return steps
 
 
-RULES = {  # the exit rules as the families define them: latent change (and an exit gate), Ouro's cdf gate
-    "latent": {},
-    "gate": dict(exit_gate=True),
-    "cdf": dict(ARCHS["ouro"], exit_rule="cdf"),
-    "cdf-compute": dict(ARCHS["ouro"], exit_rule="cdf", exit_kv="compute"),
+RULES = {  # name: (the model, the request's exit fields): the families' own rules and those a request names
+    "latent": ({}, dict(early_exit_threshold=0.25)),
+    "gate": (dict(exit_gate=True), dict(early_exit_threshold=0.25)),
+    "cdf": (dict(ARCHS["ouro"], exit_rule="cdf"), dict(early_exit_threshold=0.5)),
+    "cdf-compute": (dict(ARCHS["ouro"], exit_rule="cdf", exit_kv="compute"), dict(early_exit_threshold=0.5)),
+    "cdf-asked": (dict(ARCHS["ouro"]), dict(exit_rule="cdf", early_exit_threshold=0.5)),  # the model's own: latent
+    "entropy": ({}, dict(exit_rule="entropy", early_exit_threshold=0.01)),
+    "kl": ({}, dict(exit_rule="kl", early_exit_threshold=0.002)),
+    "argmax": ({}, dict(exit_rule="argmax", early_exit_threshold=2)),
+    "argmax-compute": (dict(ARCHS["ouro"], exit_kv="compute"), dict(exit_rule="argmax", early_exit_threshold=2)),
+    "entropy-min4": ({}, dict(exit_rule="entropy", early_exit_threshold=0.01, min_loops=4)),  # (it fires at 2)
 }
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_every_exit_rule_beside_lanes_at_other_depths_equals_it_alone(make_artifact, mode, rule):
-    model = tinyloop.load_model(make_artifact(**RULES[rule]), 128, cache_mode=mode)
-    threshold = 0.5 if rule.startswith("cdf") else 0.25
-    cfgs = [G(max_tokens=14, loops=8, early_exit_threshold=threshold),
+    arch, exits = RULES[rule]
+    model = tinyloop.load_model(make_artifact(**arch), 128, cache_mode=mode)
+    cfgs = [G(max_tokens=14, loops=8, **exits),
             G(max_tokens=10, loops=2), G(max_tokens=12, loops=16),
-            G(max_tokens=12, loops=6, early_exit_threshold=threshold, temperature=0.8, seed=3),
+            G(max_tokens=12, loops=6, temperature=0.8, seed=3, **exits),
             G(max_tokens=9, loops=4, temperature=0.9, top_p=0.9, seed=7)]
     prompts = [ids(4 + 3 * i, 60 + i) for i in range(len(cfgs))]
     sched = tinyloop.Scheduler(model, lanes=4)
@@ -50,7 +56,35 @@ def test_every_exit_rule_beside_lanes_at_other_depths_equals_it_alone(make_artif
         alone = tinyloop.generate(model, p, c)
         assert seq.result().tokens == alone.tokens, c
         assert seq.result().loops_used == alone.loops_used, c
+    # the rule fired, never before min_loops (a first token comes from the prompt's chunk: every loop)
+    early = [(n, c.loops) for c, s in zip(cfgs, seqs) if c.early_exit_threshold for n in s.result().loops_used[1:]]
+    assert any(n < loops for n, loops in early) and min(n for n, _ in early) >= exits.get("min_loops", 1), early
     assert model.pool.used == 0
+
+
+@pytest.mark.parametrize("rule", ["entropy", "kl", "argmax", "cdf-asked", "entropy-min4"])
+def test_a_rule_decides_the_same_loops_by_iterations_and_by_whole_tokens(make_artifact, rule, monkeypatch):
+    """The loop-iteration steps and a forward of whole tokens (TINYLOOP_DEPTH_STEPS=0: model.forward_adaptive)
+    share exits.exit_stops: the same tokens and the same loops per token."""
+    arch, exits = RULES[rule]
+    model = tinyloop.load_model(make_artifact(**arch), 128)
+    cfg = G(max_tokens=12, loops=10, ignore_eos=True, **exits)
+    by_iteration = tinyloop.generate(model, ids(13, 63), cfg)
+    monkeypatch.setenv("TINYLOOP_DEPTH_STEPS", "0")
+    by_token = tinyloop.generate(model, ids(13, 63), cfg)
+    assert by_token.tokens == by_iteration.tokens and by_token.loops_used == by_iteration.loops_used
+    assert min(by_token.loops_used) < 10
+
+
+def test_exit_rules_are_checked_against_the_request_and_the_model(make_artifact):
+    model = tinyloop.load_model(make_artifact(), 128)
+    for cfg, needle in [(G(exit_rule="cdf", early_exit_threshold=0.5), "needs a model with an exit gate"),
+                        (G(exit_rule="entropy"), "needs early_exit_threshold > 0"),
+                        (G(exit_rule="argmax", early_exit_threshold=2.5), "a whole number"),
+                        (G(loops=4, min_loops=5, early_exit_threshold=0.1), "min_loops 5 is more than the 4 loops"),
+                        (G(exit_rule="halting"), "exit_rule must be one of")]:
+        with pytest.raises(tinyloop.ConfigError, match=needle):
+            tinyloop.generate(model, ids(4, 1), cfg)
 
 
 def test_a_shallow_request_does_not_wait_for_the_deepest_lane(make_artifact):

@@ -174,6 +174,34 @@ def test_completion_logprobs_and_echo_match_in_process_scoring(svc, oai):
     assert res0.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
 
 
+@pytest.mark.parametrize("exits", [{"exit_rule": "entropy", "early_exit_threshold": 0.05, "min_loops": 3},
+                                   {"exit_rule": "argmax", "early_exit_threshold": 2, "max_loops": 12},
+                                   {"early_exit_threshold": 0.1, "min_loops": 2, "loops": 10}])
+def test_exit_rules_ride_along_as_extra_body_fields_and_equal_the_runtime(svc, oai, exits):
+    """Issue 31: a request's exit rule, threshold and min/max loops reach the worker's batch; the text and the
+    loops each token ran equal the same call in process."""
+    import tinyloop
+
+    res = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=exits)
+    model = tinyloop.load_model(max_seq_len=512)
+    fields = {("loops" if k == "max_loops" else k): v for k, v in exits.items()}
+    alone = tinyloop.generate(model, PROMPT, tinyloop.GenerateConfig(max_tokens=12, **fields))
+    assert res.choices[0].text == alone.text
+    assert min(alone.loops_used[1:]) < (fields.get("loops") or model.cfg.default_loops)  # it exits early
+    assert min(alone.loops_used) >= exits.get("min_loops", 1)
+
+
+def test_a_bad_exit_rule_is_a_400_naming_it(svc):
+    ok = {"model": MODEL, "prompt": "x = ", "max_tokens": 2}
+    for body, param, needle in [({**ok, "exit_rule": "halting"}, "exit_rule", "one of"),
+                                ({**ok, "exit_rule": "kl"}, "exit_rule", "early_exit_threshold > 0"),
+                                ({**ok, "min_loops": 0}, "min_loops", "1"),
+                                ({**ok, "max_loops": 4, "loops": 6}, "max_loops", "another name for 'loops'")]:
+        r = svc.post("/v1/completions", body)
+        assert r.status_code == 400 and needle in error_of(r)["message"], (body, r.text)
+        assert error_of(r)["param"] == param or param in error_of(r)["message"], r.text
+
+
 def test_token_id_prompts_batched_as_lm_eval_sends_them(svc):
     """lm-eval's local-completions log-likelihood request: token-id prompts, echo, logprobs 1, max_tokens 1."""
     with Client(svc.frontend) as client:

@@ -25,7 +25,7 @@ LAYERS = [
     # torch-free facts every room may read: errors, the request-field table, the environment, the mode matrix
     ("facts", {"errors", "fields", "env", "modes"}),
     ("core", {"config", "formats", "tokenizer", "types", "cache", "rotary", "stops", "sampling", "grammar",
-              "continuation", "detokenize"}),
+              "continuation", "detokenize", "exits"}),
     ("kernels", {"kernels"}),
     ("models", {"model", "models", "memory", "artifact", "hf", "runtime", "prefix_tree"}),
     ("engine", {"engine"}),

@@ -28,6 +28,7 @@ sane = {  # values a request may reasonably send, edges included
     "min_tokens": st.integers(0, 12), "stop_token_ids": st.lists(st.integers(0, 100), max_size=3),
     "logit_bias": st.dictionaries(st.integers(0, 100).map(str), st.floats(-100, 100), max_size=3),
     "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=2), "early_exit_threshold": st.floats(0, 1),
+    "exit_rule": st.sampled_from(["latent", "cdf", "entropy", "kl", "argmax"]), "min_loops": st.integers(1, 16),
 }
 field_value = st.sampled_from(sorted(GENERATE_FIELDS)).flatmap(
     lambda name: st.tuples(st.just(name), st.one_of(sane.get(name, junk), junk) if name in sane else junk))

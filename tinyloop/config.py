@@ -5,11 +5,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .fields import is_int
+from .fields import EXIT_RULES, is_int
 
 INJECTIONS = ("none", "add", "adapter", "diagonal")
 STATE_INITS = ("zeros", "embed", "normal")
-EXIT_RULES = ("latent", "cdf")
 EXIT_KV = ("copy", "compute")
 MLPS = ("swiglu", "relu2")
 # Fields the fast decode paths (the C step of kernels/cpu_block.c) do not implement, with the value they do: a model
@@ -49,7 +48,7 @@ class ModelConfig:
     coda_norm: bool = False         # the final norm is also applied to s_L before the coda (Huginn uses it twice)
     final_norm: bool = True         # the final norm before the head (off when loop_norm already normalised s_L)
     init_trunc: float = 0.0         # "normal" state init truncated at +-init_trunc sigma (Huginn: 3); 0: untruncated
-    exit_rule: str = "latent"       # latent: relative change < threshold or gate >= 0.5 | cdf: Ouro's cumulative exit prob >= threshold
+    exit_rule: str = "latent"       # a request's rule when it names none (tinyloop/exits.py): latent, cdf (Ouro), entropy, kl, argmax
     exit_kv: str = "copy"           # copy: skipped loops are not run, their K/V copied | compute: loops run on for K/V, logits from the exit loop
     # What Parcae brings (tinyloop/models/parcae.py); injection "diagonal": x = s * exp(-dt A) + dt * B e per channel.
     mlp: str = "swiglu"             # swiglu: w_down(silu(w_gate h) * w_up h) | relu2: w_down(relu(w_up h)^2 / 2), no gate

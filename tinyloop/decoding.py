@@ -22,4 +22,4 @@ def beam_search(model, prompt, cfg: GenerateConfig, on_token: OnToken | None = N
         with lanes(model, [ids], [cfg], n_lanes=cfg.beam_size, what="beam hypothesis") as cache:
             root = Sequence(model, ids, cfg, on_token, time.perf_counter())
             root.beam = BeamGroup(root)  # also at beam_size 1: greedy decode, with its hypothesis and score
-            return Runner(model, cache, root.loops, cfg.early_exit_threshold).run([root])[0]
+            return Runner(model, cache, root.loops, root.exit).run([root])[0]

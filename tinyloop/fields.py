@@ -96,6 +96,13 @@ def one_of(*checks: Check) -> Check:
     return check
 
 
+def choice(names: tuple[str, ...]) -> Check:
+    def check(value: Any) -> str | None:
+        return None if isinstance(value, str) and value in names else f"must be one of {list(names)}, got {value!r}"
+
+    return check
+
+
 def optional(check: Check) -> Check:
     return lambda value: None if value is None else check(value)
 
@@ -149,6 +156,8 @@ def list_of(item_check: Check, max_len: int) -> Check:
     return check
 
 
+# Early-exit rules a request may choose (tinyloop/exits.py says what each compares); None: the model's own
+EXIT_RULES = ("latent", "cdf", "entropy", "kl", "argmax")
 MAX_LOOPS = 4096  # the most loops any request may name; a model's own max_loops is usually far lower
 DEFAULT_MAX_TOKENS = 64  # GenerateConfig.max_tokens when a request sets none (the gateway bounds work with it)
 
@@ -167,6 +176,8 @@ GENERATE_FIELDS: dict[str, Check] = {
     "beam_size": int_in(1, 64),
     "cache_window": int_in(0, 1 << 20),
     "early_exit_threshold": number_in(0.0, 1e6),
+    "exit_rule": optional(choice(EXIT_RULES)),
+    "min_loops": int_in(1, MAX_LOOPS),
     # the sampler's further controls (the ones vLLM's clients send, docs/gateway.md)
     "min_p": number_in(0.0, 1.0),
     "presence_penalty": number_in(-2.0, 2.0),

@@ -17,7 +17,7 @@ def generate_stream(model, prompt, cfg: GenerateConfig | None = None, on_token: 
         ids = model.encode_prompt(prompt)
         with lanes(model, [ids], [cfg]) as cache:
             seq = Sequence(model, ids, cfg, on_token)
-            return Runner(model, cache, seq.loops, seq.threshold).run([seq])[0]
+            return Runner(model, cache, seq.loops, seq.exit).run([seq])[0]
 
 
 def generate(model, prompt, cfg: GenerateConfig | None = None) -> GenerateResult:

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from . import formats
 from .config import ModelConfig
 from .errors import ConfigError, ModeError
+from .exits import ExitRule, Track, exit_stops
 from .rotary import rope_factors, rope_tables, rotate
 
 
@@ -585,8 +586,8 @@ class LoopedLM(nn.Module):
         s = self.init_state(e, ctx.step)
         states = [s]
         no_grad_until = loops - grad_loops if grad_loops is not None else 0
-        exits = ExitState(self, s, [loops] * ids.shape[0], exit_threshold) \
-            if exit_threshold > 0 and self.cfg.exit_rule == "cdf" else None
+        rule = ExitRule.of(exit_threshold, self.cfg.exit_rule)
+        exits = ExitState(self, s, [loops] * ids.shape[0], rule) if rule.threshold > 0 and rule.rule == "cdf" else None
         for k in range(loops):
             if k < no_grad_until:
                 with torch.no_grad():
@@ -604,10 +605,12 @@ class LoopedLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # --- adaptive depth (early exit, per-lane loop counts) ---------------------------------------------
-    def adaptive(self, threshold: float) -> bool:
-        """Whether decoding at this threshold may exit early: a threshold, or (latent rule) an exit gate at 0.5.
-        Under the cdf rule (Ouro) the gate acts only with a threshold: 0 runs every loop, like the reference's 1.0."""
-        return threshold > 0 or (self.exit_gate is not None and self.cfg.exit_rule == "latent")
+    def adaptive(self, rule: "ExitRule | float") -> bool:
+        """Whether decoding under this exit rule (or the model's rule at this threshold) may exit early: a threshold,
+        or (latent rule) an exit gate at 0.5. Under the cdf rule (Ouro) the gate acts only with a threshold: 0 runs
+        every loop, like the reference's 1.0."""
+        rule = ExitRule.of(rule, self.cfg.exit_rule)
+        return rule.threshold > 0 or (self.exit_gate is not None and rule.rule == "latent")
 
     def exit_mask(self, s_prev: torch.Tensor, s_new: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
         """[B] True where a lane's token may stop looping: small relative latent change (threshold > 0; a float or
@@ -624,23 +627,23 @@ class LoopedLM(nn.Module):
         return done
 
     def forward_adaptive(self, ids: torch.Tensor, loops: int | list[int], ctx,
-                         threshold: float | list[float] = 0.0) -> tuple[torch.Tensor, list[int]]:
-        """Cached forward of one token per lane, each lane at its own loop count and early-exit threshold; returns
-        logits [B, 1, V] and the loops each lane used.
+                         rules: "ExitRule | float | list" = 0.0) -> tuple[torch.Tensor, list[int]]:
+        """Cached forward of one token per lane, each lane at its own loop count and exit rule (tinyloop/exits.py; a
+        plain threshold: the model's rule); returns logits [B, 1, V] and the loops each lane used.
 
         Each loop runs only the lanes still looping (ctx.subset). A lane that exits keeps its state; its K/V for
         the loops it skipped (up to its own loop count) are copies of its last loop's, so later tokens still find
-        keys at every depth (DESIGN section 2). A lane never writes a slot beyond its own loop count.
+        keys at every depth (DESIGN section 2). A lane never writes a slot beyond its own loop count. A rule that
+        reads logits (Huginn's) runs the coda and head after each loop (their K/V rewritten by the last).
         """
         B = ids.shape[0]
         want = [loops] * B if isinstance(loops, int) else list(loops)
-        thr = torch.as_tensor(threshold, dtype=torch.float32).expand(B)
         e = self.encode(ids, ctx)
         s = self.init_state(e, ctx.step).clone()
         # exit_kv "compute" (Ouro's reference computes every loop): a lane that exits keeps looping, so its K/V at
         # later loops are the real ones, and `exits.out` keeps the state it exited with, which gives its logits.
         compute = self.cfg.exit_kv == "compute"
-        exits = ExitState(self, s, want, thr)
+        exits = ExitState(self, s, want, rules)
         active = list(range(B))
         for k in range(max(want)):
             active = [i for i in active if want[i] > k]
@@ -649,15 +652,17 @@ class LoopedLM(nn.Module):
             if len(active) == B:
                 s_old, s_new = s, self.loop(s, e, k, ctx)
                 s = s_new
+                logits = self.decode_head(s_new, ctx)[:, -1] if exits.reads_logits else None
             else:
                 sub, idx = ctx.subset(active), torch.tensor(active, device=ids.device)
                 if self.cfg.value_embeds:  # the lanes' tokens go with them (one per lane here)
                     sub.ids = ctx.ids[idx]
                 s_old = s[idx]
                 s_new = self.loop(s_old, e[idx], k, sub)
+                logits = self.decode_head(s_new, sub)[:, -1] if exits.reads_logits else None
                 sub.commit()
                 s[idx] = s_new
-            exits.after(k, active, s_old, s_new)
+            exits.after(k, active, s_old, s_new, logits)
             if not compute:
                 active = [i for i in active if exits.used[i] > k + 1]
         if not compute:
@@ -666,43 +671,32 @@ class LoopedLM(nn.Module):
         return self.decode_head(exits.out, ctx), exits.used
 
 
-def exit_stops(net: LoopedLM, s_old: torch.Tensor | None, s_new: torch.Tensor, thr: torch.Tensor, last: torch.Tensor,
-               cdf: torch.Tensor, rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One loop's exit decision for lanes [B] of tokens [T] (states s_old -> s_new [B, T, d], thresholds thr [B],
-    `last` [B, 1]: the lane's last loop): which tokens may stop [B, T], and the cdf rule's cumulative exit probability
-    and the mass left after this loop ([B, T] each; unchanged under the latent rule). Shared by ExitState (a forward
-    of whole tokens) and the runner's loop-iteration steps."""
-    if net.cfg.exit_rule != "cdf":
-        return net.exit_mask(s_old, s_new, thr).unsqueeze(1).expand(-1, s_new.shape[1]), cdf, rest
-    lam = net.exit_prob(s_new).float()
-    cdf = cdf + torch.where(last, rest, lam * rest)
-    return (cdf >= thr.unsqueeze(1)) & (thr > 0).unsqueeze(1), cdf, rest * (1 - lam)
-
-
 class ExitState:
     """Early-exit bookkeeping of a forward: which loop each lane (or, in a chunk under the cdf rule, each token)
     exits at, and the states to take logits from.
 
-    latent rule: a lane exits after the first loop whose relative latent change is under its threshold, or whose
-    exit gate gives >= 0.5 (exit_mask). cdf rule (Ouro): the gate's lambda_k gives an exit distribution
-    p_k = lambda_k prod_{j<k} (1 - lambda_j), the lane's last loop taking the mass left; a token exits at the first
-    loop whose cumulative probability reaches the threshold (the sums run in the reference's order)."""
+    Each lane has its own ExitRule (tinyloop/exits.py: latent, cdf, entropy, kl, argmax; a plain threshold means
+    the model's rule); the decision is exits.exit_stops, shared with the runner's loop-iteration steps."""
 
-    def __init__(self, net: LoopedLM, s: torch.Tensor, want: list[int], threshold):
+    def __init__(self, net: LoopedLM, s: torch.Tensor, want: list[int], rules):
         B, T = s.shape[:2]
         self.net, self.want, self.used = net, want, list(want)
-        self.thr = torch.as_tensor(threshold, dtype=torch.float32, device=s.device).expand(B)
+        self.rules = [ExitRule.of(r, net.cfg.exit_rule) for r in (rules if isinstance(rules, list) else [rules] * B)]
+        self.reads_logits = any(r.reads_logits for r in self.rules)
         self.out = s.clone()
         self.chosen = torch.zeros(B, T, dtype=torch.bool, device=s.device)  # tokens whose exit loop is decided
-        self.cdf = torch.zeros(B, T, device=s.device)
-        self.rest = torch.ones(B, T, device=s.device)
+        self.track = Track.start(B, T, net.cfg.vocab_size, s.device)
 
-    def after(self, k: int, lanes: list[int], s_old: torch.Tensor | None, s_new: torch.Tensor) -> None:
-        """Loop k (0-based) of `lanes` gave states s_new [len(lanes), T, d] from s_old."""
+    def after(self, k: int, lanes: list[int], s_old: torch.Tensor | None, s_new: torch.Tensor,
+              logits: torch.Tensor | None = None) -> None:
+        """Loop k (0-based) of `lanes` gave states s_new [len(lanes), T, d] from s_old (and logits [len(lanes), V]
+        where reads_logits)."""
         idx = torch.tensor(lanes, device=s_new.device)
         last = torch.tensor([k == self.want[i] - 1 for i in lanes], device=s_new.device).unsqueeze(1)
-        stop, self.cdf[idx], self.rest[idx] = exit_stops(self.net, s_old, s_new, self.thr[idx], last, self.cdf[idx],
-                                                         self.rest[idx])
+        track = self.track.rows(idx)
+        stop = exit_stops(self.net, [self.rules[i] for i in lanes], [k + 1] * len(lanes), last, s_old, s_new, track,
+                          logits)
+        self.track.put(idx, track)
         fresh = ~self.chosen[idx]
         self.out[idx] = torch.where(fresh.unsqueeze(-1), s_new, self.out[idx])
         self.chosen[idx] |= stop

@@ -117,7 +117,7 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
     cache, or a lookup-only view of it) finds what is cached. Model is held."""
     with lanes(model, [ids], [cfg]) as cache:
         seq = Sequence(model, ids, cfg, on_token)
-        runner = Runner(model, cache, seq.loops, cfg.early_exit_threshold)
+        runner = Runner(model, cache, seq.loops, seq.exit)
         if prefixes is not None:
             runner.prefixes = prefixes
         if pc is None or not hit or (len(ids) == 1 and runner.adaptive):

@@ -123,7 +123,7 @@ class PrefixTree:
         if not m:
             return None
         seq.stats.prefix_hit_tokens = m
-        return lambda seq: runner.prefill(seq.prompt[m:], m, lane, seq.loops, seq.threshold)[-1].clone()
+        return lambda seq: runner.prefill(seq.prompt[m:], m, lane, seq.loops, seq.exit)[-1].clone()
 
     # --- insertion --------------------------------------------------------------------------------------------
     def keep(self, ids: list[int], loops: int, lane: KVCache, *, tail: bool = False, pin: bool = False) -> list[Node]:

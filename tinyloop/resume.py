@@ -198,7 +198,7 @@ def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken
     GuessFollower)."""
     model, ids = handle.model, handle.ids
     L = cfg.resolved_loops(model)
-    adaptive = model.net.adaptive(cfg.early_exit_threshold)
+    adaptive = model.net.adaptive(cfg.exit(model))
     if len(ids) == 1 and adaptive:  # generate runs a one-token prompt with early exit; match it by a plain prefill
         seq = Sequence(model, ids, cfg, on_token)
         seq.on_result = lambda res: setattr(handle, "draft", res.tokens)

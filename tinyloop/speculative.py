@@ -191,10 +191,13 @@ class Speculator:
         self.model, self.net, self.cfg, self.seq = model, model.net, cfg, seq
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
         self.threshold = cfg.early_exit_threshold
-        self.adaptive = self.net.adaptive(self.threshold)
-        if self.adaptive and model.cfg.exit_rule == "cdf":  # drafts stop per token; Ouro's rule picks among all loops
-            raise ModeError("speculative decoding with early exit under the model's cdf exit rule (Ouro) is not "
-                            "supported; decode without early_exit_threshold, or without speculation")
+        rule = seq.exit
+        self.adaptive = self.net.adaptive(rule)
+        if self.adaptive and (rule.rule != "latent" or rule.min_loops > 1):
+            # drafts stop per token on their latent change; the other rules read loops (or logits) drafts skip
+            asked = f"the {rule.rule} exit rule" + (f" with min_loops {rule.min_loops}" if rule.min_loops > 1 else "")
+            raise ModeError(f"speculative decoding with early exit supports the latent exit rule only, not {asked}; "
+                            f"decode without early_exit_threshold, or without speculation")
         self.greedy = cfg.temperature == 0
         # a known continuation to verify before drafting (greedy chains without early exit only): see advance
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []

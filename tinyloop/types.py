@@ -30,6 +30,11 @@ class GenerateConfig:
     beam_size: int = 1
     cache_window: int = field(default_factory=lambda: env_number("TINYLOOP_CACHE_WINDOW", int, 0, 0))
     early_exit_threshold: float = field(default_factory=lambda: env_number("TINYLOOP_EARLY_EXIT", float, 0.0, 0.0))
+    exit_rule: str | None = None  # what early exit compares (tinyloop/exits.py); None: the model's own rule
+    min_loops: int = 1  # no token stops looping before this many loops (`loops` is the most it runs)
+    # a forced exit pattern (benchmarks, research; in process only): generated token i stops after
+    # exit_schedule[i % len] loops whatever the rule says (tinyloop/exits.py, "schedule")
+    exit_schedule: Sequence = ()
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0: off)
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
     frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
@@ -50,12 +55,36 @@ class GenerateConfig:
         if model is not None and self.loops is not None and self.loops > model.cfg.max_loops:
             raise ConfigError(f"GenerateConfig.loops must be an integer in 1..{model.cfg.max_loops}, got {self.loops!r}")
         if model is not None:
+            self.check_exit(model)
             vocab = model.cfg.vocab_size
             for name, tokens in (("logit_bias", [int(t) for t in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
                 bad = [t for t in tokens if t >= vocab]
                 if bad:
                     raise ConfigError(f"GenerateConfig.{name}: token id(s) {bad[:5]} outside the vocabulary 0..{vocab - 1}")
         return self
+
+    def check_exit(self, model) -> None:
+        rule, loops = self.exit_rule or model.cfg.exit_rule, self.resolved_loops(model)
+        if rule == "cdf" and model.net.exit_gate is None:
+            raise ConfigError("GenerateConfig.exit_rule 'cdf' needs a model with an exit gate (Ouro's); this one has none")
+        if self.exit_rule is not None and self.exit_rule != "latent" and self.early_exit_threshold <= 0:
+            raise ConfigError(f"GenerateConfig.exit_rule {self.exit_rule!r} needs early_exit_threshold > 0 (Huginn's "
+                              f"defaults: entropy 1e-3, kl 1e-3, argmax 5; Ouro's cdf: 0.5-0.9)")
+        if rule == "argmax" and self.early_exit_threshold != int(self.early_exit_threshold):
+            raise ConfigError(f"GenerateConfig.early_exit_threshold under exit_rule 'argmax' counts loops: a whole "
+                              f"number, got {self.early_exit_threshold!r}")
+        if any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= loops for n in self.exit_schedule):
+            raise ConfigError(f"GenerateConfig.exit_schedule must hold loop counts in 1..{loops}, got "
+                              f"{list(self.exit_schedule)[:8]!r}")
+        if self.min_loops > loops:
+            raise ConfigError(f"GenerateConfig.min_loops {self.min_loops} is more than the {loops} loops the request "
+                              f"runs at most (loops)")
+
+    def exit(self, model):
+        """This request's ExitRule (tinyloop/exits.py)."""
+        from .exits import ExitRule
+
+        return ExitRule(self.exit_rule or model.cfg.exit_rule, self.early_exit_threshold, self.min_loops)
 
     def resolved_loops(self, model) -> int:
         return self.loops if self.loops is not None else model.cfg.default_loops

@@ -1,25 +1,36 @@
 """`tinyloop bench --section depth`: what continuous-depth batching buys, side by side in one run.
 
 Every figure runs the same requests with the runner stepping loop iterations (this tree) and stepping whole tokens
-(TINYLOOP_DEPTH_STEPS=0: the engine before continuous-depth batching), alternating, best of the rounds:
-  early exit    threshold 0.07 at up to 16 loops against fixed 16 loops, at batch 1 and 16: the achieved speedup
-                over its ideal (16 / the mean loops a token ran)
+(TINYLOOP_DEPTH_STEPS=0: the engine before continuous-depth batching), alternating, best of the rounds, on two
+models: the bundled one (early exit by its latent rule, threshold 0.07) and a ~50M random config in int8 (the
+memory-bound regime: a loop streams 26 MB of core weights), whose early exit is a forced pattern
+(GenerateConfig.exit_schedule: token i stops after SCHEDULE[i % 8] loops, random weights having no rule worth
+firing):
+  early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16: the achieved speedup over its ideal
+                (16 / the mean loops a token ran)
   mixed depth   half the requests at 4 loops, half at 16, through 16 lanes, against the same requests in
                 depth-homogeneous groups one after the other
   lane-iterations per second (a lane's core pass is one) of the mixed and early-exit workloads over a uniform
                 16-lane batch at 16 loops
-  shallow       a 2-loop request submitted beside 16-loop ones (one scheduler: a worker's batch) against alone
+  shallow       a 2-loop request submitted beside 8- and 16-loop ones, in one scheduler (a worker's batch) and
+                through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 """
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from pathlib import Path
 from contextlib import contextmanager
 
-from scripts.bench.peers import Report
+from broker.launcher import LocalService
+from broker.client import Client
+from scripts.bench.peers import Report, random_artifact
 from scripts.bench.prompts import LONG_CODE_PROMPTS
 from tinyloop.batch import Scheduler
-from tinyloop.runtime import Model, load_model
+from tinyloop.config import ModelConfig
+from tinyloop.model import LoopedLM, shapes_only
+from tinyloop.runtime import Model, free_model, load_model
 from tinyloop.types import GenerateConfig
 
 
@@ -64,54 +75,112 @@ def best(model: Model, cfgs: list[GenerateConfig], lanes: int, rounds: int) -> d
     return out
 
 
-def bench_depth(model_path: str | None, quick: bool) -> Report:
-    model = load_model(model_path, 1024)
-    n, rounds = (16, 1) if quick else (48, 3)
-    L, thr = 16, 0.07
-    fixed, early = GenerateConfig(max_tokens=n, loops=L), GenerateConfig(max_tokens=n, loops=L, early_exit_threshold=thr)
+L = 16  # the deepest loop count of every figure
+SCHEDULE = (2, 4, 16, 3, 6, 12, 5, 8)  # the forced exit pattern's loops per token (mean 7: ideal 2.29x)
+# ~50M parameters: 8192 x 768 tied embedding, 1 + 3 + 1 layers of d 768 (12 heads, 4 KV heads, SwiGLU 3072)
+FORCED = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=3072, n_prelude=1, n_core=3,
+                     n_coda=1, max_loops=L, default_loops=L, injection="adapter", bos_id=1, eos_id=2)
+
+
+def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int, k: int) -> tuple[list[str], dict]:
+    """The early-exit, mixed-depth, lane-iteration and in-scheduler shallow figures of one model, `early` its early
+    exit request; k requests per lane in the 16-lane workloads."""
+    fixed = GenerateConfig(max_tokens=n, loops=L, ignore_eos=True)
     run(model, [early, fixed], 2)  # warm-up
-    lines = [f"continuous-depth batching, bundled model, {n} tokens per request, best of {rounds}; 'now' steps loop "
-             f"iterations, 'before' whole tokens (TINYLOOP_DEPTH_STEPS=0), alternating"]
-    data: dict = {}
+    lines, data = [f"  {label}:"], {}
     for batch in (1, 16):
         f, e = best(model, [fixed] * batch, batch, rounds), best(model, [early] * batch, batch, rounds)
         mean = sum(e[False]["loops"]) / batch
         ideal = L / mean
         for tokens, name in ((False, "now"), (True, "before")):
             got = f[tokens]["s"] / e[tokens]["s"]
-            lines.append(f"  early exit {thr} vs fixed {L}, batch {batch:>2}, {name:<6}: {got:.2f}x faster (ideal "
-                         f"{ideal:.2f}x: {mean:.1f} loops per token) = {got / ideal:.0%} of ideal; tokens equal: "
+            lines.append(f"    early exit vs fixed {L}, batch {batch:>2}, {name:<6}: {got:.2f}x faster (ideal {ideal:.2f}x: "
+                         f"{mean:.1f} loops per token) = {got / ideal:.0%} of ideal; tokens equal: "
                          f"{'yes' if e[tokens]['out'] == e[not tokens]['out'] else 'NO'}")
             data[f"early_exit_b{batch}_{name}"] = {"speedup": got, "ideal": ideal, "fraction": got / ideal}
-    k = 2 if quick else 4  # requests per lane
-    shallow, deep = GenerateConfig(max_tokens=n, loops=4), GenerateConfig(max_tokens=n, loops=L)
+    shallow, deep = GenerateConfig(max_tokens=n, loops=4, ignore_eos=True), fixed
     mixed = [shallow, deep] * (8 * k)
     together = best(model, mixed, 16, rounds)
     apart = {t: {"s": best(model, [shallow] * 8 * k, 16, rounds)[t]["s"] + best(model, [deep] * 8 * k, 16, rounds)[t]["s"]}
              for t in (False, True)}
     uniform = best(model, [deep] * 16 * k, 16, rounds)
-    for tokens, name in ((False, "now"), (True, "before")):
-        ratio = apart[tokens]["s"] / together[tokens]["s"]
-        rate = together[tokens]["passes"] / together[tokens]["s"]
-        urate = uniform[tokens]["passes"] / uniform[tokens]["s"]
-        lines.append(f"  mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
-                     f"depth-homogeneous groups; lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform "
-                     f"16-lane batch at {L} ({urate:.0f})")
-        data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
     early16 = best(model, [early] * 16 * k, 16, rounds)
     for tokens, name in ((False, "now"), (True, "before")):
-        rate = early16[tokens]["passes"] / early16[tokens]["s"]
+        ratio = apart[tokens]["s"] / together[tokens]["s"]
         urate = uniform[tokens]["passes"] / uniform[tokens]["s"]
-        lines.append(f"  early exit, {16 * k} requests through 16 lanes, {name:<6}: lane-iterations/s {rate:.0f} = "
-                     f"{rate / urate:.2f} of the uniform batch")
-        data[f"early_lane_iterations_{name}"] = rate / urate
-    two = GenerateConfig(max_tokens=n, loops=2)
+        rate = together[tokens]["passes"] / together[tokens]["s"]
+        erate = early16[tokens]["passes"] / early16[tokens]["s"]
+        lines.append(f"    mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
+                     f"depth-homogeneous groups; lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform 16-lane "
+                     f"batch at {L} ({urate:.0f}); early exit's {erate:.0f} = {erate / urate:.2f}")
+        data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
+        data[f"early_lane_iterations_{name}"] = erate / urate
+    two = GenerateConfig(max_tokens=n, loops=2, ignore_eos=True)
     for tokens, name in ((False, "now"), (True, "before")):
         with token_steps(tokens):
             solo = min(run(model, [two], 4)["ends"][0] for _ in range(rounds))
-            beside = min(run(model, [two, GenerateConfig(max_tokens=n, loops=8), deep], 4)["ends"][0]
+            beside = min(run(model, [two, GenerateConfig(max_tokens=n, loops=8, ignore_eos=True), deep], 4)["ends"][0]
                          for _ in range(rounds))
-        lines.append(f"  a 2-loop request beside 8- and 16-loop ones, {name:<6}: {beside * 1000:.0f} ms against "
-                     f"{solo * 1000:.0f} ms alone = {beside / solo:.2f}x")
+        lines.append(f"    a 2-loop request beside 8- and 16-loop ones in one scheduler, {name:<6}: {beside * 1000:.0f} ms "
+                     f"against {solo * 1000:.0f} ms alone = {beside / solo:.2f}x")
         data[f"shallow_{name}"] = beside / solo
+    return lines, data
+
+
+def served_shallow(n: int, rounds: int, before: bool) -> float:
+    """A 2-loop request sent right after an 8- and a 16-loop one to a 1-worker service of the bundled model: its
+    time to the final answer over its time alone (best of the rounds each)."""
+    env = os.environ.get("TINYLOOP_DEPTH_STEPS")
+    os.environ["TINYLOOP_DEPTH_STEPS"] = "0" if before else "1"  # the worker inherits it
+    try:
+        with LocalService(1, ["--max-seq-len", "1024", "--max-handles", "0"]) as svc, \
+                Client(svc.frontend, timeout=600) as client:
+            def shallow_time(beside: bool) -> float:
+                deep = [client.submit("generate", {"prompt": LONG_CODE_PROMPTS[i], "max_tokens": n, "loops": loops,
+                                                   "ignore_eos": True}) for i, loops in enumerate((8, 16))] if beside else []
+                t0 = time.perf_counter()
+                client.submit("generate", {"prompt": LONG_CODE_PROMPTS[2], "max_tokens": n, "loops": 2,
+                                           "ignore_eos": True}).result()
+                took = time.perf_counter() - t0
+                for p in deep:
+                    p.result()
+                return took
+
+            shallow_time(True)  # warm-up
+            solo = min(shallow_time(False) for _ in range(rounds))
+            beside = min(shallow_time(True) for _ in range(rounds))
+    finally:
+        if env is None:
+            del os.environ["TINYLOOP_DEPTH_STEPS"]
+        else:
+            os.environ["TINYLOOP_DEPTH_STEPS"] = env
+    return beside / solo
+
+
+def bench_depth(model_path: str | None, quick: bool) -> Report:
+    n, rounds, k = (16, 1, 1) if quick else (48, 3, 4)
+    lines = [f"continuous-depth batching, {n} tokens per request, best of {rounds}; 'now' steps loop iterations, "
+             f"'before' whole tokens (TINYLOOP_DEPTH_STEPS=0), alternating"]
+    data: dict = {}
+    model = load_model(model_path, 1024)
+    got, data["bundled"] = figures(model, "bundled model, early exit by its latent rule at 0.07",
+                                   GenerateConfig(max_tokens=n, loops=L, early_exit_threshold=0.07, ignore_eos=True),
+                                   n, rounds, k)
+    lines += got
+    free_model(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(str(random_artifact(FORCED, Path(tmp) / "forced.tinyloop")), 1024, weights="int8")
+        with shapes_only():
+            params = LoopedLM(FORCED, max_seq_len=1).num_params()
+        got, data["forced"] = figures(model, f"random {params / 1e6:.0f}M config, int8, forced exit pattern {SCHEDULE}",
+                                      GenerateConfig(max_tokens=n, loops=L, exit_schedule=SCHEDULE, ignore_eos=True),
+                                      max(8, n // 3), 1 if quick else 2, 1 if quick else 2)
+        lines += got
+        free_model(model)
+    for before in ((False,) if quick else (False, True)):
+        ratio = served_shallow(n, rounds, before)
+        name = "before" if before else "now"
+        lines.append(f"  a 2-loop request sent after an 8- and a 16-loop one to a 1-worker service, {name:<6}: "
+                     f"{ratio:.2f}x its time alone")
+        data[f"served_shallow_{name}"] = ratio
     return Report(lines, data)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache, decode_entries, encode_entries
 from ..errors import ConfigError
+from ..exits import ExitRule
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights
 from ..rotary import rope_factors, rotate
@@ -313,9 +314,11 @@ class torch_threads:
 
 
 def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache,
-            exit_threshold: float = 0.0, last_only: bool = False) -> torch.Tensor:
+            exit_threshold: "ExitRule | float" = 0.0, last_only: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`
     (exit_threshold: LoopedLM.forward's, the cdf rule's choice of each position's loop)."""
+    exits = ExitRule.of(exit_threshold, net.cfg.exit_rule)
+    exit_threshold = exits if exits.threshold > 0 else 0.0  # (the compiled paths take no exit rule)
     rows = ids.shape[1] == 1 and step.cells is None and step.mask is None
     if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled() \
             and triton_supports(net.cfg) and not exit_threshold:
@@ -469,12 +472,12 @@ def _c_rows(step: Step) -> tuple[list[int], dict]:
 
 
 def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], step: Step, cache: KVCache,
-                     threshold: float | list[float] = 0.0) -> tuple[torch.Tensor, list[int]]:
-    """One token per lane, each lane at its own loop count, stopping early where its threshold or the model's exit
-    gate says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
+                     rules: "ExitRule | float | list" = 0.0) -> tuple[torch.Tensor, list[int]]:
+    """One token per lane, each lane at its own loop count, stopping early where its exit rule (tinyloop/exits.py)
+    says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
     threads = decode_threads(ids.shape[0], net.cfg, cache) if ids.device.type == "cpu" else 0
     with torch_threads(threads):
-        return net.forward_adaptive(ids, loops, context(net, step, cache), threshold)
+        return net.forward_adaptive(ids, loops, context(net, step, cache), rules)
 
 
 # --- CUDA graphs ------------------------------------------------------------------------------------------

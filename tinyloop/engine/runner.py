@@ -36,7 +36,7 @@ from ..cache import KVCache
 from ..errors import BudgetError, ForwardError, TinyLoopError
 from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
-from ..model import exit_stops
+from ..exits import ExitRule, Track, exit_stops
 from . import forward as cached
 from .beam import BeamGroup
 from . import iteration
@@ -59,12 +59,12 @@ log = logging.getLogger("tinyloop.scheduler")
 
 
 class Runner:
-    def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: float = 0.0,
+    def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: "ExitRule | float" = 0.0,
                  chunk: int | None = None):
         self.model, self.net, self.cache = model, model.net, cache
         # defaults for callers that feed the forwards themselves (beam search, resume); sequences bring their own
-        self.loops, self.early_exit = loops or model.cfg.default_loops, early_exit
-        self.adaptive = self.is_adaptive(early_exit)
+        self.loops, self.early_exit = loops or model.cfg.default_loops, ExitRule.of(early_exit, model.cfg.exit_rule)
+        self.adaptive = self.is_adaptive(self.early_exit)
         self.chunk = model.prefill_chunk if chunk is None else chunk  # 0: a prompt in one piece
         self.free_lanes = list(range(cache.lanes))
         self.waiting: list[Sequence] = []   # without a lane (new or preempted), oldest first
@@ -79,8 +79,8 @@ class Runner:
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
-    def is_adaptive(self, threshold: float) -> bool:
-        return self.net.adaptive(threshold)
+    def is_adaptive(self, rule: ExitRule) -> bool:
+        return self.net.adaptive(rule)
 
     def lane(self, i: int) -> KVCache:
         """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same)."""
@@ -93,7 +93,7 @@ class Runner:
 
     # --- forwards -----------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
-                threshold: float | None = None, all_rows: bool = False) -> torch.Tensor:
+                threshold: ExitRule | None = None, all_rows: bool = False) -> torch.Tensor:
         """Logits [1, V] of a chunk's last position at positions start.. in `lane` ([T, V], every position's, with
         all_rows): all loops (a chunk does not exit early)."""
         dev = self.model.device
@@ -104,10 +104,10 @@ class Runner:
                               last_only=not all_rows)[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
-               loops: list[int] | int | None = None, threshold: list[float] | float | None = None
+               loops: list[int] | int | None = None, threshold: list[ExitRule] | ExitRule | None = None
                ) -> tuple[torch.Tensor, list[int]]:
         """One token per lane (lanes 0..B-1 of `cache`, default the runner's), each lane at its own loop count and
-        threshold (lists, or one value for all): logits [B, V] and the loops each lane ran."""
+        exit rule (lists, or one value for all): logits [B, V] and the loops each lane ran."""
         cache = self.cache if cache is None else cache
         B = len(tokens)
         loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
@@ -141,7 +141,7 @@ class Runner:
         if at.first is None and not at.cached and prefixes is not None:
             at.first = prefixes.reuse(self, seq, at.lane)  # the longest cached prefix's blocks; None on a miss
             if at.first is not None and seq.stats.prefix_hit_tokens == len(seq.prompt) - 1 \
-                    and not self.is_adaptive(seq.threshold):
+                    and not self.is_adaptive(seq.exit):
                 # Only the prompt's last token is left: it goes in as a row of this step's decode forward (the same
                 # forward at that position) instead of a forward of its own, which costs about a decode step of a
                 # few lanes (a repeated prompt at 8 lanes: ~10 % of a worker's time).
@@ -164,14 +164,14 @@ class Runner:
         if at.first is not None:
             logits, at.first = at.first(seq), None
             seq.loop_counts.append(seq.loops)
-        elif len(seq.prompt) == 1 and self.is_adaptive(seq.threshold):
-            row, used = self.decode([seq.prompt[-1]], [0], self.lane(at.lane), seq.loops, seq.threshold)
+        elif len(seq.prompt) == 1 and self.is_adaptive(seq.exit):
+            row, used = self.decode([seq.prompt[-1]], [0], self.lane(at.lane), seq.loops, seq.exit)
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
             log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, at.arrival, at.cached,
                       at.cached + n, len(seq.prompt), at.lane)
-            rows = self.prefill(seq.prompt[at.cached:at.cached + n], at.cached, at.lane, seq.loops, seq.threshold)
+            rows = self.prefill(seq.prompt[at.cached:at.cached + n], at.cached, at.lane, seq.loops, seq.exit)
             logits = rows[-1].clone()  # not a view pinning [T, V]
             if at.cached + n == len(seq.prompt):
                 seq.loop_counts.append(seq.loops)
@@ -326,7 +326,7 @@ class Runner:
         t = time.perf_counter()
         try:
             out, used = self.decode([s.token for s in group], [s.pos - s.place.prompt_row for s in group], view,
-                                    [s.loops for s in group], [s.threshold for s in group])
+                                    [s.loops for s in group], [s.exit for s in group])
         except BudgetError as exc:
             return finished + self.out_of_blocks(exc)
         finally:
@@ -409,12 +409,15 @@ class Runner:
 
     def fail_step(self, plan: Plan, exc: Exception) -> list[Sequence]:
         """A forward of the step failed on no request's account: every request whose lane it ran (a prefill piece, a
-        decode row, a driven round) fails with a ForwardError, its lanes and their half-written cells given back; the
-        waiting ones and lanes the step did not run go on."""
+        decode row, a driven round) fails with a ForwardError (or the runtime's own refusal, a TinyLoopError, as it
+        is), its lanes and their half-written cells given back; the waiting ones and lanes the step did not run go
+        on."""
         log.error("step %d: a shared forward failed (%s: %s); its %d lane(s) fail", self.steps, type(exc).__name__,
                   exc, len(plan.pieces) + len(plan.rows) + len(plan.driven))
-        error = ForwardError(f"a forward this request shared with others failed: {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
+        error = exc  # the runtime refusing what the lanes ask (a ModeError of the model's): that, not a fault
+        if not isinstance(exc, TinyLoopError):
+            error = ForwardError(f"a forward this request shared with others failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
         failed: list[Sequence] = []
         for seq in [s for s, _ in plan.pieces] + plan.rows + plan.driven:
             root = seq.beam.root if seq.beam is not None else seq
@@ -432,7 +435,7 @@ class Runner:
         one may exit early. (All at one fixed depth, one forward of every loop per step does the same work in fewer
         calls.)"""
         return any(s.place.token is not None for s in rows) or len({s.loops for s in rows}) > 1 \
-            or any(self.is_adaptive(s.threshold) for s in rows)
+            or any(self.is_adaptive(s.exit) for s in rows)
 
     def iterate(self, rows: list[Sequence]) -> list[Sequence]:
         """Loop iterations of every row (`one_pass`) until some row's token is done: that lane samples at this step's
@@ -453,11 +456,9 @@ class Runner:
         starting = [s.place.token is None for s in rows]
         for seq, new in zip(rows, starting):
             if new:
-                fresh, adaptive = cached.Latent.empty(1, 1, net), self.is_adaptive(seq.threshold)
-                seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops)
-                if adaptive:  # (the cdf rule's exit probability so far, and the mass left)
-                    flight = seq.place.token
-                    flight.cdf, flight.rest = torch.zeros(1, 1, device=dev), torch.ones(1, 1, device=dev)
+                fresh, adaptive = cached.Latent.empty(1, 1, net), self.is_adaptive(seq.exit)
+                seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops,
+                                           track=Track.start(1, 1, net.cfg.vocab_size, dev) if adaptive else None)
         flights = [s.place.token for s in rows]
         latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
         adaptive = [b for b, f in enumerate(flights) if f.adaptive]
@@ -484,22 +485,27 @@ class Runner:
         return any(s.place.logits is not None for s in rows)
 
     def exits(self, rows: list[Sequence], s_old: torch.Tensor, s_new: torch.Tensor) -> list[Sequence]:
-        """The exit rule of every early-exit row after its pass, in one go (what model.ExitState.after does for a
-        token): the relative latent change under the row's threshold or the exit gate at 0.5, or the cdf rule's
-        cumulative exit probability; returns the rows whose token's loops are done."""
+        """The exit rule of every early-exit row after its pass, in one go (exits.exit_stops, what model.ExitState
+        does for a token); a rule that reads logits (Huginn's) gets this loop's, from the coda and head of the rows
+        whose exit is not yet chosen. Returns the rows whose token's loops are done."""
         net, dev = self.net, s_new.device
         flights = [s.place.token for s in rows]
-        thr = torch.tensor([s.threshold for s in rows], dtype=torch.float32, device=dev)
+        reading = [i for i, (s, f) in enumerate(zip(rows, flights)) if s.exit.reads_logits and not f.chosen]
+        logits = None
+        if reading:
+            logits = torch.zeros(len(rows), net.cfg.vocab_size, device=dev)
+            logits[reading] = self.heads([rows[i] for i in reading], s_new[reading]).float()
         last = torch.tensor([[f.done == s.loops] for s, f in zip(rows, flights)], device=dev)
-        cdf, rest = torch.cat([f.cdf for f in flights]), torch.cat([f.rest for f in flights])
-        stop, cdf, rest = exit_stops(net, s_old, s_new, thr, last, cdf, rest)
-        for i, f in enumerate(flights):
-            f.cdf, f.rest = cdf[i:i + 1], rest[i:i + 1]
+        track = Track.cat([f.track for f in flights])
+        stop = exit_stops(net, [s.exit for s in rows], [f.done for f in flights], last, s_old, s_new, track, logits)
         stop = stop.all(dim=1).tolist()
         ended = []
-        for seq, f, row, stops in zip(rows, flights, s_new, stop):
+        for i, (seq, f, row, stops) in enumerate(zip(rows, flights, s_new, stop)):
+            f.track = track.rows(torch.tensor([i], device=dev))
             if not f.chosen:
                 f.out = row.unsqueeze(0).clone()
+                if stops and i in reading:  # (its coda K/V are this loop's: they stay, with no head run again)
+                    f.logits = logits[i]
             f.chosen |= stops
             if stops and f.used == seq.loops and f.done < seq.loops:
                 f.used = f.done
@@ -507,10 +513,24 @@ class Runner:
                 ended.append(seq)
         return ended
 
+    def heads(self, rows: list[Sequence], s: torch.Tensor) -> torch.Tensor:
+        """Logits [len(rows), V] of the rows' tokens from states s [len(rows), 1, d]: their coda and head, in one
+        forward (it writes their coda K/V)."""
+        net, dev = self.net, self.model.device
+        view = self.cache.select([r.place.lane for r in rows])
+        positions = torch.tensor([[r.pos - r.place.prompt_row] for r in rows], device=dev)
+        latent = cached.Latent(torch.cat([r.place.token.e for r in rows]), s.contiguous())
+        try:
+            return cached.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
+                                        latent)[:, -1]
+        finally:
+            view.commit()
+
     def exit_heads(self, rows: list[Sequence]) -> None:
-        """The coda and head of early-exit tokens whose loops are done, from the state they exited with, in one
-        forward; their skipped loops' K/V copied from the last loop they ran."""
-        net, cfg, dev = self.net, self.model.cfg, self.model.device
+        """Early-exit tokens whose loops are done take their logits: from the state they exited with, by one coda and
+        head forward (or the logits their rule read at that loop); their skipped loops' K/V are copied from the last
+        loop they ran."""
+        cfg = self.model.cfg
         for seq in rows:
             used, want = seq.place.token.used, seq.loops
             if cfg.exit_kv == "copy" and used < want:
@@ -518,17 +538,11 @@ class Runner:
                 self.cache.copy_cell([cfg.core_slot(used - 1, j) for j, _ in skipped],
                                      [cfg.core_slot(k, j) for j, k in skipped], seq.pos - seq.place.prompt_row,
                                      seq.place.lane)
-        view = self.cache.select([s.place.lane for s in rows])
-        positions = torch.tensor([[s.pos - s.place.prompt_row] for s in rows], device=dev)
-        out = torch.cat([s.place.token.out for s in rows])
-        latent = cached.Latent(torch.cat([s.place.token.e for s in rows]), out.contiguous())
-        try:
-            logits = cached.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
-                                          latent)[:, -1]
-        finally:
-            view.commit()
-        for seq, row in zip(rows, logits):
-            self.token_done(seq, row, seq.place.token.used)
+        unread = [s for s in rows if s.place.token.logits is None]
+        logits = iter(self.heads(unread, torch.cat([s.place.token.out for s in unread])) if unread else [])
+        for seq in rows:
+            flight = seq.place.token
+            self.token_done(seq, flight.logits if flight.logits is not None else next(logits), flight.used)
 
     def token_done(self, seq: Sequence, logits: torch.Tensor, used: int) -> None:
         """A fed token's forward is done (a decode row, or its last loop iteration): its logits are the lane's fresh
@@ -604,10 +618,10 @@ class Runner:
         cache = self.lane(seq.place.lane)
         for start in range(0, len(seq.prompt), self.chunk or len(seq.prompt)):
             self.prefill(seq.prompt[start:start + (self.chunk or len(seq.prompt))], start, seq.place.lane, seq.loops,
-                         seq.threshold)
+                         seq.exit)
         seq.place.cached = len(seq.prompt)
         fed = seq.history[len(seq.prompt):-1]
-        if self.iterative and self.is_adaptive(seq.threshold):  # its tokens exited as loop iterations decided: again
+        if self.iterative and self.is_adaptive(seq.exit):  # its tokens exited as loop iterations decided: again
             pending, pos, counts = seq.token, seq.pos, list(seq.loop_counts)
             seq.pos = len(seq.prompt)
             for token in fed:
@@ -617,7 +631,7 @@ class Runner:
             seq.token, seq.pos, seq.loop_counts = pending, pos, counts
             return
         for j, token in enumerate(fed):
-            self.decode([token], [len(seq.prompt) + j], cache, seq.loops, seq.threshold)
+            self.decode([token], [len(seq.prompt) + j], cache, seq.loops, seq.exit)
 
     def recompute_beam(self, members: list[Sequence]) -> None:
         """Rebuild a preempted beam request's lanes: its prompt's chunks once, shared by every hypothesis's lane
@@ -625,12 +639,12 @@ class Runner:
         first, P = members[0], len(members[0].prompt)
         for start in range(0, P, self.chunk or P):
             self.prefill(first.prompt[start:start + (self.chunk or P)], start, first.place.lane, first.loops,
-                         first.threshold)
+                         first.exit)
         self.cache.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
         for m in members:
             m.place.cached = P
             for j, token in enumerate(m.history[P:-1]):
-                self.decode([token], [P + j], self.lane(m.place.lane), m.loops, m.threshold)
+                self.decode([token], [P + j], self.lane(m.place.lane), m.loops, m.exit)
 
     def preempt(self, seq: Sequence) -> None:
         log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps,
@@ -657,7 +671,7 @@ class Runner:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:
-            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.threshold) and seq.place.cached \
+            if self.prefixes is not None and seq.done and not self.is_adaptive(seq.exit) and seq.place.cached \
                     and seq.cacheable:
                 # (not at adaptive depth: its decode fills skipped loops by copies)
                 self.prefixes.keep(seq.history, seq.loops, self.lane(seq.place.lane))

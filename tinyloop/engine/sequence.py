@@ -16,6 +16,7 @@ import torch
 
 from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
+from ..exits import ExitRule, Track
 from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
 
 
@@ -38,7 +39,8 @@ class InFlight:
     """A token between loop iterations (continuous-depth batching, Runner.iterate): the passes it has run, its latent
     rows (the prelude's output e and the state s, [1, 1, d] each), and, for a lane that may exit early, what the
     model's ExitState keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
-    used, and the cdf rule's cumulative exit probability and the mass left ([1, 1] each)."""
+    used, what its rule remembers between loops (exits.Track, one row), and the logits of its exit loop where its
+    rule read them."""
     done: int
     e: torch.Tensor
     s: torch.Tensor
@@ -46,8 +48,8 @@ class InFlight:
     out: torch.Tensor | None = None
     chosen: bool = False
     used: int = 0
-    cdf: torch.Tensor | None = None
-    rest: torch.Tensor | None = None
+    track: Track | None = None
+    logits: torch.Tensor | None = None
 
 
 class Sequence:
@@ -55,7 +57,8 @@ class Sequence:
                  t_call: float | None = None, stats: GenerateStats | None = None):
         self.model, self.prompt, self.cfg, self.on_token = model, prompt, cfg, on_token
         self.t_call = time.perf_counter() if t_call is None else t_call
-        self.loops, self.threshold = cfg.resolved_loops(model), cfg.early_exit_threshold
+        self.loops = cfg.resolved_loops(model)
+        self.rule = cfg.exit(model)  # its early exit (tinyloop/exits.py): rule, threshold, min_loops
         self.gen = make_generator(cfg.seed)
         self.history = list(prompt)  # prompt + tokens taken: what the repetition penalty sees
         self.matcher = StopMatcher(model.codec, list(cfg.stop_sequences) + [[t] for t in cfg.stop_token_ids])
@@ -171,6 +174,12 @@ class Sequence:
     def text(self) -> str:
         m = self.matcher
         return m.text if self.stop_reason == "stop_sequence" and m.strings else self.model.codec.decode(self.tokens)
+
+    @property
+    def exit(self) -> ExitRule:
+        """The exit rule of the token it produces next: its own, or the exit_schedule's depth for that token."""
+        schedule = self.cfg.exit_schedule
+        return ExitRule("schedule", schedule[self.count % len(schedule)]) if schedule else self.rule
 
     def result(self) -> GenerateResult:
         if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
