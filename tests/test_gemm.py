@@ -14,8 +14,8 @@ from tinyloop.kernels.linear import linear
 
 
 def tiled(x: torch.Tensor, w, **kw) -> torch.Tensor | None:
-    """The tiled product; on a CPU without the tiles (no AVX-512 VNNI) the ConfigError the dispatcher relies on to
-    keep the row kernels (then None: nothing tiled to compare)."""
+    """The tiled product; where it is unavailable (CPU kernels off, TINYLOOP_CPU_GEMM=0) the ConfigError the
+    dispatcher relies on to keep the row kernels (then None: nothing tiled to compare)."""
     if cpu.gemm_available():
         return cpu.linear(x, w, tiled=True, **kw)
     with pytest.raises(ConfigError):
@@ -97,10 +97,12 @@ def test_dispatcher_sends_many_rows_to_the_tiles(fmt):
 
 def test_dispatcher_keeps_autograd():
     """A product that trains (x or W needs a gradient) stays torch's, so gradients flow."""
-    W = (torch.randn(48, 64) * 0.02).requires_grad_()
-    x = torch.randn(40, 64)
+    g = torch.Generator().manual_seed(5)
+    W = (torch.randn(48, 64, generator=g) * 0.02).requires_grad_()
+    x = torch.randn(40, 64, generator=g)
     linear(x, W).sum().backward()
-    assert W.grad is not None and torch.allclose(W.grad, x.sum(0).expand(48, 64))
+    # the gradient is a product too (ones^T x, its own summation order): equal to the plain sum to fp32 rounding
+    assert W.grad is not None and torch.allclose(W.grad, x.sum(0).expand(48, 64), atol=1e-5)
 
 
 def test_tiled_where_unavailable_raises(monkeypatch):
@@ -111,3 +113,28 @@ def test_tiled_where_unavailable_raises(monkeypatch):
         cpu.linear(torch.randn(40, 64), torch.randn(8, 64), tiled=True)
     x, W = torch.randn(40, 64), torch.randn(8, 64)
     assert rel_err(linear(x, W), x @ W.T) < 1e-5  # the dispatcher falls back to torch
+
+
+def test_tiles_wherever_the_kernels_run():
+    """The tiles need only what the row kernels need (AVX2 + FMA): 512-bit tiles where AVX-512 VNNI is compiled in
+    and present, else 256-bit ones; TINYLOOP_CPU_GEMM=0 switches them off on every call."""
+    assert cpu.available(), "the CPU kernels must build here (a C compiler: setup_env.sh)"
+    assert cpu.gemm_available() and cpu.gemm_isa() in (256, 512)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINYLOOP_CPU_GEMM", "0")
+        assert not cpu.gemm_available() and cpu.gemm_isa() == 0
+        with pytest.raises(ConfigError):
+            cpu.linear(torch.randn(40, 64), torch.randn(8, 64), tiled=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_tiled_integer_sums_at_the_extremes(fmt):
+    """Every weight at the format's largest code and every x value at +-127 after rounding: the largest block sums
+    (AVX2 int4 adds a block's 32 products in int16: 8 x 2 x 15 x 127 = 30480 < 2^15) come out exact."""
+    K = 256
+    w = make(fmt, 24, K, 32, act_quant=True)
+    w = dataclasses.replace(w, data=torch.full_like(w.data, 0xFF if fmt == "int4" else 127))
+    for sign in (1.0, -1.0):
+        x = torch.full((40, K), sign)
+        y = tiled(x, w)
+        assert y is None or rel_err(y, formats.reference_linear(x, w)) < 1e-5  # a wrapped sum is off by far more

@@ -2,9 +2,11 @@
 run, on the same random weights, and against the machine's measured memory bandwidth (docs/kernels.md, "Peers").
 
 For each config (the looped models of issue 15, or a small one with --quick) it builds a looped model with random
-weights and runs greedy decode at batch 1 and 16 through:
-  * TinyLoop (`generate` at batch 1, `generate_batch` at 16) in each weight format (tinyloop/formats.py), as
-    load_model gives it (on the CPU int8 and int4 quantise activations), and int8 / int4 weight-only beside them;
+weights and runs greedy decode at batch 1, 4, 16 and 64 (--quick: 1 and 16) through:
+  * TinyLoop (`generate` at batch 1, `generate_batch` up to its 32 lanes, a Scheduler of 64 lanes at 64: a worker
+    run with --max-lanes 64, whose decode steps' products take the tiled GEMM) in each weight format
+    (tinyloop/formats.py), as load_model gives it (on the CPU int8 and int4 quantise activations), and int8 / int4
+    weight-only beside them;
   * transformers' eager `generate` of the dense twin (scripts/bench/twin.py) in fp32 and bf16, when transformers is
     installed;
   * llama.cpp (llama-cpp-python) on the twin written as GGUF in F32, F16 and Q8_0, at batch 1, when
@@ -12,6 +14,11 @@ weights and runs greedy decode at batch 1 and 16 through:
 A peer that is not installed is named with the command that installs it. Every run is timed the same way: from
 the first generated token to the last (decode only, prefill excluded), on wall clock, best of interleaved
 rounds. Greedy tokens of each row are compared with TinyLoop's fp32 row at the same batch.
+
+Against the matmul peak (issue 34): the bench measures the machine's fp32 and bf16 matmul rates (the best of a large
+torch.mm and, for fp32, of TinyLoop's own tiled GEMM) and gives each row's multiply-add rate (2 flops per weight of
+the step's matrices per token; attention and the elementwise work not counted) as a fraction of the fp32 peak, and
+bf16 rows also of the bf16 peak. Decode at small batches is bound by memory, not by these.
 
 Prefill (issue 34), in the same run on the same models: tok/s of a 40- and a 512-token prompt (a fresh random prompt
 per round, so no prefix is reused): TinyLoop from the call to its first token (`generate_stream`, one token), with
@@ -34,13 +41,14 @@ from pathlib import Path
 import torch
 
 from tinyloop.artifact import DEFAULT_ARTIFACT, read_artifact, save_artifact
-from tinyloop.batch import generate_batch
+from tinyloop.batch import Scheduler, generate_batch
+from tinyloop.engine.calls import BATCH_LANES
 from tinyloop.config import ModelConfig
 from tinyloop.generation import generate_stream
-from tinyloop.formats import FORMATS
+from tinyloop.formats import FORMATS, quantize
 from tinyloop.model import LoopedLM
 from tinyloop.runtime import free_model, load_model
-from scripts.bench.twin import GGUF_BYTES, GGUF_TYPES, hf_twin, matrix_numel, write_gguf
+from scripts.bench.twin import GGUF_BYTES, GGUF_TYPES, head, hf_twin, matrix_numel, write_gguf
 
 _COMMON = dict(injection="none", state_init="embed", tie_embeddings=True, bos_id=1, eos_id=2)
 CONFIGS = {  # issue 15's configs: 2 + 4 x 4 + 2 layer passes per token
@@ -57,7 +65,8 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 # int4 weight-only beside them (load_model(act_quant=False))
 VARIANTS = {**{fmt: {"weights": fmt} for fmt in FORMATS},
             **{f"{fmt} weight-only": {"weights": fmt, "act_quant": False} for fmt in ("int8", "int4")}}
-BATCHES = (1, 16)
+BATCHES = (1, 4, 16, 64)
+QUICK_BATCHES = (1, 16)
 PREFILL_LENS = (40, 512)
 PREFILL_VARIANTS = ("fp32", "bf16", "int8", "int4")  # as load_model gives them; each with the tiles on and off
 INSTALL = {
@@ -78,6 +87,36 @@ class Report(list):
 
 def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5) -> dict[str, float]:
+    """flop/s of the machine's fastest measured square products with torch's threads, best of `repeats`: fp32
+    (torch.mm, and the tiled GEMM of tinyloop/kernels/cpu.py where it runs) and bf16 (torch.mm in bf16, and the tiled
+    GEMM over bf16 weights), each the faster of the two; what "of peak" in the tables divides by. (Without the CPU's
+    bf16 instructions torch's bf16 product can be far slower than fp32: 1.4 GFLOP/s against 66 on a 2-core Zen 1.)"""
+    from tinyloop.kernels import cpu
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+
+    def rate(f) -> float:
+        f()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t)
+        return 2 * n ** 3 / best
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    peak = {"fp32_torch": rate(lambda: torch.mm(a, b)), "bf16_torch": rate(lambda: torch.mm(a16, b16))}
+    if cpu.gemm_available():
+        bt = b.T.contiguous()  # cpu.linear multiplies by W^T: the same product
+        bt16 = quantize(bt, "bf16")
+        peak["fp32_tiled"] = rate(lambda: cpu.linear(a, bt, tiled=True))
+        peak["bf16_tiled"] = rate(lambda: cpu.linear(a, bt16, tiled=True))
+    for fmt in ("fp32", "bf16"):
+        peak[fmt] = max(v for k, v in peak.items() if k.startswith(f"{fmt}_"))
+    return peak
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -131,6 +170,16 @@ def random_artifact(cfg: ModelConfig, path: Path, seed: int = 0) -> Path:
 Run = Callable[[], tuple[list[list[int]], int, float]]
 
 
+def scheduled(model, prompts: list[list[int]], cfg, on_token) -> list:
+    """Every prompt at once in a Scheduler with a lane for each (past generate_batch's 32 lanes: a worker's
+    --max-lanes); results in prompt order."""
+    sched = Scheduler(model, lanes=len(prompts))
+    seqs = [sched.submit(p, cfg, lambda tok, i, lane=lane: on_token(lane, tok, i)) for lane, p in enumerate(prompts)]
+    while not sched.idle():
+        sched.step()
+    return [seq.result() for seq in seqs]
+
+
 def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int) -> Run:
     from tinyloop.types import GenerateConfig
 
@@ -142,8 +191,8 @@ def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int) -> Run:
         if B == 1:
             res = [generate_stream(model, prompts[0], cfg, lambda tok, i: stamps.append((0, time.perf_counter())) or True)]
         else:
-            res = generate_batch(model, prompts, cfg,
-                                 lambda lane, tok, i: stamps.append((lane, time.perf_counter())) or True)
+            many = generate_batch if B <= BATCH_LANES else scheduled
+            res = many(model, prompts, cfg, lambda lane, tok, i: stamps.append((lane, time.perf_counter())) or True)
         # Decode starts once every lane has its first token (the engine may prefill lanes one by one between
         # decode steps); every token after that moment is a decoded one.
         seen: set[int] = set()
@@ -251,11 +300,52 @@ def prefill_rows(name: str, runs: dict[tuple[str, str], Prefill], vocab: int, ro
             for ((sys_, fmt), P), s in best.items()]
 
 
-def prefill_table(rows: list[dict]) -> list[str]:
-    lines = [f"  {'runtime':<13}{'format':<22}" + "".join(f"{f'{P} tok/s':>14}" for P in PREFILL_LENS)]
+def prefill_table(rows: list[dict], peak: float | None = None) -> list[str]:
+    """tok/s at each prompt length, and with `peak` (fp32 flop/s) the share of it the prompt's products ran at."""
+    head_ = "".join(f"{f'{P} tok/s':>14}" + (f"{'of peak':>9}" if peak else "") for P in PREFILL_LENS)
+    lines = [f"  {'runtime':<13}{'format':<22}" + head_]
     for key in dict.fromkeys((r["system"], r["format"]) for r in rows):
-        got = {r["prompt_len"]: r["tok_s"] for r in rows if (r["system"], r["format"]) == key}
-        lines.append(f"  {key[0]:<13}{key[1]:<22}" + "".join(f"{got.get(P, float('nan')):>14.1f}" for P in PREFILL_LENS))
+        got = {r["prompt_len"]: r for r in rows if (r["system"], r["format"]) == key}
+        cells = ""
+        for P in PREFILL_LENS:
+            r = got.get(P)
+            cells += f"{r['tok_s'] if r else float('nan'):>14.1f}"
+            if peak:
+                cells += f"{r['flop_s'] / peak if r else float('nan'):>9.0%}"
+        lines.append(f"  {key[0]:<13}{key[1]:<22}" + cells)
+    return lines
+
+
+# the peer row each TinyLoop format is held against (issue 34: llama.cpp's same-precision format)
+PREFILL_PEERS = {"fp32": ("llama.cpp F32", "transformers fp32"), "bf16": ("llama.cpp F16", "transformers bf16"),
+                 "int8": ("llama.cpp Q8_0", "transformers fp32"), "int4": ("transformers fp32",)}
+
+
+def prefill_ratios(rows: list[dict]) -> list[dict]:
+    """Each TinyLoop format's prefill tok/s over its own run without the tiles, over fp32's (quantised prefill should
+    be no slower), and over its peers' (where measured), at each prompt length of one config."""
+    out = []
+    tok = {(r["config"], f"{r['system']} {r['format']}", r["prompt_len"]): r["tok_s"] for r in rows}
+    for (config, name, P), t in tok.items():
+        if not name.startswith("tinyloop ") or name.endswith("(no tiles)"):
+            continue
+        fmt = name.split()[1]
+        against = [f"{name} (no tiles)", "tinyloop fp32", *PREFILL_PEERS.get(fmt, ())]
+        for other in against:
+            if other != name and (config, other, P) in tok:
+                out.append({"config": config, "prompt_len": P, "tinyloop": fmt, "against": other,
+                            "ratio": t / tok[config, other, P]})
+    return out
+
+
+def prefill_ratio_lines(rat: list[dict]) -> list[str]:
+    lines = []
+    for key in dict.fromkeys((r["config"], r["tinyloop"]) for r in rat):
+        got = [r for r in rat if (r["config"], r["tinyloop"]) == key]
+        for other in dict.fromkeys(r["against"] for r in got):
+            cells = {r["prompt_len"]: r["ratio"] for r in got if r["against"] == other}
+            lines.append(f"  {key[0]:<7} {key[1]:<6} over {other:<24}" +
+                         "".join(f"{f'{cells[P]:.2f}x' if P in cells else '-':>10}" for P in PREFILL_LENS))
     return lines
 
 
@@ -279,8 +369,8 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 
 
 def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int, rounds: int, tmp: Path,
-                 echo: Callable[[str], None], progress: Callable[[str], None], decode_rounds: int | None = None
-                 ) -> tuple[list[dict], dict]:
+                 echo: Callable[[str], None], progress: Callable[[str], None], decode_rounds: int | None = None,
+                 batches: tuple[int, ...] = BATCHES) -> tuple[list[dict], dict]:
     """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
     loops = cfg.default_loops
     art = random_artifact(cfg, tmp / f"{name}.tinyloop")
@@ -289,11 +379,12 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
     model = models["fp32"]
     g = torch.Generator().manual_seed(1)
     first = 3 + 256  # past the control and byte tokens of the GGUF vocabulary (tokens a real prompt would hold)
-    prompts = torch.randint(first, cfg.vocab_size, (max(BATCHES), prompt_len), generator=g).tolist()
+    prompts = torch.randint(first, cfg.vocab_size, (max(batches), prompt_len), generator=g).tolist()
     numel = matrix_numel(model.net, loops)
+    body = numel - head(model.net).numel()  # a prompt token's matrices: the head runs for the last token only
     runs: dict[tuple[str, str, int], Run] = {}
     for fmt, m in models.items():
-        for B in BATCHES:
+        for B in batches:
             runs["tinyloop", fmt, B] = tinyloop_runner(m, prompts[:B], n_tokens, loops)
     progress(f"  [{name}] {model.net.num_params() / 1e6:.0f}M parameters loaded; setting up the peers")
     runs["tinyloop", "fp32", 1]()  # fuses the weights, so the twin below shares the tensors TinyLoop runs
@@ -311,7 +402,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
              f"forward on 2 prompts: {diff:.2e}")
         twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)  # a copy: the fp32 twin shares TinyLoop's tensors
-        for B in BATCHES:
+        for B in batches:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
             runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
     llamas = {}
@@ -345,19 +436,37 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         per_weight = GGUF_BYTES[fmt] if system == "llama.cpp" else BYTES_PER_WEIGHT[fmt.split()[0]]
         ref = tokens["tinyloop", "fp32", B]
         rows.append({"config": name, "system": system, "format": fmt, "batch": B, "tok_s": 1.0 / s_per_tok,
-                     "weight_bytes_per_step": numel * per_weight, "greedy_agreement": agreement(ref, tokens[system, fmt, B]),
+                     "weight_bytes_per_step": numel * per_weight, "flop_s": 2 * numel / s_per_tok,
+                     "greedy_agreement": agreement(ref, tokens[system, fmt, B]),
                      "tokens": tokens[system, fmt, B]})
     for llm in llamas.values():
         llm.close()
     for m in models.values():
         free_model(m)
+    for r in prefill:
+        r["flop_s"] = 2 * body * r["tok_s"]
     facts = {"config": cfg.to_dict(), "loops": loops, "layer_passes": cfg.n_prelude + cfg.n_core * loops + cfg.n_coda,
-             "weights_read_per_step": numel, "prompt_len": prompt_len, "new_tokens": n_tokens, "rounds": rounds,
+             "weights_read_per_step": numel, "weights_per_prompt_token": body, "prompt_len": prompt_len,
+             "new_tokens": n_tokens, "rounds": rounds,
              "prefill": prefill, **checks}
     return rows, facts
 
 
 # ----------------------------------------------------------------------------------------------- the section
+def peak_line(peak: dict[str, float], n: int, threads: int) -> str:
+    def one(fmt: str) -> str:
+        tiled = f", TinyLoop's tiled GEMM {peak[f'{fmt}_tiled'] / 1e9:.1f}" if f"{fmt}_tiled" in peak else ""
+        return f"{fmt} {peak[fmt] / 1e9:.1f} GFLOP/s (torch.mm {peak[f'{fmt}_torch'] / 1e9:.1f}{tiled})"
+    return f"matmul peak ({n}^3, {threads} threads, best of 5): {one('fp32')}, {one('bf16')}"
+
+
+def of_peak(r: dict, peak: dict[str, float]) -> None:
+    """The row's share of the fp32 matmul peak; bf16 rows also of the bf16 one."""
+    r["peak_fraction"] = r["flop_s"] / peak["fp32"]
+    if r["format"].startswith("bf16"):
+        r["bf16_peak_fraction"] = r["flop_s"] / peak["bf16"]
+
+
 def describe(name: str, f: dict) -> str:
     c = f["config"]
     return (f"{name}: {c['n_heads']} heads / {c['n_kv_heads']} kv, FFN {c['ffn_hidden']}, {c['n_prelude']} + "
@@ -368,10 +477,12 @@ def describe(name: str, f: dict) -> str:
 
 def table(rows: list[dict], bandwidth: float) -> list[str]:
     lines = [f"  {'runtime':<13}{'format':<18}{'batch':>5}{'tok/s':>10}{'weights GB/s':>14}{'of bandwidth':>14}"
-             f"{'greedy = TinyLoop fp32':>30}"]
-    for r in rows:
+             f"{'GFLOP/s':>9}{'of fp32 peak':>14}{'of bf16 peak':>14}{'greedy = TinyLoop fp32':>26}"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["system"] != "tinyloop")):
+        bf16 = f"{r['bf16_peak_fraction']:>13.0%}" if "bf16_peak_fraction" in r else f"{'':>13}"
         lines.append(f"  {r['system']:<13}{r['format']:<18}{r['batch']:>5}{r['tok_s']:>10.1f}"
-                     f"{r['weights_GBps']:>14.1f}{r['bandwidth_fraction']:>13.0%} {r['greedy_agreement']:>29.0%}")
+                     f"{r['weights_GBps']:>14.1f}{r['bandwidth_fraction']:>13.0%} {r['flop_s'] / 1e9:>9.1f}"
+                     f"{r['peak_fraction']:>13.0%} {bf16} {r['greedy_agreement']:>25.0%}")
     return lines
 
 
@@ -397,6 +508,8 @@ def bench_peers(model_path: str | None, quick: bool):
     bandwidth = memory_bandwidth(1 << 28 if quick else 1 << 30, 3 if quick else 5)
     lines.append(f"memory bandwidth (a streaming read of {'256 MiB' if quick else '1 GiB'}, {threads} threads, "
                  f"best of {3 if quick else 5}): {bandwidth / 1e9:.1f} GB/s")
+    peak = matmul_peak(512 if quick else 1024)
+    lines.append(peak_line(peak, 512 if quick else 1024, threads))
     missing = []
     if not installed("transformers"):
         missing.append({"peer": "transformers", "install": INSTALL["transformers"]})
@@ -411,18 +524,28 @@ def bench_peers(model_path: str | None, quick: bool):
         for name, cfg in (QUICK if quick else CONFIGS).items():
             got, facts = bench_config(name, cfg, prompt_len=8 if quick else 32, n_tokens=8 if quick else 32,
                                       rounds=1 if quick else 3, tmp=Path(tmp), echo=echo,
-                                      progress=progress)
+                                      progress=progress, batches=QUICK_BATCHES if quick else BATCHES)
             for r in got:
                 steps_per_s = r["tok_s"] / r["batch"]  # a step reads the weights once for all its lanes
                 r["weights_GBps"] = r["weight_bytes_per_step"] * steps_per_s / 1e9
                 r["bandwidth_fraction"] = r["weight_bytes_per_step"] * steps_per_s / bandwidth
+                of_peak(r, peak)
+            for r in facts["prefill"]:
+                of_peak(r, peak)
             rows += got
             configs[name] = facts
             lines.append("")
             lines.append(describe(name, facts))
             lines += table(got, bandwidth)
-            lines.append(f"  prefill ({name}, best of {facts['rounds']} rounds, a fresh prompt per round):")
-            lines += prefill_table(facts["prefill"])
+            lines.append(f"  prefill ({name}, best of {facts['rounds']} rounds, a fresh prompt per round; no tiles: "
+                         "TINYLOOP_CPU_GEMM=0):")
+            lines += prefill_table(facts["prefill"], peak["fp32"])
+            prat = prefill_ratios(facts["prefill"])
+            if prat:
+                lines.append(f"  prefill ratios ({name}; tok/s over tok/s at {' and '.join(map(str, PREFILL_LENS))} "
+                             "tokens):")
+                lines += prefill_ratio_lines(prat)
+            facts["prefill_ratios"] = prat
     rat = ratios(rows)
     if rat:
         lines.append("")
@@ -434,9 +557,10 @@ def bench_peers(model_path: str | None, quick: bool):
             lines.append(f"  {key[0]:<7} {key[1]:>5}  {key[2]:<17}" +
                          "".join(f"{got[p]:>19.2f}x" if p in got else f"{'-':>20}" for p in peers))
     lines.append("(weights GB/s: weights read per step x steps per second, a step reading each weight once for all "
-                 "its lanes; KV-cache reads not counted. Timings on a shared machine are noisy: compare rows of one run.)")
-    data = {"threads": threads, "bandwidth_Bps": bandwidth, "configs": configs, "rows": rows, "ratios": rat,
-            "missing_peers": missing}
+                 "its lanes; KV-cache reads not counted. GFLOP/s: 2 flops per weight of the step's matrices per token; "
+                 "attention not counted. Timings on a shared machine are noisy: compare rows of one run.)")
+    data = {"threads": threads, "bandwidth_Bps": bandwidth, "matmul_peak_flop_s": peak, "configs": configs,
+            "rows": rows, "ratios": rat, "missing_peers": missing}
     return Report(lines, data)
 
 
@@ -448,14 +572,23 @@ def main() -> None:
                          "(the whole section: tinyloop bench --peers)")
     quick = "--quick" in args
     out: dict = {}
+    peak = matmul_peak(512 if quick else 1024)
+    print(peak_line(peak, 512 if quick else 1024, torch.get_num_threads()), flush=True)
+    out["matmul_peak_flop_s"] = peak
     with tempfile.TemporaryDirectory(prefix="tinyloop-prefill-") as tmp:
         for name, cfg in (QUICK if quick else CONFIGS).items():
             _, facts = bench_config(name, cfg, prompt_len=8, n_tokens=8, rounds=1 if quick else 3, tmp=Path(tmp),
                                     echo=print, progress=lambda t: print(t, file=sys.stderr, flush=True),
-                                    decode_rounds=0)
-            print(f"{name}: prefill tok/s, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
-            print("\n".join(prefill_table(facts["prefill"])), flush=True)
+                                    decode_rounds=0, batches=(1,))
+            for r in facts["prefill"]:
+                of_peak(r, peak)
+            print(f"{name}: prefill tok/s, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f} "
+                  "(no tiles: TINYLOOP_CPU_GEMM=0)")
+            print("\n".join(prefill_table(facts["prefill"], peak["fp32"])))
+            rat = prefill_ratios(facts["prefill"])
+            print("\n".join(prefill_ratio_lines(rat)), flush=True)
             out[name] = facts["prefill"]
+            out[f"{name} ratios"] = rat
     if "--json" in args:
         Path(args[args.index("--json") + 1]).write_text(json.dumps(out, indent=1))
 

@@ -4,7 +4,8 @@ Decode at batch 1 is bound by reading weight bytes, and torch's CPU products str
 decode step well below the machine's read bandwidth (int8 and int4 worst). cpu_gemv.c streams W once for any
 batch, in its stored format, split over threads by rows.
 Past the engine's lanes (prefill chunks) a product is bound by multiply-adds instead: `linear(..., tiled=True)` runs
-cpu_gemv.c's tiled GEMM (AVX-512, integer dot products for act_quant int8 / int4), where gemm_available().
+cpu_gemv.c's tiled GEMM: 512-bit tiles with VNNI integer dot products for act_quant int8 / int4 where the CPU has
+AVX-512 VNNI, else 256-bit tiles (AVX2 + FMA; act_quant int4 on integers, int8 through fp32); gemm_isa() says which.
 
 The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) into a cache directory, keyed by
 a hash of the source, flags, compiler and CPU, and loads with ctypes (which releases the GIL during a call).
@@ -53,7 +54,7 @@ MAX_ROWS = {"fp32": 32, "bf16": 32, "int8": 32, "int4": 32}
 _lib: ctypes.CDLL | None = None
 _state: str = "unknown"  # "unknown" -> "ok" | "off"
 _warned_off = False
-_gemm: bool | None = None  # tl_gemm_ok(), asked once
+_gemm: int | None = None  # tl_gemm_ok(): 512, 256 or 0, asked once
 
 
 def _cache_dir() -> Path:
@@ -124,6 +125,7 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_linear_int4.argtypes = [p, p, p, p, L, L, L, L, i, i]
     lib.tl_gemm.argtypes = [i, p, p, p, p, L, L, L, L, i, i]
     lib.tl_gemm.restype = None
+    lib.tl_gemm_ok.restype = i
     lib.tl_stream_read.argtypes = [p, L, i]
     lib.tl_stream_read.restype = ctypes.c_double
     lib.tl_huge_pages.argtypes = [p, L]
@@ -151,15 +153,22 @@ def available() -> bool:
 
 
 def gemm_available() -> bool:
-    """True when the tiled many-row product (cpu_gemv.c: tl_gemm, AVX-512 with VNNI) runs here."""
+    """True when the tiled many-row product (cpu_gemv.c: tl_gemm) runs here: wherever the kernels do (AVX2 + FMA),
+    unless TINYLOOP_CPU_GEMM=0."""
+    return gemm_isa() > 0
+
+
+def gemm_isa() -> int:
+    """The vector width in bits of the tiled GEMM that runs here: 512 (AVX-512 with VNNI), 256 (AVX2 + FMA), or 0
+    (none: the kernels are off, or TINYLOOP_CPU_GEMM=0)."""
     global _gemm
     if os.environ.get("TINYLOOP_CPU_GEMM", "").strip() == "0":
-        return False  # read on every call, like TINYLOOP_CPU_KERNELS: benches compare both paths in one process
+        return 0  # read on every call, like TINYLOOP_CPU_KERNELS: benches compare both paths in one process
     lib = _load()
     if lib is None:
-        return False
+        return 0
     if _gemm is None:
-        _gemm = bool(lib.tl_gemm_ok())
+        _gemm = int(lib.tl_gemm_ok())
     return _gemm
 
 
@@ -188,9 +197,10 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
     up to fp32 rounding; a row's result is bitwise the same whatever the batch it is multiplied in and whatever the
     thread count (batch invariance: one summation order per element).
     threads 0 = torch.get_num_threads().
-    tiled: the GEMM for many rows (tl_gemm; only where gemm_available()): x rows packed into tiles of 16, each
-    weight broadcast over 48 rows, act_quant on integers (VNNI). The same product to fp32 rounding, but NOT
-    batch-invariant, so the dispatcher uses it only past the engine's lanes (kernels/linear.py).
+    tiled: the GEMM for many rows (tl_gemm; only where gemm_available()): x rows packed into tiles of 16 (AVX-512)
+    or 8 (AVX2), each weight broadcast over 48 or 24 rows, act_quant on integers (VNNI; on AVX2 int4 only). The same
+    product to fp32 rounding, but not the row kernels' summation order, so the dispatcher uses it only past the
+    engine's lanes (kernels/linear.py).
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
     """
@@ -199,7 +209,8 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
         raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
                           f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
     if tiled and not gemm_available():
-        raise ConfigError("the tiled CPU product needs AVX-512 with VNNI (cpu.gemm_available() is False)")
+        raise ConfigError("the tiled CPU product is not available here (cpu.gemm_available() is False: the CPU kernels "
+                          "are off, or TINYLOOP_CPU_GEMM=0)")
     if not x.is_contiguous():
         x = x.contiguous()
     B, K = x.shape

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define INLINE static inline __attribute__((always_inline))
 // Weight rows per block at B = 1, 2, 3..4 and > 4, the B from which rows are widened, and accumulators per output
@@ -49,6 +50,13 @@ enum { F32, BF16, I8 };
 // v, loaded into a register once: gcc would otherwise fold a load used by several fmas into each of them (one
 // load per fma), which makes loads the limit of a 2 x 3 tile. Changes no value.
 INLINE __m256 in_reg(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+// The same for integer vectors; also keeps gcc from regrouping a chain of integer adds into a tree, which needs
+// more registers than there are (it spilled the int4 tile's int16 sums to the stack).
+INLINE __m256i in_reg_i(__m256i v) {
     __asm__("" : "+x"(v));
     return v;
 }
@@ -871,26 +879,266 @@ static void gemm_int(const float *x, const void *w, const float *scale, float *y
 }
 #endif
 
-// 1 when the tiled GEMM below is compiled in and this CPU runs it; 0: callers keep another product for many rows.
+// ---- many rows on AVX2 + FMA: the same scheme, 8 x rows per vector (every CPU these kernels run on)
+//
+// Where AVX-512 VNNI is missing (AMD Zen 1-3, Intel before Ice Lake) the tiles are 256 bits wide: x packed into
+// tiles of 8 rows (xp[t][k][8]), each weight broadcast from its row into the fmas of AM x vectors, a tile of
+// AR W rows x AM vectors holding 12 accumulators of the 16 registers (3 + 4 loads per 12 fmas).
+//   fp32, bf16, weight-only int8 / int4: as on AVX-512 (bf16 / int8 / int4 panels widened once per chunk of x).
+//   act_quant int8: x quantised as quant_x does and packed as the values q * d (exactly what
+//         formats.reference_linear multiplies), then the same fp32 tile over the widened panel, the row scale at
+//         the end. Without VNNI an int8 x int8 product costs maddubs (sign trick, since both are signed) plus a madd
+//         to 32 bits every 4 values, as many multiply uops per value as an fp32 fma on a 128-bit-wide core (Zen 1),
+//         so the integer route cannot beat the fp32 one there; x's rounding is the same either way.
+//   act_quant int4: on integers. Weights unpacked to q in 0..15 (unsigned, maddubs' first operand) and x signed,
+//         so a pair of products is at most 2 * 15 * 127 and a whole block of 32 sums in int16 (8 * 3810 < 2^15):
+//         one maddubs and one add per 4 values x 8 rows, one madd to 32 bits per block; the -8 offset comes off
+//         as 8 * sum(q_x) per block and row (precomputed), then one convert and one fma by the x scales times the
+//         group's scale. Tiles of 2 W rows x 2 vectors (int16 and fp32 sums for each: 8 registers).
+// Every element is one fma chain over K in order (fp32) or over its blocks in order (int4), whatever the tile, the
+// chunk or the thread count; still not the row kernels' order, so the dispatcher's rule (only past the lanes) holds.
+#define AT 8   // x rows per vector
+#define AR 4   // W rows per fp32 panel
+#define AM 3   // x vectors per fp32 tile
+#define QR 2   // W rows per int4 panel
+#define QM 2   // x vectors per int4 tile
+
+// x's chunk is shared by the threads, so it has to stay in every core's L2: half of it (Zen 1: 512 KiB per core).
+static long a2_chunk_bytes(void) {
+    static long bytes;
+    if (!bytes) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        bytes = l2 > 0 ? l2 / 2 : 256L << 10;
+    }
+    return bytes;
+}
+
+// acc[r][m] holds y[b0 + 8 m + i, n + r] for lanes i: written back transposed (rows past B dropped), times scale[r].
+INLINE void a2_store(int R, int MB, __m256 acc[AR][AM], float *y, long ldy, long B, long b0, const float *scale) {
+    float t[AT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) {
+            _mm256_storeu_ps(t, scale ? _mm256_mul_ps(acc[r][m], _mm256_set1_ps(scale[r])) : acc[r][m]);
+            for (int i = 0; i < AT && b0 + m * AT + i < B; i++) y[(b0 + m * AT + i) * ldy + r] = t[i];
+        }
+}
+
+INLINE void a2_f32_tile(int R, int MB, const float *w, long ldw, const float *xp, long K, float *y, long ldy, long B,
+                        long b0, const float *scale) {
+    __m256 acc[AR][AM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k++) {
+        __m256 xv[AM];
+        for (int m = 0; m < MB; m++) xv[m] = _mm256_load_ps(xp + (m * K + k) * AT);
+        for (int r = 0; r < R; r++) {
+            const __m256 wb = _mm256_broadcast_ss(w + r * ldw + k);
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(xv[m], wb, acc[r][m]);
+        }
+    }
+    __m256 out[AR][AM];  // a copy for the store: with acc's own address taken, gcc kept acc in memory in the loop
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = in_reg(acc[r][m]);
+    a2_store(R, MB, out, y, ldy, B, b0, scale);
+}
+
+#define A2SWITCH_MB(R_, mb, TILE)                                                        \
+    switch (mb) { case 1: TILE(R_, 1); break; case 2: TILE(R_, 2); break; default: TILE(R_, 3); break; }
+#define A2SWITCH(R, mb, TILE)                                                            \
+    switch (R) {                                                                         \
+        case 1: A2SWITCH_MB(1, mb, TILE) break; case 2: A2SWITCH_MB(2, mb, TILE) break;  \
+        case 3: A2SWITCH_MB(3, mb, TILE) break; default: A2SWITCH_MB(4, mb, TILE) break; }
+
+// Tile t of xp[t][k][8] from x [B, K] (rows past B zero); with qx / sx (act_quant), the first KB blocks of each row
+// are its quantised values q * d and the K tail stays as it is, as in formats.quantize_activations.
+static void a2_pack(const float *x, const int8_t *qx, const float *sx, long B, long K, long KB, long t, float *xp) {
+    float *d = xp + t * K * AT;
+    for (long i = 0; i < AT; i++) {
+        const long b = t * AT + i;
+        for (long k = 0; k < K; k++) {
+            float v = 0.0f;
+            if (b < B) v = qx && k < KB * QB ? qx[b * KB * QB + k] * sx[b * KB + k / QB] : x[b * K + k];
+            d[k * AT + i] = v;
+        }
+    }
+}
+
+// fmt: F32, BF16, I8 (scale per row) or 3 (int4, group scales); act_quant (int8 / int4): x rounded first.
+static void a2_gemm_f32(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
+                        long group, int act_quant, int threads) {
+    const long T = (B + AT - 1) / AT, per = a2_chunk_bytes() / (K * AT * 4), tc = per < AM ? AM : per;
+    const long KB = act_quant ? K / QB : 0, G = fmt == 3 ? K / group : 0;
+    float *xp = aligned_alloc(64, (T * K * AT * 4 + 63) & ~63L);
+    int8_t *qx = act_quant ? aligned_alloc(64, (B * KB * QB + 64) & ~63L) : 0;
+    float *sx = act_quant ? malloc((B * KB + 1) * sizeof(float)) : 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wide = fmt == F32 ? 0 : wide_buffer(AR * K);
+        if (act_quant) {
+#pragma omp for schedule(static)
+            for (long b = 0; b < B; b++) quant_x(x + b * K, 1, K, KB, qx + b * KB * QB, sx + b * KB, 0);
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) a2_pack(x, qx, sx, B, K, KB, t, xp);
+        for (long c0 = 0; c0 < T; c0 += tc) {
+            const long c1 = c0 + tc < T ? c0 + tc : T;
+#pragma omp for schedule(static) nowait
+            for (long p = 0; p < (N + AR - 1) / AR; p++) {
+                const long n = p * AR, R = N - n < AR ? N - n : AR;
+                const float *wp = (const float *)w + n * K, *sc = fmt == I8 ? scale + n : 0;
+                if (fmt == BF16 || fmt == I8)
+                    for (long r = 0; r < R; r++) widen_rows(fmt, 1, (const char *)w + (n + r) * K * ESZ(fmt), K, wide + r * K);
+                else if (fmt == 3)
+                    for (long r = 0; r < R; r++)
+                        widen_rows_int4(1, (const uint8_t *)w + (n + r) * (K / 2), K / 2, scale + (n + r) * G, G, group, K,
+                                        wide + r * K);
+                if (fmt != F32) wp = wide;
+                for (long t = c0; t < c1; t += AM) {
+                    const long mb = c1 - t < AM ? c1 - t : AM;
+#define TILE(R_, MB_) a2_f32_tile(R_, MB_, wp, K, xp + t * K * AT, K, y + n, N, B, t * AT, sc)
+                    A2SWITCH(R, mb, TILE)
+#undef TILE
+                }
+            }
+        }
+    }
+    free(xp);
+    free(qx);
+    free(sx);
+}
+
+// xq: [t][K/4 words][8] of q; o8, sxq: [t][KB][8] (8 * sum(q) and d per block); wq: [R][K] nibbles as bytes 0..15;
+// wsc: the panel's group scales [R][G]; bpg: blocks per group.
+INLINE void a2_int4q_tile(int R, int MB, const uint8_t *wq, long K, const float *wsc, long G, long bpg,
+                          const int32_t *xq, const int32_t *o8, const float *sxq, long KB, float *y, long ldy, long B,
+                          long b0) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AR][AM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
+    for (long blk = 0, g = 0, in_g = 0; blk < KB; blk++) {
+        __m256i s16[QR][QM];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MB; m++) s16[r][m] = _mm256_setzero_si256();
+        const int32_t *xb = xq + blk * 8 * AT;
+#pragma GCC unroll 8
+        for (int s = 0; s < QB / 4; s++) {
+            __m256i xv[QM];
+            for (int m = 0; m < MB; m++) xv[m] = _mm256_load_si256((const __m256i *)(xb + (m * KB * 8 + s) * AT));
+            for (int r = 0; r < R; r++) {
+                int32_t wd;
+                memcpy(&wd, wq + r * K + blk * QB + 4 * s, 4);
+                const __m256i wb = _mm256_set1_epi32(wd);
+                for (int m = 0; m < MB; m++)
+                    s16[r][m] = in_reg_i(_mm256_add_epi16(s16[r][m], _mm256_maddubs_epi16(wb, xv[m])));
+            }
+        }
+        for (int m = 0; m < MB; m++) {
+            const __m256 sv = _mm256_load_ps(sxq + (m * KB + blk) * AT);
+            const __m256i ov = _mm256_load_si256((const __m256i *)(o8 + (m * KB + blk) * AT));
+            for (int r = 0; r < R; r++) {
+                const __m256i p = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][m], ones), ov);
+                const __m256 d = _mm256_mul_ps(sv, _mm256_set1_ps(wsc[r * G + g]));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r][m]);
+            }
+        }
+        if (++in_g == bpg) in_g = 0, g++;
+    }
+    __m256 out[AR][AM];  // see a2_f32_tile
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = in_reg(acc[r][m]);
+    a2_store(R, MB, out, y, ldy, B, b0, 0);
+}
+
+// act_quant int4 (K a multiple of the group, itself a multiple of 32).
+static void a2_gemm_int4q(const float *x, const uint8_t *w, const float *scale, float *y, long B, long N, long K,
+                          long group, int threads) {
+    const long KB = K / QB, KW = K / 4, T = (B + AT - 1) / AT, G = K / group;
+    const long per = a2_chunk_bytes() / (KW * AT * 4), tc = per < QM ? QM : per;
+    int8_t *qx = aligned_alloc(64, (B * K + 64) & ~63L);
+    float *sx = malloc((B * KB + 1) * sizeof(float)), *sq = malloc((B * KB + 1) * sizeof(float));
+    int32_t *xq = aligned_alloc(64, (T * KW * AT * 4 + 63) & ~63L);
+    int32_t *o8 = aligned_alloc(64, (T * KB * AT * 4 + 63) & ~63L);
+    float *sxq = aligned_alloc(64, (T * KB * AT * 4 + 63) & ~63L);
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *wq = (uint8_t *)wide_buffer(QR * K / 4 + 1);
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) quant_x(x + b * K, 1, K, KB, qx + b * K, sx + b * KB, sq + b * KB);
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++)
+            for (long i = 0; i < AT; i++) {
+                const long b = t * AT + i;
+                const int32_t *src = (const int32_t *)(qx + b * K);
+                for (long j = 0; j < KW; j++) xq[(t * KW + j) * AT + i] = b < B ? src[j] : 0;
+                for (long blk = 0; blk < KB; blk++) {
+                    sxq[(t * KB + blk) * AT + i] = b < B ? sx[b * KB + blk] : 0.0f;
+                    o8[(t * KB + blk) * AT + i] = b < B ? (int32_t)(8 * sq[b * KB + blk]) : 0;
+                }
+            }
+        for (long c0 = 0; c0 < T; c0 += tc) {
+            const long c1 = c0 + tc < T ? c0 + tc : T;
+#pragma omp for schedule(static) nowait
+            for (long p = 0; p < (N + QR - 1) / QR; p++) {
+                const long n = p * QR, R = N - n < QR ? N - n : QR;
+                // byte j of a block holds value j (low nibble) and j + 16 (high): unpacked to natural order
+                const __m128i lo = _mm_set1_epi8(15);
+                for (long r = 0; r < R; r++)
+                    for (long blk = 0; blk < KB; blk++) {
+                        const __m128i v = _mm_loadu_si128((const __m128i *)(w + (n + r) * (K / 2) + blk * QB / 2));
+                        uint8_t *d = wq + r * K + blk * QB;
+                        _mm_storeu_si128((__m128i *)d, _mm_and_si128(v, lo));
+                        _mm_storeu_si128((__m128i *)(d + 16), _mm_and_si128(_mm_srli_epi16(v, 4), lo));
+                    }
+                for (long t = c0; t < c1; t += QM) {
+                    const long mb = c1 - t < QM ? c1 - t : QM;
+#define TILE(R_, MB_)                                                                                          \
+    a2_int4q_tile(R_, MB_, wq, K, scale + n * G, G, group / QB, xq + t * KW * AT, o8 + t * KB * AT,            \
+                  sxq + t * KB * AT, KB, y + n, N, B, t * AT)
+                    if (R == 1) { if (mb == 1) TILE(1, 1); else TILE(1, 2); }
+                    else { if (mb == 1) TILE(2, 1); else TILE(2, 2); }
+#undef TILE
+                }
+            }
+        }
+    }
+    free(qx);
+    free(sx);
+    free(sq);
+    free(xq);
+    free(o8);
+    free(sxq);
+}
+
+// Which tiled GEMM runs here: 512 (AVX-512 F/BW/VNNI, compiled in and present), 256 (AVX2 + FMA, which these
+// kernels need anyway), 0 (neither). The answer is kept: tl_gemm asks it on every call.
 int tl_gemm_ok(void) {
+    static int isa = -1;
+    if (isa < 0) {
+        __builtin_cpu_init();
+        isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 256 : 0;
 #ifdef TL_GEMM
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
-#else
-    return 0;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vnni"))
+            isa = 512;
 #endif
+    }
+    return isa;
 }
 
 // y[B, N] = x[B, K] @ W^T for many rows. fmt 0 fp32, 1 bf16, 2 int8 (scale [N]), 3 int4 (scale [N][K / group]);
-// act_quant: int8 / int4 on integers. Only where tl_gemm_ok().
+// act_quant: int8 / int4 on integers (AVX2: int8 through fp32, see above). Only where tl_gemm_ok().
 void tl_gemm(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N, long K, long group,
              int act_quant, int threads) {
+    const int f = fmt == 0 ? F32 : fmt == 1 ? BF16 : fmt == 2 ? I8 : 3;
+    act_quant = act_quant && fmt >= 2;
 #ifdef TL_GEMM
-    if (act_quant && fmt >= 2) gemm_int(x, w, scale, y, B, N, K, fmt == 3 ? group : 0, threads);
-    else gemm_widened(fmt == 0 ? F32 : fmt == 1 ? BF16 : fmt == 2 ? I8 : 3, x, w, scale, y, B, N, K, group, threads);
-#else
-    (void)fmt, (void)x, (void)w, (void)scale, (void)y, (void)B, (void)N, (void)K, (void)group, (void)act_quant,
-        (void)threads;
+    if (tl_gemm_ok() == 512) {
+        if (act_quant) gemm_int(x, w, scale, y, B, N, K, fmt == 3 ? group : 0, threads);
+        else gemm_widened(f, x, w, scale, y, B, N, K, group, threads);
+        return;
+    }
 #endif
+    if (act_quant && fmt == 3) a2_gemm_int4q(x, w, scale, y, B, N, K, group, threads);
+    else a2_gemm_f32(f, x, w, scale, y, B, N, K, group, act_quant, threads);
 }

@@ -5,12 +5,14 @@ Which implementation runs (the weights are held once, in their format's layout, 
   CPU, few rows      tinyloop/kernels/cpu.py's kernels (weights streamed once for all rows, both cores), up to
                      cpu.max_rows(format) = 32 rows, the engine's lane cap: their result for a row does not depend
                      on the batch it is in, so a decode step gives a request the same bits alone or batched
-  CPU, more rows     cpu.py's tiled GEMM (tl_gemm, AVX-512 + VNNI: x rows in tiles of 16, each weight broadcast
-                     over 48 rows, act_quant int8/int4 on integer dot products), for every format: prefill chunks and
-                     batches past the lanes are compute-bound, and it runs 1.3-1.5x MKL's fp32 rate per core, the
-                     integer formats 2-3x (docs/kernels.md). Not batch-invariant, hence only past the lanes.
+  CPU, more rows     cpu.py's tiled GEMM (tl_gemm), for every format: prefill chunks and batches past the lanes are
+                     compute-bound. AVX-512 + VNNI: x rows in tiles of 16, each weight broadcast over 48 rows,
+                     act_quant int8/int4 on integer dot products; AVX2 + FMA (any CPU the kernels run on): tiles of 8
+                     rows, each weight over 24, act_quant int4 on integers (maddubs, int16 sums per block), the rest
+                     on fp32 fmas over widened panels. At MKL's fp32 rate or above (docs/kernels.md). Not the row
+                     kernels' summation order, hence only past the lanes.
   CPU, more rows,    fp32: MKL (F.linear); bf16/int8/int4: widened to fp32 per product, then MKL; an act_quant
-  no AVX-512 VNNI    matrix's rows are quantised first (formats.reference_linear): every path computes one product
+  TINYLOOP_CPU_GEMM=0  matrix's rows are quantised first (formats.reference_linear): every path computes one product
 """
 from __future__ import annotations
 
