@@ -16,7 +16,7 @@ from scripts.bench.detokenize import bench_detokenize
 from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from tinyloop.cache import CACHE_MODES
 from scripts.bench.engine import bench_engine
-from scripts.bench.peers import bench_peers
+from scripts.bench.peers import Report, bench_peers
 from tinyloop.generation import GenerateConfig, generate
 from scripts.bench.kernels import bench_kernels
 from tinyloop.runtime import Model, load_model
@@ -87,6 +87,17 @@ def bench_cache_agreement(model_path: str | None, quick: bool) -> list[str]:
     return lines
 
 
+def bench_service(model_path: str | None, quick: bool) -> Report:
+    """Batch-1 decode through a 1-worker service against the same generate in process, same threads, interleaved
+    (the worker's own cost: its threads and I/O; issue 29's target is within 1.15x)."""
+    from scripts.load.loadtest import decode_side_by_side
+
+    lines = ["service decode at batch 1: a 1-worker service against generate in process (decode_ms medians)"]
+    data = decode_side_by_side(model_path=model_path, reps=5 if quick else 12, max_tokens=32 if quick else 64,
+                               echo=lines.append)
+    return Report(lines, data)
+
+
 SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "decode": bench_decode,
     "cache_agreement": bench_cache_agreement,
@@ -99,6 +110,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "detokenize": bench_detokenize,
     "engine": bench_engine,
     "depth": bench_depth,
+    "service": bench_service,
     "peers": bench_peers,
 }
 OPT_IN = ("peers",)  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)
