@@ -30,6 +30,7 @@ import torch
 
 
 HEAD_RULES = ("entropy", "kl", "argmax")  # decided on each loop's logits
+TRACKED = ("cdf", *HEAD_RULES)  # the rules that remember something between loops (a Track)
 NO_ENTROPY = 100.0  # Huginn's entropy before the first loop
 
 
@@ -87,10 +88,11 @@ FIELDS = ("cdf", "rest", "entropy", "logp", "argmax", "stable")
 
 
 def exit_stops(net, rules: list[ExitRule], done: list[int], last: torch.Tensor, s_old: torch.Tensor | None,
-               s_new: torch.Tensor, track: Track, logits: torch.Tensor | None = None) -> torch.Tensor:
+               s_new: torch.Tensor, track: Track | None, logits: torch.Tensor | None = None) -> torch.Tensor:
     """One loop's exit decision for rows [B] of tokens [T]: states s_old -> s_new [B, T, d] (s_old None: a chunk,
     where only the cdf rule acts), `done` the loops each row has now run, `last` [B, 1] its last loop, `logits`
-    [B, V] of this loop where a row's rule reads them. Updates `track`; returns which tokens may stop [B, T]. One
+    [B, V] of this loop where a row's rule reads them. Updates `track` (None where no row's rule is TRACKED);
+    returns which tokens may stop [B, T]. One
     decision for the loop-iteration steps (engine/runner.py) and a forward of whole tokens (model.ExitState)."""
     B, T, dev = s_new.shape[0], s_new.shape[1], s_new.device
     stop = torch.zeros(B, T, dtype=torch.bool, device=dev)
@@ -131,5 +133,7 @@ def exit_stops(net, rules: list[ExitRule], done: list[int], last: torch.Tensor, 
                 fires = stable >= t
                 track.argmax[idx], track.stable[idx] = top, stable
             stop[idx] = fires.unsqueeze(1).expand(-1, T)
+    if all(r.min_loops <= 1 for r in rules):
+        return stop
     floor = torch.tensor([d >= r.min_loops for d, r in zip(done, rules)], device=dev)
     return stop & floor.unsqueeze(1)

@@ -6,8 +6,8 @@ models: the bundled one (early exit by its latent rule, threshold 0.07) and a ~5
 memory-bound regime: a loop streams 26 MB of core weights), whose early exit is a forced pattern
 (GenerateConfig.exit_schedule: token i stops after SCHEDULE[i % 8] loops, random weights having no rule worth
 firing):
-  early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16: the achieved speedup over its ideal
-                (16 / the mean loops a token ran)
+  early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16, one-line prompts: the achieved speedup
+                over its ideal (16 / the mean loops a decoded token ran)
   mixed depth   half the requests at 4 loops, half at 16, through 16 lanes, against the same requests in
                 depth-homogeneous groups one after the other
   lane-iterations per second (a lane's core pass is one) of the mixed and early-exit workloads over a uniform
@@ -48,11 +48,15 @@ def token_steps(on: bool):
             os.environ["TINYLOOP_DEPTH_STEPS"] = old
 
 
-def run(model: Model, cfgs: list[GenerateConfig], lanes: int) -> dict:
-    """The requests through one scheduler of `lanes` lanes: wall seconds of the decode, tokens, lane-iterations (core
-    passes of every lane), the tokens themselves and each request's finish time."""
+SHORT_PROMPTS = [p.splitlines()[0] for p in LONG_CODE_PROMPTS]  # a line each: the run is its decode, not its prefill
+
+
+def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str] = LONG_CODE_PROMPTS) -> dict:
+    """The requests through one scheduler of `lanes` lanes: wall seconds of the run, tokens, lane-iterations (core
+    passes of every lane), the tokens themselves, each request's finish time and the mean loops of its decoded
+    tokens (the first comes from the prompt's chunk, at every loop)."""
     sched = Scheduler(model, lanes)
-    seqs = [sched.submit(LONG_CODE_PROMPTS[i % len(LONG_CODE_PROMPTS)], c) for i, c in enumerate(cfgs)]
+    seqs = [sched.submit(prompts[i % len(prompts)], c) for i, c in enumerate(cfgs)]
     t0, ends = time.perf_counter(), {}
     while not sched.idle():
         for seq in sched.step():
@@ -60,16 +64,18 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int) -> dict:
     wall = time.perf_counter() - t0
     passes = sum(sum(s.loop_counts) for s in seqs)
     return {"s": wall, "tokens": sum(s.count for s in seqs), "passes": passes, "out": [s.result().tokens for s in seqs],
-            "ends": [ends[id(s)] for s in seqs], "loops": [s.result().stats.loops_mean for s in seqs]}
+            "ends": [ends[id(s)] for s in seqs],
+            "loops": [sum(s.loop_counts[1:]) / max(1, len(s.loop_counts) - 1) for s in seqs]}
 
 
-def best(model: Model, cfgs: list[GenerateConfig], lanes: int, rounds: int) -> dict[bool, dict]:
+def best(model: Model, cfgs: list[GenerateConfig], lanes: int, rounds: int, prompts: list[str] = LONG_CODE_PROMPTS
+         ) -> dict[bool, dict]:
     """run() with loop-iteration steps and with token steps, alternating; the faster of each."""
     out: dict[bool, dict] = {}
     for _ in range(rounds):
         for tokens in (False, True):
             with token_steps(tokens):
-                r = run(model, cfgs, lanes)
+                r = run(model, cfgs, lanes, prompts)
             if tokens not in out or r["s"] < out[tokens]["s"]:
                 out[tokens] = r
     return out
@@ -89,7 +95,9 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     run(model, [early, fixed], 2)  # warm-up
     lines, data = [f"  {label}:"], {}
     for batch in (1, 16):
-        f, e = best(model, [fixed] * batch, batch, rounds), best(model, [early] * batch, batch, rounds)
+        # one-line prompts: the figure is decode's (a prompt's chunk runs every loop under every rule)
+        f, e = best(model, [fixed] * batch, batch, rounds, SHORT_PROMPTS), best(model, [early] * batch, batch, rounds,
+                                                                                SHORT_PROMPTS)
         mean = sum(e[False]["loops"]) / batch
         ideal = L / mean
         for tokens, name in ((False, "now"), (True, "before")):

@@ -36,7 +36,7 @@ from ..cache import KVCache
 from ..errors import BudgetError, ForwardError, TinyLoopError
 from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
-from ..exits import ExitRule, Track, exit_stops
+from ..exits import TRACKED, ExitRule, Track, exit_stops
 from . import forward as cached
 from .beam import BeamGroup
 from . import iteration
@@ -457,8 +457,7 @@ class Runner:
         for seq, new in zip(rows, starting):
             if new:
                 fresh, adaptive = cached.Latent.empty(1, 1, net), self.is_adaptive(seq.exit)
-                seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops,
-                                           track=Track.start(1, 1, net.cfg.vocab_size, dev) if adaptive else None)
+                seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops)
         flights = [s.place.token for s in rows]
         latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
         adaptive = [b for b, f in enumerate(flights) if f.adaptive]
@@ -496,12 +495,16 @@ class Runner:
             logits = torch.zeros(len(rows), net.cfg.vocab_size, device=dev)
             logits[reading] = self.heads([rows[i] for i in reading], s_new[reading]).float()
         last = torch.tensor([[f.done == s.loops] for s, f in zip(rows, flights)], device=dev)
-        track = Track.cat([f.track for f in flights])
+        track = None  # (only the rules that remember something between loops keep a Track)
+        if any(s.exit.rule in TRACKED for s in rows):
+            track = Track.cat([f.track if f.track is not None else Track.start(1, 1, net.cfg.vocab_size, dev)
+                               for f in flights])
         stop = exit_stops(net, [s.exit for s in rows], [f.done for f in flights], last, s_old, s_new, track, logits)
         stop = stop.all(dim=1).tolist()
         ended = []
         for i, (seq, f, row, stops) in enumerate(zip(rows, flights, s_new, stop)):
-            f.track = track.rows(torch.tensor([i], device=dev))
+            if track is not None:
+                f.track = track.rows(torch.tensor([i], device=dev))
             if not f.chosen:
                 f.out = row.unsqueeze(0).clone()
                 if stops and i in reading:  # (its coda K/V are this loop's: they stay, with no head run again)
