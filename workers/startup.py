@@ -110,10 +110,17 @@ def run_worker(opts: WorkerOptions) -> int:
         fmt, group = weight_format_for(path, stored, *(parse_spec(opts.weights) if opts.weights else (None, None)))
         cache_mode = opts.cache_mode or env_choice("TINYLOOP_CACHE_MODE", tinyloop.CACHE_MODES, "fp16")
         dtype = torch.bfloat16 if device.startswith("cuda") else dtype
-        # the pool holds every lane the batch runs at once at full length and deepest loops (--max-lanes)
-        plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=opts.max_lanes,
-                                    max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group)
-        plan.items.insert(0, (f"process baseline ({baseline_what(device)}; measured at start)", baseline))
+        def plan_for(lanes: int):
+            plan = tinyloop.plan_memory(cfg, max_seq_len=opts.max_seq_len, cache_mode=cache_mode, lanes=lanes,
+                                        max_handles=opts.max_handles, dtype=dtype, weights=fmt, group=group)
+            plan.items.insert(0, (f"process baseline ({baseline_what(device)}; measured at start)", baseline))
+            return plan
+
+        # the pool holds every lane the batch runs at once at full length and deepest loops (--max-lanes); under a
+        # --vram-budget too small for that, the budget decides: the pool takes what it leaves, one lane at least
+        plan = plan_for(opts.max_lanes)
+        if opts.vram_budget is not None and plan.total_bytes > budget:
+            plan = plan_for(1)
     except tinyloop.TinyLoopError as exc:
         print(f"worker {opts.name}: cannot load the model: {exc}", file=sys.stderr)
         return WorkerExit.LOAD_FAILED
