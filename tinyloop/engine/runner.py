@@ -93,32 +93,32 @@ class Runner:
 
     # --- forwards -----------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
-                threshold: ExitRule | None = None, all_rows: bool = False) -> torch.Tensor:
+                exits: ExitRule | None = None, all_rows: bool = False) -> torch.Tensor:
         """Logits [1, V] of a chunk's last position at positions start.. in `lane` ([T, V], every position's, with
         all_rows): all loops (a chunk does not exit early)."""
         dev = self.model.device
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
-        threshold = self.early_exit if threshold is None else threshold
-        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=threshold,
+        exits = self.early_exit if exits is None else exits
+        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=exits,
                               last_only=not all_rows)[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
-               loops: list[int] | int | None = None, threshold: list[ExitRule] | ExitRule | None = None
+               loops: list[int] | int | None = None, exits: list[ExitRule] | ExitRule | None = None
                ) -> tuple[torch.Tensor, list[int]]:
         """One token per lane (lanes 0..B-1 of `cache`, default the runner's), each lane at its own loop count and
         exit rule (lists, or one value for all): logits [B, V] and the loops each lane ran."""
         cache = self.cache if cache is None else cache
         B = len(tokens)
         loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
-        threshold = [self.early_exit if threshold is None else threshold] * B if not isinstance(threshold, list) else threshold
-        if len(set(loops)) == 1 and not any(self.is_adaptive(t) for t in threshold):
+        exits = [self.early_exit if exits is None else exits] * B if not isinstance(exits, list) else exits
+        if len(set(loops)) == 1 and not any(self.is_adaptive(e) for e in exits):
             return cached.decode_rows(self.net, tokens, positions, loops[0], cache), loops
         dev = self.model.device
         ids = torch.tensor([[t] for t in tokens], device=dev)
         pos = torch.tensor([[p] for p in positions], device=dev)
         out, used = cached.forward_adaptive(self.net, ids, loops, self.net.make_step(pos, max(positions) + 1), cache,
-                                            threshold)
+                                            exits)
         return out[:, -1], list(used)
 
     @staticmethod
