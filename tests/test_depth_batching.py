@@ -130,15 +130,42 @@ def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypat
 
 
 def test_the_runner_steps_loop_iterations_for_mixed_depths(make_artifact, monkeypatch):
-    """Mixed depths go through Runner.iterate (a pass of every row at a time); lanes all at one fixed depth keep the
-    one forward of every loop per step."""
+    """Mixed depths go through Runner.iterate (passes of every row until a token is done: a step per token of the
+    shallower lane while both run); lanes all at one fixed depth keep the one forward of every loop per step."""
     model = tinyloop.load_model(make_artifact(), 128)
     calls = {"iterate": 0}
-    one_pass = Runner.one_pass
-    monkeypatch.setattr(Runner, "one_pass", lambda self, rows: (calls.__setitem__("iterate", calls["iterate"] + 1),
-                                                                one_pass(self, rows))[1])
+    iterate = Runner.iterate
+    monkeypatch.setattr(Runner, "iterate", lambda self, rows: (calls.__setitem__("iterate", calls["iterate"] + 1),
+                                                               iterate(self, rows))[1])
     tinyloop.generate_batch(model, [ids(4, 1), ids(4, 2)], G(max_tokens=6, loops=4))
     assert calls["iterate"] == 0
     tinyloop.generate_batch(model, [ids(4, 1), ids(4, 2)], [G(max_tokens=6, loops=4), G(max_tokens=6, loops=8)])
-    assert calls["iterate"] >= 5 * 4  # while both ran: a pass per step (the 4-loop lane's 5 fed tokens, 4 each)
+    assert calls["iterate"] >= 5  # while both ran: a step per fed token of the 4-loop lane (5 of them)
     assert torch.is_grad_enabled()  # (the step ran under inference_mode and left it)
+
+
+@pytest.mark.parametrize("rule", ["latent", "gate", "schedule"])
+def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rule, monkeypatch):
+    """Where C decides the exit rule (the latent change, the exit gate, a forced depth), a batch-1 token's passes and
+    exit decisions are one C call (Runner.iterate_in_c), no pass returns to Python, and the tokens and loops equal
+    the token steps' (TINYLOOP_DEPTH_STEPS=0: model.forward_adaptive, its decisions in torch)."""
+    from tinyloop.kernels import cpu_block
+    arch, exits = {"latent": ({}, dict(early_exit_threshold=0.25)),
+                   "gate": (dict(exit_gate=True), dict(early_exit_threshold=0.25)),
+                   "schedule": ({}, dict(exit_schedule=(2, 5, 3, 8)))}[rule]
+    model = tinyloop.load_model(make_artifact(**arch), 128)
+    cfg = G(max_tokens=12, loops=8, ignore_eos=True, **exits)
+    calls = {"c": 0, "python": 0}
+    until, one_pass = cpu_block.DecodeStep.iterate_until, Runner.one_pass
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until",
+                        lambda *a, **k: (calls.__setitem__("c", calls["c"] + 1), until(*a, **k))[1])
+    monkeypatch.setattr(Runner, "one_pass", lambda *a: (calls.__setitem__("python", calls["python"] + 1),
+                                                        one_pass(*a))[1])
+    got = tinyloop.generate(model, ids(6, 5), cfg)
+    assert calls == {"c": 11, "python": 0}  # a call per fed token (the first token comes from the prompt's chunk)
+    monkeypatch.setenv("TINYLOOP_DEPTH_STEPS", "0")
+    by_tokens = tinyloop.generate(model, ids(6, 5), cfg)
+    assert got.tokens == by_tokens.tokens and got.loops_used == by_tokens.loops_used
+    assert min(got.loops_used[1:]) < 8  # it exited early
+    if rule == "schedule":
+        assert got.loops_used[1:] == [(2, 5, 3, 8)[i % 4] for i in range(1, 12)]  # token i: its depth

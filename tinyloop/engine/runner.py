@@ -39,12 +39,16 @@ from ..memory import blocks_for, release_freed_memory
 from ..exits import TRACKED, ExitRule, Track, exit_stops
 from . import forward as cached
 from .beam import BeamGroup
+from ..kernels import cpu_block
 from . import iteration
 from .sequence import InFlight, Place, Sequence
 
 # first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
 # reuse and warm starts replace the prefill
 Prefill = Callable[[Sequence], torch.Tensor]
+
+C_RULES = {"latent": 1, "schedule": 2, "cdf": 3}  # the exit rules Runner.iterate_in_c decides in C (cpu_block.c's tl_exit_t)
+
 
 @dataclass
 class Plan:
@@ -77,6 +81,7 @@ class Runner:
         # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
         # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
+        self.latent: torch.Tensor | None = None  # [3, lanes, d]: tokens in flight between C passes (lane_latent)
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
     def is_adaptive(self, rule: ExitRule) -> bool:
@@ -438,13 +443,76 @@ class Runner:
             or any(self.is_adaptive(s.exit) for s in rows)
 
     def iterate(self, rows: list[Sequence]) -> list[Sequence]:
-        """Loop iterations of every row (`one_pass`) until some row's token is done: that lane samples at this step's
+        """Loop iterations of every row until some row's token is done: that lane samples at this step's
         postprocess and starts its next token at the next step, while deeper lanes keep looping. Between two passes
         where no token ends there is nothing to schedule (no lane frees, nothing is sampled), so they run in one
-        step: at batch 1 a token is one step, as at fixed depth."""
-        while not self.one_pass(rows):
-            pass
+        step: at batch 1 a token is one step, as at fixed depth. Where every row's exit rule can be decided in C,
+        the passes and their exit decisions are one C call (`iterate_in_c`); otherwise one forward per pass
+        (`one_pass`) with the decisions here."""
+        if not self.iterate_in_c(rows):
+            while not self.one_pass(rows):
+                pass
         return []
+
+    def iterate_in_c(self, rows: list[Sequence]) -> bool:
+        """The passes of `iterate` as one C call (cpu_block.DecodeStep.iterate_until) where the C step runs the
+        model over this cache and C decides every row's exit rule: a loop count, the latent rule (with the exit
+        gate), a forced depth, or Ouro's cdf. A token in flight keeps its latent in the runner's lane rows
+        (`lane_latent`) and its rule's state on its InFlight (`c_exit`); one that comes from a pass through Python
+        brings its rows and Track along. False (nothing run) where the rows need `one_pass`."""
+        net, cache, cfg = self.net, self.cache, self.model.cfg
+        if cache.device.type != "cpu" or not cpu_block.supported(cfg, cache, len(rows), net.embed.weight.dtype):
+            return False
+        step, gate = cached.c_step(net, cache), net.exit_gate
+        if gate is not None:
+            gate = gate.weight.detach().reshape(-1), float(gate.bias) if gate.bias is not None else 0.0
+        if step is None or gate is not None and (gate[0].dtype != torch.float32 or not gate[0].is_contiguous()):
+            return False
+        exits = []
+        for seq in rows:
+            rule, flight = seq.exit, seq.place.token
+            if not self.is_adaptive(rule):
+                exits.append([0, seq.loops, 1, 0.0, 0, seq.loops, 0.0, 1.0])
+            elif rule.rule not in C_RULES:
+                return False
+            elif flight is not None and flight.c_exit is not None:
+                exits.append(flight.c_exit)
+            else:
+                track = flight.track if flight is not None else None
+                exits.append([C_RULES[rule.rule], seq.loops, rule.min_loops, rule.threshold,
+                              int(flight is not None and flight.chosen), seq.loops if flight is None else flight.used,
+                              0.0 if track is None else float(track.cdf), 1.0 if track is None else float(track.rest)])
+        e, s, out = latent = self.lane_latent()
+        tokens, done, lanes = [], [], [seq.place.lane for seq in rows]
+        for seq, lane in zip(rows, lanes):
+            flight = seq.place.token
+            tokens.append(seq.token if flight is None else None)
+            done.append(0 if flight is None else flight.done)
+            if flight is not None and flight.s.data_ptr() != s[lane].data_ptr():  # its last pass ran in Python
+                e[lane], s[lane] = flight.e.reshape(-1), flight.s.reshape(-1)
+                if flight.out is not None:
+                    out[lane] = flight.out.reshape(-1)
+        positions = [seq.pos - seq.place.prompt_row for seq in rows]
+        with cached.torch_threads(cached.decode_threads(len(rows), cfg, c_blocks=True)):
+            done, finished, logits = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
+                                                        compute=cfg.exit_kv == "compute")
+        for b, seq in enumerate(rows):
+            if b not in finished:
+                flight, lane, x = seq.place.token, lanes[b], exits[b]
+                if flight is None:
+                    flight = seq.place.token = InFlight(0, None, None, x[0] != 0)
+                flight.done, flight.e, flight.s = done[b], e[lane].view(1, 1, -1), s[lane].view(1, 1, -1)
+                flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
+                flight.out, flight.c_exit = (out[lane].view(1, 1, -1) if x[0] else None), x
+        for b, row in zip(finished, logits):
+            self.token_done(rows[b], row, exits[b][5])
+        return True
+
+    def lane_latent(self) -> torch.Tensor:
+        """The rows e, s and the exit state [3, lanes, d] where `iterate_in_c` keeps each lane's token in flight."""
+        if self.latent is None:
+            self.latent = torch.zeros(3, self.cache.lanes, self.model.cfg.d_model)
+        return self.latent
 
     def one_pass(self, rows: list[Sequence]) -> bool:
         """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight
@@ -459,6 +527,12 @@ class Runner:
                 fresh, adaptive = cached.Latent.empty(1, 1, net), self.is_adaptive(seq.exit)
                 seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops)
         flights = [s.place.token for s in rows]
+        for f in flights:
+            if f.c_exit is not None:  # its last passes ran in C (iterate_in_c): the cdf rule's sums as a Track
+                if f.c_exit[0] == C_RULES["cdf"]:
+                    f.track = Track.start(1, 1, net.cfg.vocab_size, dev)
+                    f.track.cdf[:], f.track.rest[:] = f.c_exit[6], f.c_exit[7]
+                f.c_exit = None
         latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
         adaptive = [b for b, f in enumerate(flights) if f.adaptive]
         before = latent.s[adaptive].clone() if adaptive else None

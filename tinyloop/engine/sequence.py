@@ -40,7 +40,7 @@ class InFlight:
     rows (the prelude's output e and the state s, [1, 1, d] each), and, for a lane that may exit early, what the
     model's ExitState keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
     used, what its rule remembers between loops (exits.Track, one row), and the logits of its exit loop where its
-    rule read them."""
+    rule read them; while its passes run in C, e, s and out are its lane's rows of Runner.lane_latent."""
     done: int
     e: torch.Tensor
     s: torch.Tensor
@@ -50,6 +50,7 @@ class InFlight:
     used: int = 0
     track: Track | None = None
     logits: torch.Tensor | None = None
+    c_exit: list | None = None  # its exit rule's state while its passes run in C (Runner.iterate_in_c)
 
 
 class Sequence:

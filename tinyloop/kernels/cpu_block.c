@@ -449,22 +449,17 @@ static long flagged(const unsigned char *flag, long B, long *idx) {
     return m;
 }
 
-// One iteration-level step over B <= 64 rows (kernels/cpu_block.py's DecodeStep.iterate): every row runs one core
-// pass at its own loop loop[b] (writing and attending slots core_slot(loop[b], j) of its lane), the rows sharing
-// each product, so the weights stream once for the step whatever the rows' depths. Before it, the rows with
-// start[b] run the embedding of ids[b], the prelude (into e) and the initial state (into st); after it, the rows with
-// finish[b] run the coda, final norm and head: logits [rows finishing, V], in row order. e, st [B, d] are read (the
-// rows that do not start) and written (e: starting rows; st: every row, its state after the pass). A row goes through
-// the pieces tl_forward_rows runs, in the same order, and every piece computes a row the same way in any batch:
-// a lane's tokens have the bits of the lane decoded alone at its loop count.
-void tl_iterate_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
-                     const long *pos, const long *loop, const unsigned char *start, const unsigned char *finish,
-                     float *e, float *st, float *logits, float *work) {
+// The prelude of the rows with start[b] (the embedding of ids[b], the prelude into e, the initial state into st),
+// then one core pass of every row at its own loop loop[b] (writing and attending slots core_slot(loop[b], j) of its
+// lane), the rows sharing each product: the weights stream once for the pass whatever the rows' depths. r's RoPE
+// rows are the rows' (rope_rows).
+static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride,
+                           const long *ids, const long *pos, const long *loop, const unsigned char *start, float *e,
+                           float *st, float *work) {
     const long B = r->B, d = r->d, hd = r->hd, n = B * d;
-    float *x = work, *tmp = x + n, *cat = tmp + n, *cos2 = cat + 2 * n, *sub_cos = cos2 + 2 * B * hd;
+    float *x = work, *tmp = x + n, *cat = tmp + n, *sub_cos = cat + 2 * n + 2 * B * hd;
     long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS], ids_in[MAX_ITERATE_ROWS],
         pos_in[MAX_ITERATE_ROWS], shift[MAX_ITERATE_ROWS];
-    rope_rows(s, r, pos, cos2, cos2 + B * hd);
     long m = flagged(start, B, idx);
     if (m) {  // the prelude of the starting rows alone: their e into cat, their states into tmp, then scattered
         tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
@@ -480,10 +475,155 @@ void tl_iterate_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, 
     r->shift = shift;  // loop 0's blocks and slots, each row in its own loop's slots
     core_pass(s, r, table, slot_stride, 0, e, st, x, tmp, cat);
     r->shift = 0;
-    m = flagged(finish, B, idx);
-    if (m) {  // the head of the finishing rows alone, from their states gathered into cat
-        tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
-        for (long i = 0; i < m; i++) memcpy(cat + i * d, st + idx[i] * d, d * sizeof(float));
-        decode_head(s, &sub, table, slot_stride, cat, logits, x, tmp, cat);
+}
+
+// The coda, final norm and head of the rows with finish[b], from their states st: logits [rows finishing, V].
+static void finish_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride,
+                        const unsigned char *finish, const float *st, float *logits, float *work) {
+    const long B = r->B, d = r->d, hd = r->hd, n = B * d;
+    float *x = work, *tmp = x + n, *cat = tmp + n, *sub_cos = cat + 2 * n + 2 * B * hd;
+    long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS];
+    const long m = flagged(finish, B, idx);
+    if (!m) return;
+    tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+    for (long i = 0; i < m; i++) memcpy(cat + i * d, st + idx[i] * d, d * sizeof(float));
+    decode_head(s, &sub, table, slot_stride, cat, logits, x, tmp, cat);
+}
+
+// One iteration-level step over B <= 64 rows (kernels/cpu_block.py's DecodeStep.iterate): the prelude of the rows
+// with start[b], one core pass of every row at its own loop loop[b], then the coda, final norm and head of the rows
+// with finish[b]: logits [rows finishing, V], in row order. e, st [B, d] are read (the rows that do not start) and
+// written (e: starting rows; st: every row, its state after the pass). A row goes through the pieces
+// tl_forward_rows runs, in the same order, and every piece computes a row the same way in any batch: a lane's
+// tokens have the bits of the lane decoded alone at its loop count.
+void tl_iterate_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
+                     const long *pos, const long *loop, const unsigned char *start, const unsigned char *finish,
+                     float *e, float *st, float *logits, float *work) {
+    rope_rows(s, r, pos, work + 4 * r->B * r->d, work + 4 * r->B * r->d + r->B * r->hd);
+    start_and_pass(s, r, table, slot_stride, ids, pos, loop, start, e, st, work);
+    finish_rows(s, r, table, slot_stride, finish, st, logits, work);
+}
+
+// A row's exit rule for tl_iterate_until (tinyloop/exits.py), and what it keeps between calls: its token runs at
+// most `loops` loops, and its rule may stop it from min_loops on. rule 0: none (it runs `loops`); 1: latent (the
+// relative latent change |s_k - s_k-1| / |s_k| < threshold when threshold > 0, or the exit gate's sigmoid >= 0.5
+// where the model has one); 2: a forced depth (the schedule: it stops after `threshold` loops); 3: cdf (Ouro's
+// cumulative exit probability reaches the threshold). chosen: the token's exit loop is chosen (under exit_kv
+// "compute" it loops on for its K/V), used: the loops it exits with (`loops` until chosen); cdf, rest: the cdf rule's
+// sum and the mass left, in fp32 as exits.Track keeps them.
+typedef struct {
+    long rule, loops, min_loops;
+    double threshold;
+    long chosen, used;
+    float cdf, rest;
+} tl_exit_t;
+
+// z = gate . s + bias, the exit gate's logit of a state.
+static double gate_logit(const float *gate_w, double gate_b, const float *s, long d) {
+    double z = gate_b;
+    for (long i = 0; i < d; i++) z += (double)gate_w[i] * s[i];
+    return z;
+}
+
+// Whether a token may stop after `k` loops, its state gone from old to now (the cdf rule's sums move on every loop).
+static int rule_fires(tl_exit_t *x, long k, const float *old, const float *now, long d, const float *gate_w,
+                      double gate_b) {
+    int fires = 0;
+    if (x->rule == 2) {
+        fires = k >= (long)x->threshold;
+    } else if (x->rule == 3) {
+        const float lam = 1.0f / (1.0f + expf(-(float)gate_logit(gate_w, gate_b, now, d)));
+        x->cdf = x->cdf + (k >= x->loops ? x->rest : lam * x->rest);
+        x->rest = x->rest * (1.0f - lam);
+        fires = x->threshold > 0 && x->cdf >= (float)x->threshold;
+    } else if (x->rule == 1) {
+        if (x->threshold > 0) {
+            double change = 0.0, size = 0.0;
+            for (long i = 0; i < d; i++) {
+                const double v = now[i], dv = v - old[i];
+                change += dv * dv;
+                size += v * v;
+            }
+            const double norm = sqrt(size) > 1e-12 ? sqrt(size) : 1e-12;
+            fires = (float)(sqrt(change) / norm) < (float)x->threshold;
+        }
+        if (gate_w && !fires) fires = gate_logit(gate_w, gate_b, now, d) >= 0;  // sigmoid(z) >= 0.5: z >= 0
     }
+    return fires && k >= x->min_loops;
+}
+
+// Iteration-level steps over B <= 64 rows, in one call, until some row's token is done
+// (kernels/cpu_block.py's DecodeStep.iterate_until; engine/runner.py's Runner.iterate): a row with start[b] first
+// runs the prelude of ids[b]; then every row runs one core pass at its own loop, done[b] -> done[b] + 1, and its
+// exit rule (exits[b]) decides whether its token stops there. Between passes where no token ends there is nothing to
+// schedule, so they run here without returning. When some end, finish[b] says which. A token whose exit is chosen
+// ends there (exit_kv "copy", compute = 0: its skipped loops' K/V, up to its `loops`, become copies of its last
+// loop's) or loops on to `loops` for its K/V (compute = 1); its logits come from the state it exited with (row
+// lanes[b] of o_lanes). The coda, final norm and head of the finished rows give logits [rows finished, V], in row
+// order. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes [lanes, d], read and written in place. The
+// passes are tl_iterate_rows's, so each row has the same bits as there and as its token decoded alone. Returns the
+// passes run. rows: work floats for 4 B d.
+long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
+                      const long *pos, long *done, unsigned char *start, tl_exit_t *exits, const float *gate_w,
+                      double gate_b, long compute, unsigned char *finish, float *e_lanes, float *s_lanes,
+                      float *o_lanes, float *logits, float *work, float *rows) {
+    const long B = r->B, d = r->d, hd = r->hd, KV = r->KV, bt = r->bt;
+    float *e = rows, *st = rows + B * d, *old = rows + 2 * B * d, *out = rows + 3 * B * d;
+    for (long b = 0; b < B; b++) {
+        const long lane = lane_of(r, b);
+        memcpy(e + b * d, e_lanes + lane * d, d * sizeof(float));
+        memcpy(st + b * d, s_lanes + lane * d, d * sizeof(float));
+        memcpy(out + b * d, o_lanes + lane * d, d * sizeof(float));
+    }
+    rope_rows(s, r, pos, work + 4 * B * d, work + 4 * B * d + B * hd);
+    long passes = 0, ended = 0;
+    while (!ended) {
+        long at[MAX_ITERATE_ROWS];
+        for (long b = 0; b < B; b++) at[b] = done[b];
+        memcpy(old, st, B * d * sizeof(float));
+        start_and_pass(s, r, table, slot_stride, ids, pos, at, start, e, st, work);
+        if (passes == 0)
+            for (long b = 0; b < B; b++)
+                if (start[b])  // the state loop 0 started from: the initial state of its prelude output
+                    for (long k = 0; k < d; k++)
+                        old[b * d + k] = s->state_init == 0   ? 0.0f
+                                         : s->state_init == 1 ? e[b * d + k]
+                                                              : s->noise[pos[b] * d + k];
+        memset(start, 0, B);
+        passes++;
+        for (long b = 0; b < B; b++) {
+            tl_exit_t *x = exits + b;
+            const long k = ++done[b];
+            if (x->rule && !x->chosen) {
+                memcpy(out + b * d, st + b * d, d * sizeof(float));  // the state it exits with, if it stops here
+                if (rule_fires(x, k, old + b * d, st + b * d, d, gate_w, gate_b) && k < x->loops)
+                    x->chosen = 1, x->used = k;
+            }
+            finish[b] = k >= x->loops || (x->chosen && !compute);
+            ended |= finish[b];
+        }
+    }
+    for (long b = 0; b < B; b++) {
+        if (finish[b] && !exits[b].rule) memcpy(out + b * d, st + b * d, d * sizeof(float));  // its head reads it
+        if (!finish[b] || compute) continue;
+        const long cell = r->cells[b], lane = lane_of(r, b), used = exits[b].used;
+        for (long k = used; k < exits[b].loops; k++)  // the skipped loops' K/V: copies of the last loop's
+            for (long j = 0; j < s->n_core; j++) {
+                const long src = s->slots[s->n_prelude + (used - 1) * s->n_core + j];
+                const long dst = s->slots[s->n_prelude + k * s->n_core + j];
+                const long from = table[src * slot_stride + lane * r->table_stride + cell / bt];
+                const long to = table[dst * slot_stride + lane * r->table_stride + cell / bt];
+                const long off = (cell % bt) * KV * hd, n = KV * hd;
+                memcpy(r->k_store + to * bt * n + off, r->k_store + from * bt * n + off, n * sizeof(float));
+                memcpy(r->v_store + to * bt * n + off, r->v_store + from * bt * n + off, n * sizeof(float));
+            }
+    }
+    finish_rows(s, r, table, slot_stride, finish, out, logits, work);
+    for (long b = 0; b < B; b++) {
+        const long lane = lane_of(r, b);
+        memcpy(e_lanes + lane * d, e + b * d, d * sizeof(float));
+        memcpy(s_lanes + lane * d, st + b * d, d * sizeof(float));
+        memcpy(o_lanes + lane * d, out + b * d, d * sizeof(float));
+    }
+    return passes;
 }

@@ -286,6 +286,50 @@ class DecodeStep:
                                lane.work.data_ptr())
         return logits
 
+    def iterate_until(self, cache, cells: list[int], done: list[int], tokens: list[int | None], exits: list,
+                      lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
+                      compute: bool = False) -> tuple[list[int], list[int], torch.Tensor]:
+        """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
+        cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
+        (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
+        stops. exits[b] = [rule, loops, min_loops, threshold, chosen, used, cdf, rest] (cpu_block.c's tl_exit_t:
+        rule 0 none, 1 latent, 2 a forced depth, 3 cdf; the last four carried from call to call) is updated in
+        place. gate: the exit gate's (weight [d], bias) for rules 1 and 3; compute: exit_kv "compute" (a token
+        whose exit is chosen loops on to its `loops`). A row's e, s and exit state are rows lanes[b] of latent
+        [3, lanes, d], read and written in place. The caller took the blocks of every slot the rows' tokens write
+        at their loop counts (Runner.reserve). Returns the loops each row has run, the rows finished and their logits
+        [n finished, V] (row order); a finished token's skipped loops hold copies of its last loop's K/V (copy)."""
+        B, cfg = len(cells), self.cfg
+        ids = [0 if t is None else t for t in tokens]
+        if not 0 < B <= MAX_LANES or min(ids) < 0 or max(ids) >= cfg.vocab_size or min(cells) < 0 \
+                or max(cells) >= self.positions:
+            raise ValueError(f"iterate_until takes 1..{MAX_LANES} rows with token ids in the vocabulary and cells "
+                             f"within the position tables; got {B} rows, tokens {ids}, cells {cells}")
+        if latent.dtype != torch.float32 or not latent.is_contiguous() or latent.shape != (3, cache.lanes, cfg.d_model):
+            raise ValueError(f"latent must be contiguous float32 [3, {cache.lanes}, {cfg.d_model}]")
+        if gate is None and any(x[0] == 3 for x in exits):
+            raise ValueError("the cdf rule needs the exit gate")
+        cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
+        lane = self._lanes(B, cache)
+        lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B], lane.loop[:B] = ids, cells, lanes, cells, done
+        lane.start[:B] = [t is not None for t in tokens]
+        for b, x in enumerate(exits):
+            lane.exits[b] = _Exit(*x)
+        lane.struct.mask, lane.struct.mask_width = None, 0
+        logits = torch.empty(B, self.struct.head.rows)  # (room for every row; the finished rows' come first)
+        table, (e, s, out) = cache.table, latent
+        gate_w, gate_b = (None, 0.0) if gate is None else (gate[0].data_ptr(), gate[1])
+        _lib().tl_iterate_until(self.ref, lane.ref, table.data_ptr(), table.stride(0), ctypes.addressof(lane.ids),
+                                ctypes.addressof(lane.pos), ctypes.addressof(lane.loop),
+                                ctypes.addressof(lane.start), ctypes.addressof(lane.exits), gate_w, gate_b,
+                                int(compute), ctypes.addressof(lane.finish), e.data_ptr(), s.data_ptr(),
+                                out.data_ptr(), logits.data_ptr(), lane.work.data_ptr(), lane.rows.data_ptr())
+        for b, x in enumerate(exits):
+            got = lane.exits[b]
+            x[4:] = got.chosen, got.used, got.cdf, got.rest
+        finished = [b for b in range(B) if lane.finish[b]]
+        return lane.loop[:B], finished, logits[:len(finished)]
+
     def _prepare_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
                       finish: list[bool]) -> None:
         """Blocks for every cell an iteration step writes: each row's core slots at its own loop, the prelude's slots
@@ -357,6 +401,7 @@ class _Lanes:
         step_work = lib.tl_step_work(B, cfg.d_model, cfg.head_dim)
         self.key, self.ids, self.cells, self.lanes, self.pos = key, (_L * B)(), (_L * B)(), (_L * B)(), (_L * B)()
         self.loop, self.start, self.finish = (_L * B)(), (ctypes.c_ubyte * B)(), (ctypes.c_ubyte * B)()  # iterate
+        self.exits, self.rows = (_Exit * B)(), torch.empty(4, B, cfg.d_model)  # iterate_until
         self.e, self.s = torch.empty(B, cfg.d_model), torch.empty(B, cfg.d_model)
         self.work = torch.empty(step_work + lib.tl_block_scratch(shape, B))
         self.struct = _Rows(B, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, bt, threads,
@@ -365,12 +410,20 @@ class _Lanes:
         self.ref = ctypes.byref(self.struct)
 
 
+
+class _Exit(ctypes.Structure):  # tl_exit_t: a row's exit rule in tl_iterate_until, and what it keeps between calls
+    _fields_ = [("rule", _L), ("loops", _L), ("min_loops", _L), ("threshold", ctypes.c_double), ("chosen", _L),
+                ("used", _L), ("cdf", ctypes.c_float), ("rest", ctypes.c_float)]
+
+
 def _lib() -> ctypes.CDLL:
-    """The library with tl_iterate_rows's argument types declared (once: kernels/cpu.py declares the others)."""
+    """The library with the iteration steps' argument types declared (once: kernels/cpu.py declares the others)."""
     lib = cpu._lib
     if lib.tl_iterate_rows.argtypes is None:
         lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
         lib.tl_iterate_rows.restype = None
+        lib.tl_iterate_until.argtypes = [_p, _p, _p, _L, _p, _p, _p, _p, _p, _p, ctypes.c_double, _L, *[_p] * 7]
+        lib.tl_iterate_until.restype = _L
     return lib
 
 
