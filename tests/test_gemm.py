@@ -23,11 +23,13 @@ def tiled(x: torch.Tensor, w, **kw) -> torch.Tensor | None:
     return None
 
 
-# (fmt, N, K, group): N not a multiple of the panels (8 fp32 rows, 4 integer rows), K tails for fp32 / bf16 / int8
-# (100: not a multiple of 32, the int8 tail in fp32), int4 groups 32 and 64 and an odd count of 32-blocks (96).
+# (fmt, N, K, group): N not a multiple of the panels (8 fp32 rows, 4 integer rows, 32 bf16 rows on AMX), K tails for
+# fp32 / bf16 / int8 (100: not a multiple of 32, the int8 tail in fp32; 20: not one whole block, so act_quant int8 has
+# nothing to quantise), int4 groups 32 and 64 and an odd count of 32-blocks (96); bf16 64 x 768: whole AMX panels,
+# their tiles loaded straight from the stored rows.
 SHAPES = [("fp32", 37, 100, 32), ("fp32", 64, 768, 32), ("bf16", 37, 200, 32), ("bf16", 21, 768, 32),
-          ("int8", 37, 100, 32), ("int8", 33, 768, 32), ("int4", 37, 96, 32), ("int4", 64, 768, 64),
-          ("int4", 21, 544, 32)]
+          ("bf16", 64, 768, 32), ("bf16", 37, 20, 32), ("int8", 37, 100, 32), ("int8", 33, 768, 32),
+          ("int8", 37, 20, 32), ("int4", 37, 96, 32), ("int4", 64, 768, 64), ("int4", 21, 544, 32)]
 ROWS = (1, 15, 33, 48, 49, 100, 300)  # partial tiles of 16 rows, one and several 48-row tiles, several chunks
 
 
@@ -138,3 +140,49 @@ def test_tiled_integer_sums_at_the_extremes(fmt):
         x = torch.full((40, K), sign)
         y = tiled(x, w)
         assert y is None or rel_err(y, formats.reference_linear(x, w)) < 1e-5  # a wrapped sum is off by far more
+
+
+def test_tiled_bf16_keeps_x_in_fp32():
+    """bf16 weights on AMX tiles split x into three bf16 parts: the product is fp32's to about 1e-6, where x rounded to
+    bf16 once would be off by ~1e-3. x spans six orders of magnitude within each row, so a lost part shows."""
+    K = 768
+    w = make("bf16", 96, K, 32)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(200, K, generator=g) * 10.0 ** torch.randint(-3, 3, (200, K), generator=g)
+    y = tiled(x, w)
+    if y is None:
+        return
+    ref = formats.reference_linear(x, w)
+    assert rel_err(y, ref) < 2e-6
+    rounded = formats.reference_linear(x.bfloat16().float(), w)  # what one bf16 part would give
+    assert rel_err(rounded, ref) > 1e-4
+
+
+def test_gemm_amx_where_the_cpu_has_it():
+    """AMX runs only under the 512-bit tiles, and where /proc/cpuinfo lists amx_bf16 Linux normally grants it."""
+    if not cpu.gemm_available():
+        assert not cpu.gemm_isa()
+        return
+    amx = cpu.gemm_amx()
+    assert not amx or cpu.gemm_isa() == 512
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    if cpu.gemm_isa() == 512 and "amx_bf16" in flags and "amx_tile" in flags:
+        assert amx
+
+
+def test_act_quant_rounds_as_the_kernels_at_a_near_tie():
+    """x * (127 / max) is -46.5 with IEEE division and -46.500004 with torch's scalar-over-tensor division (a
+    reciprocal times 127): formats.quantize_activations divides as the kernels do, so q is -46 (half to even) in
+    every path, and the product of the identity equals the reference's rounded x."""
+    K = 64
+    x = torch.zeros(40, K)
+    x[:, 0], x[:, 1] = 3.000990867614746, -1.0987880229949951
+    x[:, 32:] = torch.randn(40, 32, generator=torch.Generator().manual_seed(7))
+    q = formats.quantize_activations(x)
+    d = 3.000990867614746 / 127
+    assert abs(q[0, 1].item() / d - -46) < 1e-3
+    eye = dataclasses.replace(formats.quantize(torch.eye(K), "int8", 32), act_quant=True)
+    for y in (cpu.linear(x, eye), tiled(x, eye)):
+        if y is not None:
+            assert (y - q).abs().max().item() < 1e-6  # one step of q is d = 0.024

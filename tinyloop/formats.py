@@ -137,7 +137,9 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     full = K - K % ACT_BLOCK
     blocks = x[..., :full].reshape(*x.shape[:-1], full // ACT_BLOCK, ACT_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor divided, not `127.0 / amax`: torch computes a scalar over a tensor as reciprocal() * 127, which rounds
+    # differently from the kernel's IEEE division and, at a near-tie, moves q by one (x * inv = -46.500004 vs -46.5)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv) * (amax / 127.0)
     return torch.cat([q.reshape(*x.shape[:-1], full), x[..., full:]], dim=-1)
 

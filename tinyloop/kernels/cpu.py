@@ -6,6 +6,7 @@ batch, in its stored format, split over threads by rows.
 Past the engine's lanes (prefill chunks) a product is bound by multiply-adds instead: `linear(..., tiled=True)` runs
 cpu_gemv.c's tiled GEMM: 512-bit tiles with VNNI integer dot products for act_quant int8 / int4 where the CPU has
 AVX-512 VNNI, else 256-bit tiles (AVX2 + FMA; act_quant int4 on integers, int8 through fp32); gemm_isa() says which.
+bf16 weights take AMX tiles where the CPU has them (gemm_amx()).
 
 The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) into a cache directory, keyed by
 a hash of the source, flags, compiler and CPU, and loads with ctypes (which releases the GIL during a call).
@@ -126,6 +127,7 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_gemm.argtypes = [i, p, p, p, p, L, L, L, L, i, i]
     lib.tl_gemm.restype = None
     lib.tl_gemm_ok.restype = i
+    lib.tl_gemm_amx.restype = i
     lib.tl_stream_read.argtypes = [p, L, i]
     lib.tl_stream_read.restype = ctypes.c_double
     lib.tl_huge_pages.argtypes = [p, L]
@@ -172,6 +174,12 @@ def gemm_isa() -> int:
     return _gemm
 
 
+def gemm_amx() -> bool:
+    """True when the tiled GEMM multiplies bf16 weights on AMX tiles (cpu_gemv.c: gemm_amx_bf16; Intel Sapphire Rapids
+    and later, where Linux grants the tile state), x split into three bf16 parts so the product stays fp32's."""
+    return gemm_isa() == 512 and bool(_load().tl_gemm_amx())
+
+
 def _lib_or_raise() -> ctypes.CDLL:
     lib = _load()
     if lib is None:
@@ -198,7 +206,8 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
     thread count (batch invariance: one summation order per element).
     threads 0 = torch.get_num_threads().
     tiled: the GEMM for many rows (tl_gemm; only where gemm_available()): x rows packed into tiles of 16 (AVX-512)
-    or 8 (AVX2), each weight broadcast over 48 or 24 rows, act_quant on integers (VNNI; on AVX2 int4 only). The same
+    or 8 (AVX2), each weight broadcast over 48 or 24 rows, act_quant on integers (VNNI; on AVX2 int4 only), bf16 on
+    AMX tiles where gemm_amx(). The same
     product to fp32 rounding, but not the row kernels' summation order, so the dispatcher uses it only past the
     engine's lanes (kernels/linear.py).
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does

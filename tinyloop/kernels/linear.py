@@ -7,7 +7,8 @@ Which implementation runs (the weights are held once, in their format's layout, 
                      on the batch it is in, so a decode step gives a request the same bits alone or batched
   CPU, more rows     cpu.py's tiled GEMM (tl_gemm), for every format: prefill chunks and batches past the lanes are
                      compute-bound. AVX-512 + VNNI: x rows in tiles of 16, each weight broadcast over 48 rows,
-                     act_quant int8/int4 on integer dot products; AVX2 + FMA (any CPU the kernels run on): tiles of 8
+                     act_quant int8/int4 on integer dot products, bf16 on AMX tiles where the CPU has them (x split
+                     into three bf16 parts, so still fp32's product); AVX2 + FMA (any CPU the kernels run on): tiles of 8
                      rows, each weight over 24, act_quant int4 on integers (maddubs, int16 sums per block), the rest
                      on fp32 fmas over widened panels. At MKL's fp32 rate or above (docs/kernels.md). Not the row
                      kernels' summation order, hence only past the lanes.
