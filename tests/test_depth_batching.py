@@ -169,3 +169,40 @@ def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rul
     assert min(got.loops_used[1:]) < 8  # it exited early
     if rule == "schedule":
         assert got.loops_used[1:] == [(2, 5, 3, 8)[i % 4] for i in range(1, 12)]  # token i: its depth
+
+
+@pytest.mark.parametrize("case", ["latent-copy", "cdf-compute"])
+def test_tokens_in_flight_move_between_the_c_passes_and_the_python_passes(make_artifact, case, monkeypatch):
+    """A lane whose rule C decides (latent, cdf) runs its passes in C (Runner.iterate_in_c) until a batch-mate whose
+    rule reads logits (entropy, argmax) joins mid-token: then every row's passes run through Python (one_pass), its
+    state, exit bookkeeping and Track carried over, and back in C once that batch-mate is gone. Every lane's tokens
+    and loops equal the same request alone."""
+    arch, c_rule, py_rule = {
+        "latent-copy": ({}, dict(early_exit_threshold=0.25), dict(exit_rule="entropy", early_exit_threshold=0.01)),
+        "cdf-compute": (dict(ARCHS["ouro"], exit_rule="cdf", exit_kv="compute"), dict(early_exit_threshold=0.97),
+                        dict(exit_rule="argmax", early_exit_threshold=2)),
+    }[case]
+    model = tinyloop.load_model(make_artifact(**arch), 128)
+    cfgs = [G(max_tokens=20, loops=12, ignore_eos=True, **c_rule),
+            G(max_tokens=18, loops=7, temperature=0.8, seed=5, ignore_eos=True, **c_rule),
+            G(max_tokens=4, loops=9, ignore_eos=True, **py_rule), G(max_tokens=3, loops=5, ignore_eos=True, **py_rule)]
+    prompts = [ids(5 + 2 * i, 80 + i) for i in range(len(cfgs))]
+    calls = {"c": 0, "python": 0}
+    in_c, one_pass = Runner.iterate_in_c, Runner.one_pass
+    monkeypatch.setattr(Runner, "iterate_in_c", lambda self, rows: (calls.__setitem__("c", calls["c"] + 1),
+                                                                     in_c(self, rows))[1])
+    monkeypatch.setattr(Runner, "one_pass", lambda self, rows: (calls.__setitem__("python", calls["python"] + 1),
+                                                                one_pass(self, rows))[1])
+    sched = tinyloop.Scheduler(model, lanes=4)
+    seqs = [sched.submit(prompts[0], cfgs[0]), sched.submit(prompts[1], cfgs[1])]
+    for step in range(400):
+        if step in (5, 17):  # mid-token for the C lanes (their tokens run 2+ passes a step)
+            seqs.append(sched.submit(prompts[len(seqs)], cfgs[len(seqs)]))
+        sched.step()
+        if sched.idle() and len(seqs) == len(cfgs):
+            break
+    assert calls["python"] and calls["c"] > calls["python"] / 20, calls  # both paths ran
+    for p, c, seq in zip(prompts, cfgs, seqs):
+        alone = tinyloop.generate(model, p, c)
+        assert seq.result().tokens == alone.tokens and seq.result().loops_used == alone.loops_used, c
+    assert any(n < c.loops for c, s in zip(cfgs[:2], seqs) for n in s.result().loops_used[1:])  # the C rule fired
