@@ -77,7 +77,8 @@ class Runner:
         self.arrivals = self.steps = 0
         self.prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
         self.views: dict[int, KVCache] = {}
-        self.reserved: tuple | None = None  # what `reserve` took last, and the pool's epoch after it
+        self.reserved: dict[int, tuple] = {}  # lane -> what `reserve` took for it last
+        self.reserved_epoch = -1  # the pool's epoch after that
         # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
         # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
@@ -190,23 +191,32 @@ class Runner:
 
     def reserve(self, seqs: list[Sequence], lo: list[int], hi: list[int]) -> None:
         """Take now the blocks cells lo[i]..hi[i] of seqs[i]'s lane need in every slot it writes at its loop count
-        (copy-on-write included), so the step's forwards take none (BudgetError here when the pool is out). Skipped
-        while the same lanes stay in the blocks reserved last time and the pool took, shared or freed none since."""
+        (copy-on-write included), so the step's forwards take none (BudgetError here when the pool is out). A lane is
+        skipped while it stays in the blocks reserved for it last time and nothing but these reservations took,
+        shared or freed a block since (the pool's epoch): a lane's takes leave every other lane's blocks as they
+        were, so a step where one lane crosses into a new block prepares that lane alone."""
         if not seqs:
             return
         cfg, cache, bt = self.model.cfg, self.cache, self.cache.bt
-        key = ([s.place.lane for s in seqs], [c // bt for c in lo], [c // bt for c in hi], [s.loops for s in seqs])
-        if self.reserved == (key, cache.pool.epoch):
+        if self.reserved_epoch != cache.pool.epoch:
+            self.reserved = {}
+        todo = []
+        for s, a, b in zip(seqs, lo, hi):
+            a, b = min(a, cache.cells - 1), min(b, cache.cells - 1)
+            key = (s.place.arrival, a // bt, b // bt, s.loops)
+            if self.reserved.get(s.place.lane) != key:
+                todo.append((s, a, b, key))
+        if not todo:
             return
-        cells = [(s.place.lane, min(a, cache.cells - 1), min(b, cache.cells - 1)) for s, a, b in zip(seqs, lo, hi)]
-        deepest = max(s.loops for s in seqs)
         for slot in [*range(cfg.n_prelude), *(cfg.coda_slot(j) for j in range(cfg.n_coda))]:
-            cache.prepare(slot, *map(list, zip(*cells)))
-        for k in range(deepest):  # a lane at L loops writes (and holds blocks for) loops 0..L-1 only
-            at = [c for s, c in zip(seqs, cells) if k < s.loops]
+            cache.prepare(slot, [s.place.lane for s, *_ in todo], [a for _, a, _, _ in todo], [b for *_, b, _ in todo])
+        for k in range(max(s.loops for s, *_ in todo)):  # a lane at L loops writes (and holds blocks for) loops < L
+            at = [(s.place.lane, a, b) for s, a, b, _ in todo if k < s.loops]
             for j in range(cfg.n_core):
                 cache.prepare(cfg.core_slot(k, j), *map(list, zip(*at)))
-        self.reserved = (key, cache.pool.epoch)
+        for s, *_, key in todo:
+            self.reserved[s.place.lane] = key
+        self.reserved_epoch = cache.pool.epoch
 
     # --- scheduling -----------------------------------------------------------------------------------------
     def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
