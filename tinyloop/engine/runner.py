@@ -83,6 +83,7 @@ class Runner:
         # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
         self.latent: torch.Tensor | None = None  # [3, lanes, d]: tokens in flight between C passes (lane_latent)
+        self.latent_views: list[tuple] = []
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
     def is_adaptive(self, rule: ExitRule) -> bool:
@@ -492,13 +493,14 @@ class Runner:
                 exits.append([C_RULES[rule.rule], seq.loops, rule.min_loops, rule.threshold,
                               int(flight is not None and flight.chosen), seq.loops if flight is None else flight.used,
                               0.0 if track is None else float(track.cdf), 1.0 if track is None else float(track.rest)])
-        e, s, out = latent = self.lane_latent()
+        latent, views = self.lane_latent()
+        e, s, out = latent
         tokens, done, lanes = [], [], [seq.place.lane for seq in rows]
         for seq, lane in zip(rows, lanes):
             flight = seq.place.token
             tokens.append(seq.token if flight is None else None)
             done.append(0 if flight is None else flight.done)
-            if flight is not None and flight.s.data_ptr() != s[lane].data_ptr():  # its last pass ran in Python
+            if flight is not None and flight.s is not views[lane][1]:  # its last pass ran in Python
                 e[lane], s[lane] = flight.e.reshape(-1), flight.s.reshape(-1)
                 if flight.out is not None:
                     out[lane] = flight.out.reshape(-1)
@@ -511,18 +513,21 @@ class Runner:
                 flight, lane, x = seq.place.token, lanes[b], exits[b]
                 if flight is None:
                     flight = seq.place.token = InFlight(0, None, None, x[0] != 0)
-                flight.done, flight.e, flight.s = done[b], e[lane].view(1, 1, -1), s[lane].view(1, 1, -1)
+                flight.done, (flight.e, flight.s, kept) = done[b], views[lane]
                 flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
-                flight.out, flight.c_exit = (out[lane].view(1, 1, -1) if x[0] else None), x
+                flight.out, flight.c_exit = (kept if x[0] else None), x
         for b, row in zip(finished, logits):
             self.token_done(rows[b], row, exits[b][5])
         return True
 
-    def lane_latent(self) -> torch.Tensor:
-        """The rows e, s and the exit state [3, lanes, d] where `iterate_in_c` keeps each lane's token in flight."""
+    def lane_latent(self) -> tuple[torch.Tensor, list[tuple]]:
+        """The rows e, s and the exit state [3, lanes, d] where `iterate_in_c` keeps each lane's token in flight, and
+        each lane's three rows as [1, 1, d] views (an InFlight's e, s and out while its passes run in C)."""
         if self.latent is None:
             self.latent = torch.zeros(3, self.cache.lanes, self.model.cfg.d_model)
-        return self.latent
+            self.latent_views = [tuple(self.latent[i, lane].view(1, 1, -1) for i in range(3))
+                                 for lane in range(self.cache.lanes)]
+        return self.latent, self.latent_views
 
     def one_pass(self, rows: list[Sequence]) -> bool:
         """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight
