@@ -319,11 +319,10 @@ class DecodeStep:
         logits = torch.empty(B, self.struct.head.rows)  # (room for every row; the finished rows' come first)
         table, (e, s, out) = cache.table, latent
         gate_w, gate_b = (None, 0.0) if gate is None else (gate[0].data_ptr(), gate[1])
-        _lib().tl_iterate_until(self.ref, lane.ref, table.data_ptr(), table.stride(0), ctypes.addressof(lane.ids),
-                                ctypes.addressof(lane.pos), ctypes.addressof(lane.loop),
-                                ctypes.addressof(lane.start), ctypes.addressof(lane.exits), gate_w, gate_b,
-                                int(compute), ctypes.addressof(lane.finish), e.data_ptr(), s.data_ptr(),
-                                out.data_ptr(), logits.data_ptr(), lane.work.data_ptr(), lane.rows.data_ptr())
+        ids_at, pos_at, loop_at, start_at, exits_at, finish_at, work_at, rows_at = lane.until
+        _lib().tl_iterate_until(self.ref, lane.ref, table.data_ptr(), table.stride(0), ids_at, pos_at, loop_at,
+                                start_at, exits_at, gate_w, gate_b, int(compute), finish_at, e.data_ptr(),
+                                s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at)
         for b, x in enumerate(exits):
             got = lane.exits[b]
             x[4:] = got.chosen, got.used, got.cdf, got.rest
@@ -408,7 +407,8 @@ class _Lanes:
                             cfg.norm_eps, None, None, ctypes.addressof(self.cells), ctypes.addressof(self.lanes), k, v,
                             table_stride, self.work.data_ptr() + 4 * step_work)
         self.ref = ctypes.byref(self.struct)
-
+        self.until = (*map(ctypes.addressof, (self.ids, self.pos, self.loop, self.start, self.exits, self.finish)),
+                      self.work.data_ptr(), self.rows.data_ptr())  # iterate_until's arguments, taken once
 
 
 class _Exit(ctypes.Structure):  # tl_exit_t: a row's exit rule in tl_iterate_until, and what it keeps between calls
