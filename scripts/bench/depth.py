@@ -9,9 +9,9 @@ firing):
   early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16, one-line prompts: the achieved speedup of
                 decode (after the prompts are in) over its ideal (16 / the mean loops a decoded token ran)
   mixed depth   half the requests at 4 loops, half at 16, through 16 lanes, against the same requests in
-                depth-homogeneous groups one after the other
-  lane-iterations per second (a lane's core pass is one) of the mixed and early-exit workloads over a uniform
-                16-lane batch at 16 loops
+                depth-homogeneous groups one after the other (one-line prompts)
+  lane-iterations per second (a decoded token's core pass is one) of the mixed and early-exit workloads over a
+                uniform 16-lane batch at 16 loops
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 """
@@ -54,8 +54,7 @@ SHORT_PROMPTS = [p.splitlines()[0] for p in LONG_CODE_PROMPTS]  # a line each: t
 
 def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str] = LONG_CODE_PROMPTS) -> dict:
     """The requests through one scheduler of `lanes` lanes: wall seconds of the run and of its decode after the last
-    prompt is in, tokens, lane-iterations (core
-    passes of every lane), the tokens themselves, each request's finish time and the mean loops of its decoded
+    prompt is in, tokens, lane-iterations (core passes of every lane's decoded tokens), the tokens themselves, each request's finish time and the mean loops of its decoded
     tokens (the first comes from the prompt's chunk, at every loop)."""
     sched = Scheduler(model, lanes)
     seqs = [sched.submit(prompts[i % len(prompts)], c) for i, c in enumerate(cfgs)]
@@ -64,7 +63,7 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]
         for seq in sched.step():
             ends[id(seq)] = time.perf_counter() - t0
     wall = time.perf_counter() - t0
-    passes = sum(sum(s.loop_counts) for s in seqs)
+    passes = sum(sum(s.loop_counts[1:]) for s in seqs)  # decode's (a prompt's chunk runs every loop of each token)
     decode = wall - (max(s.t_prefilled for s in seqs) - t0)  # after the last prompt is in: decode alone
     return {"s": wall, "decode_s": decode, "tokens": sum(s.count for s in seqs), "passes": passes, "out": [s.result().tokens for s in seqs],
             "ends": [ends[id(s)] for s in seqs],
@@ -111,13 +110,15 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
                          f"{mean:.1f} loops per token) = {got / ideal:.0%} of ideal; tokens equal: "
                          f"{'yes' if e[tokens]['out'] == e[not tokens]['out'] else 'NO'}")
             data[f"early_exit_b{batch}_{name}"] = {"speedup": got, "ideal": ideal, "fraction": got / ideal}
-    shallow, deep = GenerateConfig(max_tokens=n, loops=4, ignore_eos=True), fixed
+    # one-line prompts here too: the figures are decode's loop iterations (long prompts' prefill, the same work in
+    # every arm, would outweigh them at these token counts)
+    shallow, deep, short = GenerateConfig(max_tokens=n, loops=4, ignore_eos=True), fixed, SHORT_PROMPTS
     mixed = [shallow, deep] * (8 * k)
-    together = best(model, mixed, 16, rounds)
-    apart = {t: {"s": best(model, [shallow] * 8 * k, 16, rounds)[t]["s"] + best(model, [deep] * 8 * k, 16, rounds)[t]["s"]}
-             for t in (False, True)}
-    uniform = best(model, [deep] * 16 * k, 16, rounds)
-    early16 = best(model, [early] * 16 * k, 16, rounds)
+    together = best(model, mixed, 16, rounds, short)
+    apart = {t: {"s": best(model, [shallow] * 8 * k, 16, rounds, short)[t]["s"]
+                 + best(model, [deep] * 8 * k, 16, rounds, short)[t]["s"]} for t in (False, True)}
+    uniform = best(model, [deep] * 16 * k, 16, rounds, short)
+    early16 = best(model, [early] * 16 * k, 16, rounds, short)
     for tokens, name in ((False, "now"), (True, "before")):
         ratio = apart[tokens]["s"] / together[tokens]["s"]
         urate = uniform[tokens]["passes"] / uniform[tokens]["s"]
