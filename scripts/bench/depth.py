@@ -54,8 +54,9 @@ SHORT_PROMPTS = [p.splitlines()[0] for p in LONG_CODE_PROMPTS]  # a line each: t
 
 def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str] = LONG_CODE_PROMPTS) -> dict:
     """The requests through one scheduler of `lanes` lanes: wall seconds of the run and of its decode after the last
-    prompt is in, tokens, lane-iterations (core passes of every lane's decoded tokens), the tokens themselves, each request's finish time and the mean loops of its decoded
-    tokens (the first comes from the prompt's chunk, at every loop)."""
+    prompt is in, tokens, lane-iterations (core passes of every lane's decoded tokens), the tokens themselves, each
+    request's finish time and the mean loops of its decoded tokens (the first comes from the prompt's chunk, at every
+    loop)."""
     sched = Scheduler(model, lanes)
     seqs = [sched.submit(prompts[i % len(prompts)], c) for i, c in enumerate(cfgs)]
     t0, ends = time.perf_counter(), {}
@@ -65,7 +66,8 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]
     wall = time.perf_counter() - t0
     passes = sum(sum(s.loop_counts[1:]) for s in seqs)  # decode's (a prompt's chunk runs every loop of each token)
     decode = wall - (max(s.t_prefilled for s in seqs) - t0)  # after the last prompt is in: decode alone
-    return {"s": wall, "decode_s": decode, "tokens": sum(s.count for s in seqs), "passes": passes, "out": [s.result().tokens for s in seqs],
+    return {"s": wall, "decode_s": decode, "tokens": sum(s.count for s in seqs), "passes": passes,
+            "out": [s.result().tokens for s in seqs],
             "ends": [ends[id(s)] for s in seqs],
             "loops": [sum(s.loop_counts[1:]) / max(1, len(s.loop_counts) - 1) for s in seqs]}
 
@@ -151,8 +153,9 @@ def served_shallow(rounds: int, before: bool) -> float:
         with LocalService(1, ["--max-seq-len", "1024", "--max-handles", "0"]) as svc, \
                 Client(svc.frontend, timeout=600) as client:
             def shallow_time(beside: bool) -> float:
-                deep = [client.submit("generate", {"prompt": LONG_CODE_PROMPTS[i], "max_tokens": SHALLOW_TOKENS, "loops": loops,
-                                                   "ignore_eos": True}) for i, loops in enumerate((8, 16))] if beside else []
+                deep = [client.submit("generate", {"prompt": LONG_CODE_PROMPTS[i], "max_tokens": SHALLOW_TOKENS,
+                                                   "loops": loops, "ignore_eos": True})
+                        for i, loops in enumerate((8, 16))] if beside else []
                 t0 = time.perf_counter()
                 client.submit("generate", {"prompt": LONG_CODE_PROMPTS[2], "max_tokens": SHALLOW_TOKENS, "loops": 2,
                                            "ignore_eos": True}).result()
@@ -195,8 +198,7 @@ def bench_depth(model_path: str | None, quick: bool) -> Report:
     for before in ((False,) if quick else (False, True)):
         ratio = served_shallow(rounds, before)
         name = "before" if before else "now"
-        lines.append(f"  a 2-loop request sent after an 8- and a 16-loop one to a 1-worker service ({SHALLOW_TOKENS} tokens "
-                     f"each), {name:<6}: "
-                     f"{ratio:.2f}x its time alone")
+        lines.append(f"  a 2-loop request sent after an 8- and a 16-loop one to a 1-worker service "
+                     f"({SHALLOW_TOKENS} tokens each), {name:<6}: {ratio:.2f}x its time alone")
         data[f"served_shallow_{name}"] = ratio
     return Report(lines, data)

@@ -47,7 +47,8 @@ from .sequence import InFlight, Place, Sequence
 # reuse and warm starts replace the prefill
 Prefill = Callable[[Sequence], torch.Tensor]
 
-C_RULES = {"latent": 1, "schedule": 2, "cdf": 3}  # the exit rules Runner.iterate_in_c decides in C (cpu_block.c's tl_exit_t)
+# the exit rules Runner.iterate_in_c decides in C, as cpu_block.c's tl_exit_t numbers them
+C_RULES = {"latent": 1, "schedule": 2, "cdf": 3}
 
 
 @dataclass
