@@ -674,12 +674,38 @@ long tl_huge_pages(void *p, long bytes) {
 #define GM 3         // x vectors per fp32 tile
 #define IR 4         // W rows per integer panel
 #define IM 3         // x vectors per integer tile
+#define GS 8         // fp32 panels per super-panel: its 64 columns of y are written before the next x tile
+#define PFX 32       // k steps ahead that the fp32 tile prefetches x (its 3 streams come from L2)
 #define CHUNK_BYTES (1L << 20)
 
 // acc[r][m] holds y[b0 + 16 m + i, n + r] for lanes i: written back transposed, rows past B dropped; times
 // scale[r] after adding tail[r][b] (the int8 K tail) where given.
+// A full fp32 panel (R = 8) is transposed in registers, 16 rows of 8 floats per vector: the scalar stores of the
+// general case cost ~10 % of a K = 768 tile.
 INLINE void gemm_store(int R, int MB, __m512 acc[GR][GM], float *y, long ldy, long B, long b0, const float *scale) {
     float t[GT];
+    if (R == 8 && !scale) {
+        for (int m = 0; m < MB; m++) {
+            __m512 u[8];
+            for (int h = 0; h < 8; h += 4) {  // rows h..h+3: u[j + h] lane l = acc[h..h+3][m] at x row 4 l + j
+                const __m512 t0 = _mm512_unpacklo_ps(acc[h][m], acc[h + 1][m]), t1 = _mm512_unpackhi_ps(acc[h][m], acc[h + 1][m]),
+                             t2 = _mm512_unpacklo_ps(acc[h + 2][m], acc[h + 3][m]), t3 = _mm512_unpackhi_ps(acc[h + 2][m], acc[h + 3][m]);
+                u[h] = _mm512_shuffle_ps(t0, t2, 0x44), u[h + 1] = _mm512_shuffle_ps(t0, t2, 0xEE);
+                u[h + 2] = _mm512_shuffle_ps(t1, t3, 0x44), u[h + 3] = _mm512_shuffle_ps(t1, t3, 0xEE);
+            }
+            for (int j = 0; j < 4; j++)
+                for (int q = 0; q < 2; q++) {  // x rows 8 q + j (low half) and 8 q + 4 + j (high)
+                    const __m512 v = _mm512_shuffle_f32x4(_mm512_shuffle_f32x4(u[j], u[j + 4], q ? 0xEE : 0x44),
+                                                          _mm512_shuffle_f32x4(u[j], u[j + 4], q ? 0xEE : 0x44), 0xD8);
+                    for (int s = 0; s < 2; s++) {
+                        const long b = b0 + m * GT + 8 * q + 4 * s + j;
+                        if (b < B)
+                            _mm256_storeu_ps(y + b * ldy, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), s)));
+                    }
+                }
+        }
+        return;
+    }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MB; m++) {
             _mm512_storeu_ps(t, scale ? _mm512_mul_ps(acc[r][m], _mm512_set1_ps(scale[r])) : acc[r][m]);
@@ -694,6 +720,7 @@ INLINE void f32_gemm_tile(int R, int MB, const float *w, long ldw, const float *
         for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
     for (long k = 0; k < K; k++) {
         __m512 xv[GM];
+        for (int m = 0; m < MB; m++) _mm_prefetch((const char *)(xp + (m * K + k + PFX) * GT), _MM_HINT_T0);
         for (int m = 0; m < MB; m++) xv[m] = _mm512_load_ps(xp + (m * K + k) * GT);
         for (int r = 0; r < R; r++) {
             const __m512 wb = _mm512_set1_ps(w[r * ldw + k]);
@@ -749,13 +776,15 @@ INLINE void int_gemm_tile(int R, int MB, const int8_t *w, long ldw, const int32_
         case 5: GSWITCH_MB(5, mb, TILE) break; case 6: GSWITCH_MB(6, mb, TILE) break;    \
         case 7: GSWITCH_MB(7, mb, TILE) break; default: GSWITCH_MB(8, mb, TILE) break; }
 
-// x [B, K] -> tiles t0..t1-1 of xp[t][k][16], rows past B zero.
+// x [B, K] -> tile t of xp[t][k][16], rows past B zero; a gather per k (scalar, this was ~10 % of a K = 768
+// product at N = 768).
 static void pack_f32(const float *x, long B, long K, long t, float *xp) {
     float *d = xp + t * K * GT;
-    for (long i = 0; i < GT; i++) {
-        const long b = t * GT + i;
-        for (long k = 0; k < K; k++) d[k * GT + i] = b < B ? x[b * K + k] : 0.0f;
-    }
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)K));
+    const __mmask16 live = B - t * GT >= GT ? 0xFFFF : (__mmask16)((1u << (B - t * GT)) - 1);
+    for (long k = 0; k < K; k++)
+        _mm512_store_ps(d + k * GT, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, x + t * GT * K + k, 4));
 }
 
 // fmt: F32, BF16, I8 (weight-only, scale per row) or 3 (int4 weight-only, group scales).
@@ -766,30 +795,36 @@ static void gemm_widened(int fmt, const float *x, const void *w, const float *sc
     const long G = fmt == 3 ? K / group : 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *wide = fmt == F32 ? 0 : wide_buffer(GR * K);
+        float *wide = fmt == F32 ? 0 : wide_buffer(GS * GR * K);
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) pack_f32(x, B, K, t, xp);
         for (long c0 = 0; c0 < T; c0 += tc) {
             const long c1 = c0 + tc < T ? c0 + tc : T;
+            // super-panels of GS panels: each x tile goes through all of them, so a line of y (16 floats) is
+            // written whole before the next tile (panel by panel, at N = 4096, the half-written lines of a chunk
+            // fell out of L2 and were read back: gate|up ran 0.8x the other shapes)
 #pragma omp for schedule(static) nowait
-            for (long p = 0; p < (N + GR - 1) / GR; p++) {
-                const long n = p * GR, R = N - n < GR ? N - n : GR;
+            for (long p = 0; p < (N + GS * GR - 1) / (GS * GR); p++) {
+                const long n = p * GS * GR, RS = N - n < GS * GR ? N - n : GS * GR;
                 const float *wp = (const float *)w + n * K, *sc = 0;
                 if (fmt == BF16 || fmt == I8) {
-                    for (long r = 0; r < R; r++) widen_rows(fmt, 1, (const char *)w + (n + r) * K * ESZ(fmt), K, wide + r * K);
+                    for (long r = 0; r < RS; r++) widen_rows(fmt, 1, (const char *)w + (n + r) * K * ESZ(fmt), K, wide + r * K);
                     wp = wide;
                     sc = fmt == I8 ? scale + n : 0;
                 } else if (fmt == 3) {
-                    for (long r = 0; r < R; r++)
+                    for (long r = 0; r < RS; r++)
                         widen_rows_int4(1, (const uint8_t *)w + (n + r) * (K / 2), K / 2, scale + (n + r) * G, G, group, K,
                                         wide + r * K);
                     wp = wide;
                 }
                 for (long t = c0; t < c1; t += GM) {
                     const long mb = c1 - t < GM ? c1 - t : GM;
-#define TILE(R_, MB_) f32_gemm_tile(R_, MB_, wp, K, xp + t * K * GT, K, y + n, N, B, t * GT, sc)
-                    GSWITCH(R, mb, TILE)
+                    for (long h = 0; h < RS; h += GR) {
+                        const long R = RS - h < GR ? RS - h : GR;
+#define TILE(R_, MB_) f32_gemm_tile(R_, MB_, wp + h * K, K, xp + t * K * GT, K, y + n + h, N, B, t * GT, sc ? sc + h : 0)
+                        GSWITCH(R, mb, TILE)
 #undef TILE
+                    }
                 }
             }
         }
