@@ -121,6 +121,7 @@ def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypat
         monkeypatch.setattr(tinyloop.engine.sequence.Sequence, "sample_all", staticmethod(recording))
         sched = tinyloop.Scheduler(model, lanes=3)
         sched.runner.iterative = iterative
+        sched.runner.run_ahead = False  # every lane's logits reach the sampler (test_greedy_draws_in_c_... below)
         for p, c in zip(prompts, cfgs):
             sched.submit(p, c)
         drain(sched)
@@ -133,6 +134,7 @@ def test_the_runner_steps_loop_iterations_for_mixed_depths(make_artifact, monkey
     """Mixed depths go through Runner.iterate (passes of every row until a token is done: a step per token of the
     shallower lane while both run); lanes all at one fixed depth keep the one forward of every loop per step."""
     model = tinyloop.load_model(make_artifact(), 128)
+    monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")  # (greedy draws in C would make a step of several tokens)
     calls = {"iterate": 0}
     iterate = Runner.iterate
     monkeypatch.setattr(Runner, "iterate", lambda self, rows: (calls.__setitem__("iterate", calls["iterate"] + 1),
@@ -162,10 +164,17 @@ def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rul
     monkeypatch.setattr(Runner, "one_pass", lambda *a: (calls.__setitem__("python", calls["python"] + 1),
                                                         one_pass(*a))[1])
     got = tinyloop.generate(model, ids(6, 5), cfg)
-    assert calls == {"c": 11, "python": 0}  # a call per fed token (the first token comes from the prompt's chunk)
+    # greedy draws run ahead in C to the end of the cell's block: the call at cell 6 draws the tokens fed at cells
+    # 7..15 and returns the logits of cell 15's; the call at cell 16 the request's last (the first token comes from
+    # the prompt's chunk)
+    assert calls == {"c": 2, "python": 0}
+    monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")
+    one_each = tinyloop.generate(model, ids(6, 5), cfg)
+    assert calls == {"c": 2 + 11, "python": 0}  # without: a call per fed token
     monkeypatch.setenv("TINYLOOP_DEPTH_STEPS", "0")
     by_tokens = tinyloop.generate(model, ids(6, 5), cfg)
-    assert got.tokens == by_tokens.tokens and got.loops_used == by_tokens.loops_used
+    assert got.tokens == one_each.tokens == by_tokens.tokens
+    assert got.loops_used == one_each.loops_used == by_tokens.loops_used
     assert min(got.loops_used[1:]) < 8  # it exited early
     if rule == "schedule":
         assert got.loops_used[1:] == [(2, 5, 3, 8)[i % 4] for i in range(1, 12)]  # token i: its depth
@@ -206,3 +215,50 @@ def test_tokens_in_flight_move_between_the_c_passes_and_the_python_passes(make_a
         alone = tinyloop.generate(model, p, c)
         assert seq.result().tokens == alone.tokens and seq.result().loops_used == alone.loops_used, c
     assert any(n < c.loops for c, s in zip(cfgs[:2], seqs) for n in s.result().loops_used[1:])  # the C rule fired
+
+
+@pytest.mark.parametrize("rule", ["latent", "cdf-compute", "schedule"])
+def test_greedy_draws_in_c_equal_the_draws_one_token_a_call(make_artifact, rule, monkeypatch):
+    """Greedy rows draw their next tokens inside the C passes (Runner.ahead): far fewer calls, and every lane's tokens,
+    loops per token (and their mean, the stop token's included) and stop reason equal the run where each token returns to the sampler (TINYLOOP_RUN_AHEAD=0) and
+    the token steps (TINYLOOP_DEPTH_STEPS=0), beside batch-mates at other depths, a sampled one, one that stops at
+    EOS and one whose client stops reading in the middle of a run of C draws (the draws after it are dropped)."""
+    from tinyloop.kernels import cpu_block
+    arch, exits = {"latent": ({}, dict(early_exit_threshold=0.25)),
+                   "cdf-compute": (dict(ARCHS["ouro"], exit_rule="cdf", exit_kv="compute"),
+                                   dict(early_exit_threshold=0.6)),
+                   "schedule": ({}, dict(exit_schedule=(2, 5, 3, 4)))}[rule]
+    model = tinyloop.load_model(make_artifact(**arch), 128)
+    prompts = [ids(3 + 2 * i, 90 + i) for i in range(5)]
+    cfgs = [G(max_tokens=40, loops=8, ignore_eos=True, **exits), G(max_tokens=30, loops=4, ignore_eos=True),
+            G(max_tokens=6, loops=6, temperature=0.9, seed=3, ignore_eos=True, **exits),
+            G(max_tokens=40, loops=5, **exits), G(max_tokens=40, loops=7, ignore_eos=True, **exits)]
+    alone = tinyloop.generate(model, prompts[4], cfgs[4])
+    drawn = {"c": 0}  # tokens drawn inside the C calls
+    until = cpu_block.DecodeStep.iterate_until
+
+    def counting(*a, **k):
+        got = until(*a, **k)
+        drawn["c"] += sum(map(len, got.drawn))
+        return got
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
+
+    def run() -> list[tuple]:
+        sched = tinyloop.Scheduler(model, lanes=5)
+        # lane 4's client stops reading at its 12th token, one it draws in C in the middle of a run (its 6th and
+        # 22nd tokens end their cells' blocks: they return to the sampler)
+        seqs = [sched.submit(p, c, on_token=(lambda t, i: i < 11) if n == 4 else None)
+                for n, (p, c) in enumerate(zip(prompts, cfgs))]
+        drain(sched)
+        return [(r.tokens, r.loops_used, r.stats.loops_mean, r.stats.stop_reason) for r in (s.result() for s in seqs)]
+
+    ahead = run()
+    in_c, drawn["c"] = drawn["c"], 0
+    monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")
+    one_each = run()
+    assert in_c > 60 and drawn["c"] == 0  # most of the greedy lanes' ~120 tokens were drawn in C
+    monkeypatch.setenv("TINYLOOP_DEPTH_STEPS", "0")
+    by_tokens = run()
+    assert ahead == one_each == by_tokens
+    assert ahead[4][3] == "cancelled" and ahead[4][0] == alone.tokens[:12]
+    assert ahead[3][3] == "eos" or len(ahead[3][0]) == 40

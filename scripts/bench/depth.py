@@ -10,8 +10,8 @@ firing):
                 decode (after the prompts are in) over its ideal (16 / the mean loops a decoded token ran)
   mixed depth   half the requests at 4 loops, half at 16, through 16 lanes, against the same requests in
                 depth-homogeneous groups one after the other (one-line prompts)
-  lane-iterations per second (a decoded token's core pass is one) of the mixed and early-exit workloads over a
-                uniform 16-lane batch at 16 loops
+  lane-iterations per second (a decoded token's core pass is one; the seconds of the run's steps less its
+                prompts' forwards) of the mixed and early-exit workloads over a uniform 16-lane batch at 16 loops
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 """
@@ -53,10 +53,10 @@ SHORT_PROMPTS = [p.splitlines()[0] for p in LONG_CODE_PROMPTS]  # a line each: t
 
 
 def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str] = LONG_CODE_PROMPTS) -> dict:
-    """The requests through one scheduler of `lanes` lanes: wall seconds of the run and of its decode after the last
-    prompt is in, tokens, lane-iterations (core passes of every lane's decoded tokens), the tokens themselves, each
-    request's finish time and the mean loops of its decoded tokens (the first comes from the prompt's chunk, at every
-    loop)."""
+    """The requests through one scheduler of `lanes` lanes: wall seconds of the run, of its decode after the last
+    prompt is in and of its steps less the prompts' forwards (what its lane-iterations ran in), tokens,
+    lane-iterations (core passes of every lane's decoded tokens), the tokens themselves, each request's finish time
+    and the mean loops of its decoded tokens (the first comes from the prompt's chunk, at every loop)."""
     sched = Scheduler(model, lanes)
     seqs = [sched.submit(prompts[i % len(prompts)], c) for i, c in enumerate(cfgs)]
     t0, ends = time.perf_counter(), {}
@@ -66,7 +66,9 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]
     wall = time.perf_counter() - t0
     passes = sum(sum(s.loop_counts[1:]) for s in seqs)  # decode's (a prompt's chunk runs every loop of each token)
     decode = wall - (max(s.t_prefilled for s in seqs) - t0)  # after the last prompt is in: decode alone
-    return {"s": wall, "decode_s": decode, "tokens": sum(s.count for s in seqs), "passes": passes,
+    prefill = sum(s.stats.prefill_ms for s in seqs) / 1000  # its prompts' forwards, within the run's steps
+    return {"s": wall, "decode_s": decode, "passes_s": wall - prefill, "tokens": sum(s.count for s in seqs),
+            "passes": passes,
             "out": [s.result().tokens for s in seqs],
             "ends": [ends[id(s)] for s in seqs],
             "loops": [sum(s.loop_counts[1:]) / max(1, len(s.loop_counts) - 1) for s in seqs]}
@@ -123,9 +125,9 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     early16 = best(model, [early] * 16 * k, 16, rounds, short)
     for tokens, name in ((False, "now"), (True, "before")):
         ratio = apart[tokens]["s"] / together[tokens]["s"]
-        urate = uniform[tokens]["passes"] / uniform[tokens]["s"]
-        rate = together[tokens]["passes"] / together[tokens]["s"]
-        erate = early16[tokens]["passes"] / early16[tokens]["s"]
+        urate = uniform[tokens]["passes"] / uniform[tokens]["passes_s"]
+        rate = together[tokens]["passes"] / together[tokens]["passes_s"]
+        erate = early16[tokens]["passes"] / early16[tokens]["passes_s"]
         lines.append(f"    mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
                      f"depth-homogeneous groups; lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform 16-lane "
                      f"batch at {L} ({urate:.0f}); early exit's {erate:.0f} = {erate / urate:.2f}")

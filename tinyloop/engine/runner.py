@@ -37,6 +37,7 @@ from ..errors import BudgetError, ForwardError, TinyLoopError
 from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
 from ..exits import TRACKED, ExitRule, Track, exit_stops
+from ..sampling import MIN_TEMPERATURE
 from . import forward as cached
 from .beam import BeamGroup
 from ..kernels import cpu_block
@@ -84,6 +85,8 @@ class Runner:
         # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
         self.latent: torch.Tensor | None = None  # [3, lanes, d]: tokens in flight between C passes (lane_latent)
+        # greedy rows draw their next tokens inside the C passes (`ahead`); TINYLOOP_RUN_AHEAD=0: every token returns
+        self.run_ahead = env_choice("TINYLOOP_RUN_AHEAD", ("1", "0"), "1") == "1"
         self.latent_views: list[tuple] = []
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
@@ -359,6 +362,16 @@ class Runner:
         request chooses its next beam; returns the requests that finished. A fault while one request samples,
         matches stops, advances its grammar or streams fails that request alone (seq.error); the others go on."""
         finished = []
+        for seq in [s for s in self.admitted if s.place.drawn]:  # the C passes' greedy draws (iterate_in_c), in turn
+            drawn, seq.place.drawn = seq.place.drawn, []
+            for i, token in enumerate(drawn):
+                ended = self.ended(seq, self.guarded(seq.take, token))
+                if ended is not None:  # (a stop sequence: the draws after it, and their loop counts, go)
+                    unused = len(drawn) - 1 - i + (seq.place.logits is not None)
+                    del seq.loop_counts[len(seq.loop_counts) - unused:]
+                    seq.place.logits = None
+                    finished.append(ended)
+                    break
         fresh = [s for s in self.admitted if s.place.logits is not None and s.beam is None]
         try:
             tokens: list = Sequence.sample_all(fresh, [s.place.logits for s in fresh]) if fresh else []
@@ -506,20 +519,48 @@ class Runner:
                 if flight.out is not None:
                     out[lane] = flight.out.reshape(-1)
         positions = [seq.pos - seq.place.prompt_row for seq in rows]
+        ahead = self.ahead(rows, positions, step.positions)
+        eos = -1 if any(s.cfg.ignore_eos for s, a in zip(rows, ahead) if a) else self.model.eos_id
         with cached.torch_threads(cached.decode_threads(len(rows), cfg, c_blocks=True)):
-            done, finished, logits = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
-                                                        compute=cfg.exit_kv == "compute")
+            got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
+                                     compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos)
         for b, seq in enumerate(rows):
-            if b not in finished:
+            for token, used in got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
+                seq.place.token, seq.pos = None, seq.pos + 1
+                seq.loop_counts.append(used)
+                seq.place.drawn.append(token)
+            if b not in got.finished and not got.starts[b]:
                 flight, lane, x = seq.place.token, lanes[b], exits[b]
                 if flight is None:
                     flight = seq.place.token = InFlight(0, None, None, x[0] != 0)
-                flight.done, (flight.e, flight.s, kept) = done[b], views[lane]
+                flight.done, (flight.e, flight.s, kept) = got.done[b], views[lane]
                 flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
                 flight.out, flight.c_exit = (kept if x[0] else None), x
-        for b, row in zip(finished, logits):
+        for b, row in zip(got.finished, got.logits):
             self.token_done(rows[b], row, exits[b][5])
         return True
+
+    def ahead(self, rows: list[Sequence], cells: list[int], positions: int) -> list[list[float]]:
+        """How many tokens each row may draw inside the C call (`iterate_in_c`), as the forced depths of those tokens
+        (each row's exit threshold where it has no schedule): none while other work waits for a lane or a prefill
+        (a C call that runs ahead would hold it back), or for a row whose draw is not a plain argmax (sampling, a
+        penalty, a bias, a grammar, banned tokens) or that is not a plain decode row; up to the end of the cell's
+        block (reserved), the request's max_tokens (its last token is drawn here, where the request ends) and the
+        cache."""
+        if not self.run_ahead or any(self.prefilling(s) for s in self.admitted) or self.waiting and self.free_lanes:
+            return [[] for _ in rows]
+        bt, ahead = self.cache.bt, []
+        for seq, cell in zip(rows, cells):
+            c = seq.cfg
+            plain = seq.beam is None and seq.driver is None and seq.grammar is None and not seq.place.prompt_row \
+                and c.temperature < MIN_TEMPERATURE and c.repetition_penalty == 1.0 and seq.count >= c.min_tokens \
+                and not seq.sampling().adjusts
+            n = min(cpu_block.RUN_AHEAD, bt - 1 - cell % bt, c.max_tokens - seq.count - 1,
+                    min(self.cache.cells, positions) - 1 - cell) if plain else 0
+            schedule = c.exit_schedule
+            ahead.append([float(schedule[(seq.count + 1 + i) % len(schedule)]) if schedule else 0.0
+                          for i in range(max(0, n))])
+        return ahead
 
     def lane_latent(self) -> tuple[torch.Tensor, list[tuple]]:
         """The rows e, s and the exit state [3, lanes, d] where `iterate_in_c` keeps each lane's token in flight, and

@@ -30,6 +30,7 @@ class Place:
     logits: torch.Tensor | None = None  # fresh logits to sample from
     prompt_row: bool = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
+    drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (Runner.ahead)
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
     token: "InFlight | None" = None  # the token it is looping, when the runner schedules loop iterations
 

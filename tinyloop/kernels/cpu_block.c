@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -552,28 +553,63 @@ static int rule_fires(tl_exit_t *x, long k, const float *old, const float *now, 
     return fires && k >= x->min_loops;
 }
 
-// Iteration-level steps over B <= 64 rows, in one call, until some row's token is done
+// A finished token's skipped loops, up to its `loops` (exit_kv "copy"): copies of its last loop's K/V at its cell.
+static void copy_skipped(const tl_step_t *s, const tl_block_rows_t *r, const long *table, long slot_stride, long b,
+                         const tl_exit_t *x) {
+    const long cell = r->cells[b], lane = lane_of(r, b), n = r->KV * r->hd, bt = r->bt, off = (cell % bt) * n;
+    for (long k = x->used; k < x->loops; k++)
+        for (long j = 0; j < s->n_core; j++) {
+            const long src = s->slots[s->n_prelude + (x->used - 1) * s->n_core + j];
+            const long dst = s->slots[s->n_prelude + k * s->n_core + j];
+            const long from = table[src * slot_stride + lane * r->table_stride + cell / bt];
+            const long to = table[dst * slot_stride + lane * r->table_stride + cell / bt];
+            memcpy(r->k_store + to * bt * n + off, r->k_store + from * bt * n + off, n * sizeof(float));
+            memcpy(r->v_store + to * bt * n + off, r->v_store + from * bt * n + off, n * sizeof(float));
+        }
+}
+
+// The first index of the largest of v[0..n-1] (torch.argmax's choice: a greedy draw).
+static long argmax(const float *v, long n) {
+    long best = 0;
+    for (long i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return best;
+}
+
+// Iteration-level steps over B <= 64 rows, in one call, until some row's token is done and needs the caller
 // (kernels/cpu_block.py's DecodeStep.iterate_until; engine/runner.py's Runner.iterate): a row with start[b] first
 // runs the prelude of ids[b]; then every row runs one core pass at its own loop, done[b] -> done[b] + 1, and its
 // exit rule (exits[b]) decides whether its token stops there. Between passes where no token ends there is nothing to
-// schedule, so they run here without returning. When some end, finish[b] says which. A token whose exit is chosen
-// ends there (exit_kv "copy", compute = 0: its skipped loops' K/V, up to its `loops`, become copies of its last
-// loop's) or loops on to `loops` for its K/V (compute = 1); its logits come from the state it exited with (row
-// lanes[b] of o_lanes). The coda, final norm and head of the finished rows give logits [rows finished, V], in row
-// order. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes [lanes, d], read and written in place. The
-// passes are tl_iterate_rows's, so each row has the same bits as there and as its token decoded alone. Returns the
-// passes run. rows: work floats for 4 B d.
-long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, const long *ids,
-                      const long *pos, long *done, unsigned char *start, tl_exit_t *exits, const float *gate_w,
+// schedule, so they run here without returning. A token whose exit is chosen ends there (exit_kv "copy", compute =
+// 0: its skipped loops' K/V, up to its `loops`, become copies of its last loop's) or loops on to `loops` for its K/V
+// (compute = 1); its logits come from the state it exited with (row lanes[b] of o_lanes).
+// A row with budget[b] > 0 (a greedy draw the caller lets C make) takes its next token here: the argmax of its
+// logits goes to chosen[b * cap + i] (the loops it ran to used[b * cap + i]), n_chosen[b] counts them, and its next
+// token starts at the next cell and position (ids, pos and r->cells move on; a forced depth's next token stops after
+// next_depth[b * cap + i] loops), while no row needs the caller. Once one does (a token ended without budget, or a
+// greedy draw gave eos, or the call has drawn for ahead_s seconds), the call ends: the other rows' tokens ended here are finish[b], and their coda, final norm
+// and head give logits [rows finished, V], in row order; a row whose draw was made but whose next token did not
+// start has start[b] set. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes [lanes, d], read and
+// written in place. The passes are tl_iterate_rows's, so each row has the same bits as there and as its token
+// decoded alone. Returns the passes run. rows: work floats for 4 B d; head: floats for B V (the greedy rows' logits,
+// consumed in the pass: it may be `logits`).
+long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, long *ids,
+                      long *pos, long *done, unsigned char *start, tl_exit_t *exits, const float *gate_w,
                       double gate_b, long compute, unsigned char *finish, float *e_lanes, float *s_lanes,
-                      float *o_lanes, float *logits, float *work, float *rows) {
-    const long B = r->B, d = r->d, hd = r->hd, KV = r->KV, bt = r->bt;
+                      float *o_lanes, float *logits, float *work, float *rows, long *budget, long cap, long eos,
+                      const double *next_depth, long *chosen, long *used, long *n_chosen, float *head,
+                      double ahead_s) {
+    const long B = r->B, d = r->d, hd = r->hd, V = s->head.rows;
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     float *e = rows, *st = rows + B * d, *old = rows + 2 * B * d, *out = rows + 3 * B * d;
+    long *cells = (long *)r->cells;  // (the caller's array: a row's cell moves on with its greedy draws)
     for (long b = 0; b < B; b++) {
         const long lane = lane_of(r, b);
         memcpy(e + b * d, e_lanes + lane * d, d * sizeof(float));
         memcpy(st + b * d, s_lanes + lane * d, d * sizeof(float));
         memcpy(out + b * d, o_lanes + lane * d, d * sizeof(float));
+        n_chosen[b] = 0;
     }
     rope_rows(s, r, pos, work + 4 * B * d, work + 4 * B * d + B * hd);
     long passes = 0, ended = 0;
@@ -582,15 +618,16 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         for (long b = 0; b < B; b++) at[b] = done[b];
         memcpy(old, st, B * d * sizeof(float));
         start_and_pass(s, r, table, slot_stride, ids, pos, at, start, e, st, work);
-        if (passes == 0)
-            for (long b = 0; b < B; b++)
-                if (start[b])  // the state loop 0 started from: the initial state of its prelude output
-                    for (long k = 0; k < d; k++)
-                        old[b * d + k] = s->state_init == 0   ? 0.0f
-                                         : s->state_init == 1 ? e[b * d + k]
-                                                              : s->noise[pos[b] * d + k];
+        for (long b = 0; b < B; b++)
+            if (start[b])  // the state loop 0 started from: the initial state of its prelude output
+                for (long k = 0; k < d; k++)
+                    old[b * d + k] = s->state_init == 0   ? 0.0f
+                                     : s->state_init == 1 ? e[b * d + k]
+                                                          : s->noise[pos[b] * d + k];
         memset(start, 0, B);
         passes++;
+        unsigned char greedy[MAX_ITERATE_ROWS];
+        long drawn = 0;
         for (long b = 0; b < B; b++) {
             tl_exit_t *x = exits + b;
             const long k = ++done[b];
@@ -600,23 +637,33 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
                     x->chosen = 1, x->used = k;
             }
             finish[b] = k >= x->loops || (x->chosen && !compute);
-            ended |= finish[b];
+            greedy[b] = finish[b] && budget[b] > 0;
+            ended |= finish[b] && !greedy[b];
+            drawn += greedy[b];
+            if (finish[b] && !x->rule) memcpy(out + b * d, st + b * d, d * sizeof(float));  // its head reads it
+            if (finish[b] && !compute) copy_skipped(s, r, table, slot_stride, b, x);
         }
-    }
-    for (long b = 0; b < B; b++) {
-        if (finish[b] && !exits[b].rule) memcpy(out + b * d, st + b * d, d * sizeof(float));  // its head reads it
-        if (!finish[b] || compute) continue;
-        const long cell = r->cells[b], lane = lane_of(r, b), used = exits[b].used;
-        for (long k = used; k < exits[b].loops; k++)  // the skipped loops' K/V: copies of the last loop's
-            for (long j = 0; j < s->n_core; j++) {
-                const long src = s->slots[s->n_prelude + (used - 1) * s->n_core + j];
-                const long dst = s->slots[s->n_prelude + k * s->n_core + j];
-                const long from = table[src * slot_stride + lane * r->table_stride + cell / bt];
-                const long to = table[dst * slot_stride + lane * r->table_stride + cell / bt];
-                const long off = (cell % bt) * KV * hd, n = KV * hd;
-                memcpy(r->k_store + to * bt * n + off, r->k_store + from * bt * n + off, n * sizeof(float));
-                memcpy(r->v_store + to * bt * n + off, r->v_store + from * bt * n + off, n * sizeof(float));
-            }
+        if (!drawn) continue;
+        finish_rows(s, r, table, slot_stride, greedy, out, head, work);
+        for (long b = 0, i = 0; b < B; b++) {
+            if (!greedy[b]) continue;
+            const long token = argmax(head + i++ * V, V), n = n_chosen[b]++;
+            chosen[b * cap + n] = token, used[b * cap + n] = exits[b].used;
+            budget[b]--, finish[b] = 0, start[b] = 1;
+            ended |= token == eos;
+            ids[b] = token;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        ended |= (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec) > ahead_s;
+        if (ended) break;  // the drawn rows' next tokens start in the next call (start[b] stays set)
+        for (long b = 0; b < B; b++) {
+            if (!greedy[b]) continue;
+            tl_exit_t *x = exits + b;
+            pos[b]++, cells[b]++, done[b] = 0;
+            x->chosen = 0, x->used = x->loops, x->cdf = 0.0f, x->rest = 1.0f;
+            if (x->rule == 2) x->threshold = next_depth[b * cap + n_chosen[b] - 1];
+        }
+        rope_rows(s, r, pos, work + 4 * B * d, work + 4 * B * d + B * hd);
     }
     finish_rows(s, r, table, slot_stride, finish, out, logits, work);
     for (long b = 0; b < B; b++) {

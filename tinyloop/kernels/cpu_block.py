@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,8 @@ from . import cpu
 
 _FMT = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 MAX_LANES = 32
+RUN_AHEAD = 15  # the most tokens a row draws in one iterate_until call (one block of cells: cache.BLOCK_TOKENS - 1)
+RUN_AHEAD_S = 0.02  # and for how long: a streaming client gets its tokens at least every ~20 ms
 _p, _L = ctypes.c_void_p, ctypes.c_long
 
 
@@ -288,7 +291,7 @@ class DecodeStep:
 
     def iterate_until(self, cache, cells: list[int], done: list[int], tokens: list[int | None], exits: list,
                       lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
-                      compute: bool = False) -> tuple[list[int], list[int], torch.Tensor]:
+                      compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1) -> Until:
         """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
         cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
         (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
@@ -297,14 +300,19 @@ class DecodeStep:
         place. gate: the exit gate's (weight [d], bias) for rules 1 and 3; compute: exit_kv "compute" (a token
         whose exit is chosen loops on to its `loops`). A row's e, s and exit state are rows lanes[b] of latent
         [3, lanes, d], read and written in place. The caller took the blocks of every slot the rows' tokens write
-        at their loop counts (Runner.reserve). Returns the loops each row has run, the rows finished and their logits
-        [n finished, V] (row order); a finished token's skipped loops hold copies of its last loop's K/V (copy)."""
-        B, cfg = len(cells), self.cfg
+        at their loop counts (Runner.reserve), for the cells the greedy draws move on to too.
+        ahead[b]: row b draws up to len(ahead[b]) tokens greedily here (the argmax of its logits) and goes on with
+        them at the next cells, the i-th's forced depth ahead[b][i] (rule 2); a draw of `eos` ends the call, as
+        does drawing for longer than RUN_AHEAD_S. A
+        finished token's skipped loops hold copies of its last loop's K/V (copy)."""
+        B, cfg, cap = len(cells), self.cfg, RUN_AHEAD
         ids = [0 if t is None else t for t in tokens]
+        ahead = ahead or [[]] * B
         if not 0 < B <= MAX_LANES or min(ids) < 0 or max(ids) >= cfg.vocab_size or min(cells) < 0 \
-                or max(cells) >= self.positions:
-            raise ValueError(f"iterate_until takes 1..{MAX_LANES} rows with token ids in the vocabulary and cells "
-                             f"within the position tables; got {B} rows, tokens {ids}, cells {cells}")
+                or max(c + len(a) for c, a in zip(cells, ahead)) >= self.positions or max(map(len, ahead)) > cap:
+            raise ValueError(f"iterate_until takes 1..{MAX_LANES} rows with token ids in the vocabulary, cells "
+                             f"within the position tables and up to {cap} draws each; got {B} rows, tokens {ids}, "
+                             f"cells {cells}, draws {[len(a) for a in ahead]}")
         if latent.dtype != torch.float32 or not latent.is_contiguous() or latent.shape != (3, cache.lanes, cfg.d_model):
             raise ValueError(f"latent must be contiguous float32 [3, {cache.lanes}, {cfg.d_model}]")
         if gate is None and any(x[0] == 3 for x in exits):
@@ -313,21 +321,26 @@ class DecodeStep:
         lane = self._lanes(B, cache)
         lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B], lane.loop[:B] = ids, cells, lanes, cells, done
         lane.start[:B] = [t is not None for t in tokens]
-        for b, x in enumerate(exits):
+        for b, (x, depths) in enumerate(zip(exits, ahead)):
             lane.exits[b] = _Exit(*x)
+            lane.budget[b] = len(depths)
+            lane.depth[b * cap:b * cap + len(depths)] = depths
         lane.struct.mask, lane.struct.mask_width = None, 0
         logits = torch.empty(B, self.struct.head.rows)  # (room for every row; the finished rows' come first)
         table, (e, s, out) = cache.table, latent
         gate_w, gate_b = (None, 0.0) if gate is None else (gate[0].data_ptr(), gate[1])
-        ids_at, pos_at, loop_at, start_at, exits_at, finish_at, work_at, rows_at = lane.until
+        ids_at, pos_at, loop_at, start_at, exits_at, finish_at, work_at, rows_at, *drawn_at = lane.until
         _lib().tl_iterate_until(self.ref, lane.ref, table.data_ptr(), table.stride(0), ids_at, pos_at, loop_at,
                                 start_at, exits_at, gate_w, gate_b, int(compute), finish_at, e.data_ptr(),
-                                s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at)
+                                s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at, drawn_at[0], cap,
+                                eos, *drawn_at[1:], logits.data_ptr(), RUN_AHEAD_S)  # (the greedy rows' logits go there first)
         for b, x in enumerate(exits):
             got = lane.exits[b]
-            x[4:] = got.chosen, got.used, got.cdf, got.rest
+            x[3:] = got.threshold, got.chosen, got.used, got.cdf, got.rest
         finished = [b for b in range(B) if lane.finish[b]]
-        return lane.loop[:B], finished, logits[:len(finished)]
+        drawn = [list(zip(lane.chosen[b * cap:b * cap + lane.n_chosen[b]], lane.used[b * cap:b * cap + lane.n_chosen[b]]))
+                 for b in range(B)]
+        return Until(lane.loop[:B], finished, logits[:len(finished)], drawn, [bool(lane.start[b]) for b in range(B)])
 
     def _prepare_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
                       finish: list[bool]) -> None:
@@ -390,6 +403,17 @@ def _rows(t: torch.Tensor, B: int, d: int) -> torch.Tensor:
     return t
 
 
+class Until(NamedTuple):
+    """What a DecodeStep.iterate_until call did: per row the loops its token in flight has run, the rows whose token
+    ended (their logits [n, V], row order), per row its greedy draws [(token, loops it ran)], and per row whether its
+    next token starts from its last draw (it has none in flight)."""
+    done: list[int]
+    finished: list[int]
+    logits: torch.Tensor
+    drawn: list[list[tuple[int, int]]]
+    starts: list[bool]
+
+
 class _Lanes:
     """B rows of a DecodeStep: tokens, cells, lanes, positions, default latent rows, work memory and the
     tl_block_rows_t that points at them."""
@@ -407,8 +431,13 @@ class _Lanes:
                             cfg.norm_eps, None, None, ctypes.addressof(self.cells), ctypes.addressof(self.lanes), k, v,
                             table_stride, self.work.data_ptr() + 4 * step_work)
         self.ref = ctypes.byref(self.struct)
+        # iterate_until's greedy draws: per row its budget, the forced depths of its next tokens, what it drew
+        self.budget, self.n_chosen = (_L * B)(), (_L * B)()
+        self.depth, self.chosen, self.used = (ctypes.c_double * (B * RUN_AHEAD))(), (_L * (B * RUN_AHEAD))(), \
+            (_L * (B * RUN_AHEAD))()
         self.until = (*map(ctypes.addressof, (self.ids, self.pos, self.loop, self.start, self.exits, self.finish)),
-                      self.work.data_ptr(), self.rows.data_ptr())  # iterate_until's arguments, taken once
+                      self.work.data_ptr(), self.rows.data_ptr(),
+                      *map(ctypes.addressof, (self.budget, self.depth, self.chosen, self.used, self.n_chosen)))
 
 
 class _Exit(ctypes.Structure):  # tl_exit_t: a row's exit rule in tl_iterate_until, and what it keeps between calls
@@ -422,7 +451,8 @@ def _lib() -> ctypes.CDLL:
     if lib.tl_iterate_rows.argtypes is None:
         lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
         lib.tl_iterate_rows.restype = None
-        lib.tl_iterate_until.argtypes = [_p, _p, _p, _L, _p, _p, _p, _p, _p, _p, ctypes.c_double, _L, *[_p] * 7]
+        lib.tl_iterate_until.argtypes = [_p, _p, _p, _L, _p, _p, _p, _p, _p, _p, ctypes.c_double, _L, *[_p] * 8,
+                                         _L, _L, *[_p] * 5, ctypes.c_double]
         lib.tl_iterate_until.restype = _L
     return lib
 
