@@ -16,7 +16,9 @@ Backends:
           over the paged cache through the block tables; with every row at the same loops and no early exit, the
           whole forward (or loop range) is one call (cpu_block.DecodeStep)
   torch   SDPA over the slot's cells, gathered from the blocks (CPU; CUDA with TINYLOOP_TRITON=0). Decode rows
-          that read little gather every slot once per step into one buffer (`read_ahead`).
+          that read little gather every slot once per step into one buffer (`read_ahead`). On the CPU a causal chunk
+          (prefill) over the fp16 mode holding fp32 attends in C straight over the blocks instead
+          (kernels/cpu_attention.c; TINYLOOP_CPU_ATTENTION=0: SDPA).
   Triton  decode rows on CUDA (or TINYLOOP_TRITON=1): fused attention over the block tables and quantise-on-write
           kernels (tinyloop/kernels/attention.py, quant.py), RoPE and RMSNorm kernels; `CudaGraphStep` replays a
           whole decode step as one CUDA graph.
@@ -39,7 +41,7 @@ from ..exits import ExitRule
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights
 from ..rotary import rope_factors, rotate
-from ..kernels import cpu_block
+from ..kernels import cpu, cpu_block
 from ..kernels.dispatch import use_triton
 from ..kernels.linear import linear
 
@@ -71,7 +73,7 @@ class Cached:
         self.blk, self.row = self.cells // cache.bt, self.cells % cache.bt
         self.one = int(self.cells) if B == 1 and T == 1 else None  # batch-1 decode: plain integer indexing
         self.buf_row = None  # read_ahead
-        self.mask = None
+        self.mask, self.c_attention = None, False
         self.native = None
         native = not triton and T == 1 and not tree and step.mask is None and _native_blocks(net, cache, B, weights)
         if native:
@@ -81,15 +83,24 @@ class Cached:
             return
         if triton or W:  # Triton takes positions and block tables; a ring's cells carry their own positions
             return
-        kpos = torch.arange(step.end, device=dev)
+        # a causal chunk over a plain fp32 store attends in C over the blocks (kernels/cpu_attention.c): no gathered
+        # copy of the lanes' cells, no mask
+        cfg = net.cfg
+        self.c_attention = T > 1 and not tree and cache.mode == "fp16" and cache.dtype == torch.float32 \
+            and dev.type == "cpu" and min(self.lo) >= 0 \
+            and cpu.attention_available(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
         # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
         lockstep = not tree and T == 1 and all(h == step.end - 1 for h in self.hi)
-        self.mask = step.mask.unsqueeze(1) if tree else None if lockstep else \
-            (kpos.view(1, 1, 1, -1) <= pos.view(B, 1, T, 1))
+        self.mask = step.mask.unsqueeze(1) if tree else None if lockstep or self.c_attention else self.causal_mask()
         if cache.mode == "int4":
-            kp = step.key_pos if tree else kpos.expand(B, step.end)
+            kp = step.key_pos if tree else torch.arange(step.end, device=dev).expand(B, step.end)
             self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
+
+    def causal_mask(self) -> torch.Tensor:
+        """[B, 1, T, end]: which cells each token sees (those up to its position)."""
+        kpos = torch.arange(self.end, device=self.pos.device)
+        return kpos.view(1, 1, 1, -1) <= self.pos.view(self.B, 1, self.T, 1)
 
     # --- what model.block asks ---------------------------------------------------------------------------
     def rope(self, qk: torch.Tensor) -> torch.Tensor:
@@ -130,6 +141,11 @@ class Cached:
             self.write(slot, new)
         else:
             self.write(slot, new)
+            if self.c_attention:
+                if q.dtype is torch.float32 and not q.requires_grad:
+                    return cpu.prefill_attention(q, cache.store["k"], cache.store["v"], cache.table[slot], self.pos,
+                                                 self.end).transpose(1, 2)
+                mask = self.causal_mask()  # (autograd, or a model in another dtype than its cache)
             keys, values = self.decode(w, cache.gather(slot, B, self.end), None)
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask, enable_gqa=True)

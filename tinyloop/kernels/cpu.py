@@ -7,6 +7,7 @@ Past the engine's lanes (prefill chunks) a product is bound by multiply-adds ins
 cpu_gemv.c's tiled GEMM: 512-bit tiles with VNNI integer dot products for act_quant int8 / int4 where the CPU has
 AVX-512 VNNI, else 256-bit tiles (AVX2 + FMA; act_quant int4 on integers, int8 through fp32); gemm_isa() says which.
 bf16 weights take AMX tiles where the CPU has them (gemm_amx()).
+A prefill chunk's attention reads the paged cache in place (cpu_attention.c: prefill_attention).
 
 The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) into a cache directory, keyed by
 a hash of the source, flags, compiler and CPU, and loads with ctypes (which releases the GIL during a call).
@@ -38,8 +39,9 @@ from ..formats import INT4_BLOCK, Matrix
 
 log = logging.getLogger(__name__)
 
-# The products (cpu_gemv.c) and a decode step's whole block in one call (cpu_block.c), built into one library.
-SOURCES = [Path(__file__).with_name("cpu_gemv.c"), Path(__file__).with_name("cpu_block.c")]
+# The products (cpu_gemv.c), a decode step's whole block in one call (cpu_block.c) and a prefill chunk's attention
+# over the paged cache (cpu_attention.c), built into one library.
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_block.c", "cpu_attention.c")]
 # -ffp-contract=off: the scalar K tails stay mul-then-add, as written (batch invariance, see cpu_gemv.c).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
@@ -143,6 +145,9 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_step_work.restype = L
     lib.tl_forward_rows.argtypes = [p, p, p, L, p, p, L, L, p, p, p, p]
     lib.tl_forward_rows.restype = None
+    lib.tl_prefill_attention.argtypes = [p, L, L, L, p, p, p, L, L, p, L, L, L, L, L, L, p, i]
+    lib.tl_prefill_attention.restype = None
+    lib.tl_prefill_attention_ok.argtypes = [L, L, L]
     for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):
         f.restype = None
     _lib, _state = lib, "ok"
@@ -276,6 +281,39 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
     else:
         raise ConfigError(f"weight format {fmt!r} has no CPU kernel")
     return y
+
+
+def attention_available(H: int, KV: int, hd: int) -> bool:
+    """True when prefill chunks attend through cpu_attention.c here (these head sizes, the kernels on), unless
+    TINYLOOP_CPU_ATTENTION=0 (read on every call, so a bench compares both paths in one process)."""
+    if os.environ.get("TINYLOOP_CPU_ATTENTION", "").strip() == "0":
+        return False
+    lib = _load()
+    return lib is not None and bool(lib.tl_prefill_attention_ok(H, KV, hd))
+
+
+def prefill_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, table: torch.Tensor,
+                      pos: torch.Tensor, end: int, threads: int = 0) -> torch.Tensor:
+    """Causal attention of a chunk over a paged fp32 store (cpu_attention.c): out [B, T, H, hd], where row (b, t)
+    attends over cells 0..min(pos[b, t], end - 1) of lane b, cell c in block table[b, c // bt], row c % bt.
+    q [B, T, H, hd] fp32 (any strides but the last); k_store, v_store [blocks, bt, KV, hd]; table [B, blocks per lane]
+    (any lane stride); pos [B, T] >= 0. The caller checked attention_available(H, KV, hd)."""
+    lib = _lib if _state == "ok" else _lib_or_raise()
+    B, T, H, hd = q.shape
+    blocks, bt, KV, _ = k_store.shape
+    _check(k_store, torch.float32, (blocks, bt, KV, hd), "k store")
+    _check(v_store, torch.float32, (blocks, bt, KV, hd), "v store")
+    if q.dtype is not torch.float32 or not q.is_cpu or q.stride(3) != 1 or table.dtype is not torch.long \
+            or table.stride(1) != 1 or table.shape[0] < B or table.shape[1] * bt < end:
+        raise ConfigError(f"prefill_attention: q {q.dtype} on {q.device} strides {q.stride()}, table {table.dtype} "
+                          f"{list(table.shape)} strides {table.stride()} do not fit {B} lanes of {end} cells")
+    pos = pos.contiguous()
+    _check(pos, torch.long, (B, T), "positions")
+    out = torch.empty(B, T, H, hd, dtype=torch.float32)
+    lib.tl_prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_store.data_ptr(),
+                             v_store.data_ptr(), table.data_ptr(), table.stride(0), bt, pos.data_ptr(), B, T, H, KV,
+                             hd, end, out.data_ptr(), threads or torch.get_num_threads())
+    return out
 
 
 def huge_pages(t: torch.Tensor) -> int:
