@@ -85,9 +85,9 @@ class Runner:
         # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
         self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
         self.latent: torch.Tensor | None = None  # [3, lanes, d]: tokens in flight between C passes (lane_latent)
+        self.latent_views: list[tuple] = []
         # greedy rows draw their next tokens inside the C passes (`ahead`); TINYLOOP_RUN_AHEAD=0: every token returns
         self.run_ahead = env_choice("TINYLOOP_RUN_AHEAD", ("1", "0"), "1") == "1"
-        self.latent_views: list[tuple] = []
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
     def is_adaptive(self, rule: ExitRule) -> bool:
@@ -545,8 +545,8 @@ class Runner:
         (each row's exit threshold where it has no schedule): none while other work waits for a lane or a prefill
         (a C call that runs ahead would hold it back), or for a row whose draw is not a plain argmax (sampling, a
         penalty, a bias, a grammar, banned tokens) or that is not a plain decode row; up to the end of the cell's
-        block (reserved), the request's max_tokens (its last token is drawn here, where the request ends) and the
-        cache."""
+        block (reserved), one token before the request's max_tokens (its last token returns to the sampler, and its
+        lane frees at that step) and the cache."""
         if not self.run_ahead or any(self.prefilling(s) for s in self.admitted) or self.waiting and self.free_lanes:
             return [[] for _ in rows]
         bt, ahead = self.cache.bt, []
