@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -187,3 +188,28 @@ def test_act_quant_rounds_as_the_kernels_at_a_near_tie():
     for y in (cpu.linear(x, eye), tiled(x, eye)):
         if y is not None:
             assert (y - q).abs().max().item() < 1e-6  # one step of q is d = 0.024
+
+
+def test_bf16_rows_on_amx_are_batch_invariant_and_keep_x_in_fp32():
+    """Where bf16 rows run on AMX (cpu.rows_amx), x's parts lie as columns of one tile up to 5 rows and as tiles of
+    their own past that, each summed on its own: a row has the same bits alone, in any batch up to the lanes and in a
+    product of 80 rows (chunks of 32), and x keeps its three bf16 parts (x spans six orders of magnitude, as above).
+    Without AMX the rows keep the fp32 row kernels."""
+    if not cpu.rows_amx():
+        assert not cpu.gemm_amx() or os.environ.get("TINYLOOP_CPU_AMX") == "0"
+        return
+    K = 200  # not a multiple of 32: the zero-padded panel and x tails
+    w = make("bf16", 75, K, 32)  # 75 rows: two whole panels of 32 and a padded one
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(80, K, generator=g) * 10.0 ** torch.randint(-3, 3, (80, K), generator=g)
+    alone = torch.cat([cpu.linear(x[i:i + 1], w) for i in range(80)])
+    assert rel_err(alone, formats.reference_linear(x, w)) < 2e-6
+    for B in (2, 5, 6, 16, 17, 32, 80):
+        for t in (1, 2):
+            assert torch.equal(cpu.linear(x[80 - B:], w, threads=t), alone[80 - B:]), (B, t)
+    cpu.set_amx_rows(False)  # the row kernels: the same product to fp32 rounding, not the same bits
+    try:
+        rows = torch.cat([cpu.linear(x[i:i + 1], w) for i in range(4)])
+        assert rel_err(rows, alone[:4]) < 2e-6 and not torch.equal(rows, alone[:4])
+    finally:
+        cpu.set_amx_rows(True)

@@ -57,6 +57,7 @@ MAX_ROWS = {"fp32": 32, "bf16": 32, "int8": 32, "int4": 32}
 _lib: ctypes.CDLL | None = None
 _state: str = "unknown"  # "unknown" -> "ok" | "off"
 _warned_off = False
+_amx_rows = os.environ.get("TINYLOOP_CPU_AMX", "").strip() != "0"
 _gemm: int | None = None  # tl_gemm_ok(): 512, 256 or 0, asked once
 
 
@@ -150,6 +151,9 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_prefill_attention_ok.argtypes = [L, L, L]
     for f in (lib.tl_linear_f32, lib.tl_linear_bf16, lib.tl_linear_int8, lib.tl_linear_int4):
         f.restype = None
+    lib.tl_set_amx.argtypes = [i]
+    lib.tl_set_amx.restype = None
+    lib.tl_set_amx(int(os.environ.get("TINYLOOP_CPU_AMX", "").strip() != "0"))
     _lib, _state = lib, "ok"
     return lib
 
@@ -183,6 +187,21 @@ def gemm_amx() -> bool:
     """True when the tiled GEMM multiplies bf16 weights on AMX tiles (cpu_gemv.c: gemm_amx_bf16; Intel Sapphire Rapids
     and later, where Linux grants the tile state), x split into three bf16 parts so the product stays fp32's."""
     return gemm_isa() == 512 and bool(_load().tl_gemm_amx())
+
+
+def rows_amx() -> bool:
+    """True when bf16 products of up to 32 rows (decode rows) run on AMX tiles too (cpu_gemv.c: amx_rows_bf16), with
+    the sums gemm_amx_bf16 makes: then a bf16 product's rows have the same bits at every row count. Where gemm_amx(),
+    unless TINYLOOP_CPU_AMX=0 (read when the library loads; set_amx_rows switches it later)."""
+    return gemm_amx() and _amx_rows
+
+
+def set_amx_rows(on: bool) -> None:
+    """Whether bf16 products of up to 32 rows take AMX tiles where the CPU has them (a bench's switch; both kinds of
+    product are batch-invariant, but a process should not switch while requests decode: their bits would change)."""
+    global _amx_rows
+    _lib_or_raise().tl_set_amx(int(on))
+    _amx_rows = on
 
 
 def _lib_or_raise() -> ctypes.CDLL:

@@ -551,15 +551,88 @@ float *tl_thread_buffer(int slot, long n) {
     }
 #define NO_WIDEN(R_, buf)
 
+// ---- fp32 rows on 512-bit vectors (where the compiler targets AVX-512 F: Intel since Skylake-SP, AMD Zen 4)
+//
+// The 256-bit tiles above reach at most half the fmas of a core with two 512-bit units, which is what bounds fp32
+// at 16 rows. Here an element is one 512-bit accumulator: acc += w[k .. k+16] * x[k .. k+16] for k = 0, 16, ... in
+// order, the K % 16 tail as one more masked chunk (zeros past K, which add nothing), then _mm512_reduce_add_ps (a
+// fixed tree). Every tile sums an element that way, so tiles follow B freely and the product stays batch-invariant
+// (another summation than the 256-bit kernel's: a machine's bits are its own). Tiles: R W rows x BT x rows, up to
+// 4 x 6 (24 of the 32 registers); at B = 1 one row, prefetched PF_F32 bytes ahead (as the 256-bit tile).
+#if defined(__AVX512F__)
+#define TL_F32_512 1
+#ifndef F32R
+#define F32R 4  // W rows per block at B > 1
+#endif
+#ifndef F32BT
+#define F32BT 4  // x rows per tile
+#endif
+INLINE void f32_tile512(int R, int BT, const float *w, long K, const float *x, float *out, long ldy) {
+    __m512 acc[4][6];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < BT; b++) acc[r][b] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) {
+            if (BT == 1) _mm_prefetch((const char *)(w + r * K + k) + PF_F32, PF_HINT);
+            wv[r] = _mm512_maskz_loadu_ps(m, w + r * K + k);
+        }
+        for (int b = 0; b < BT; b++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * K + k);
+            for (int r = 0; r < R; r++) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < BT; b++) out[b * ldy + r] = _mm512_reduce_add_ps(acc[r][b]);
+}
+
+#define F32_BT(R_, bt)                                                                                     \
+    switch (bt) {                                                                                          \
+        case 1: f32_tile512(R_, 1, wn, K, x + b0 * K, y + b0 * N + n, N); break;                           \
+        case 2: f32_tile512(R_, 2, wn, K, x + b0 * K, y + b0 * N + n, N); break;                           \
+        case 3: f32_tile512(R_, 3, wn, K, x + b0 * K, y + b0 * N + n, N); break;                           \
+        case 4: f32_tile512(R_, 4, wn, K, x + b0 * K, y + b0 * N + n, N); break;                           \
+        case 5: f32_tile512(R_, 5, wn, K, x + b0 * K, y + b0 * N + n, N); break;                           \
+        default: f32_tile512(R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N); break; }
+
+static void f32_rows512(const float *x, const float *w, float *y, long B, long N, long K) {
+    const long RB = B == 1 ? 1 : F32R;
+#pragma omp for schedule(static) nowait
+    for (long i = 0; i < (N + RB - 1) / RB; i++)
+        for (long n = i * RB, end = n + RB < N ? n + RB : N; n < end;) {
+            const long R = end - n >= 4 ? 4 : end - n >= 2 ? 2 : 1;
+            const float *wn = w + n * K;
+            for (long b0 = 0, bt; b0 < B; b0 += bt) {
+                bt = B - b0 < F32BT ? B - b0 : F32BT;
+                if (R == 4) { F32_BT(4, bt) }
+                else if (R == 2) { F32_BT(2, bt) }
+                else { F32_BT(1, bt) }
+            }
+            n += R;
+        }
+}
+#undef F32_BT
+#endif
+
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
+#ifdef TL_F32_512
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        f32_rows512(x, w, y, B, N, K);
+    } else
+        f32_rows512(x, w, y, B, N, K);
+#else
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(F32, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
     FOR_TILES(N, B, K, threads, TUNE_F32, NO_WIDEN, T)
 #undef T
     (void)wscale;
+#endif
 }
 
-void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
+// The row kernel of bf16 weights; tl_linear_bf16 (below) runs it where the CPU has no AMX.
+static void rows_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(BF16, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 #define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, buf)
@@ -1137,8 +1210,159 @@ static void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, long B, l
     free(parts);
     free(xv);
 }
+
+// bf16 rows on AMX (tl_linear_bf16 where amx_ok(): decode rows, any B). x is split into XP parts as above, but
+// each part is summed on its own over K (block after block, in its own C column) and a row's element is then
+// (hi + mid) + lo: a tile product gives every column the same sum wherever the column lies, so the parts can be
+// laid out by B and the product is still batch-invariant:
+//   XP * B <= 16 (batch 1 to 5): one x tile, column XP * b + p holding part p of row b, so a W tile times it gives
+//       every part of every row in one tile product per block, where parts as tiles take XP: at batch 1 the AMX
+//       unit had held that layout to 0.85x the row kernel's rate. The parts' columns are gathered into y.
+//   more rows: per group of 16 x rows, one tile per part (column b % 16), each into its own C tile (3 of them per
+//       W tile of 16 rows); the three are added as vectors and written to y transposed.
+// Made for few rows inside a C block's team: there is no barrier, so each thread splits and packs all of x itself
+// (XP * B * K values, against the N * K * B multiply-adds it shares out), then takes its W panels of 32 rows.
+// At few rows the panels stream from memory, and a tile load takes 64 bytes from each of 16 rows, which the
+// hardware prefetchers follow worse than the row kernels' single stream (0.75-0.85x their rate at batch 1), so the
+// loop prefetches each row AMX_AHEAD blocks ahead, into the next panel at the end of one (further ahead, or the next
+// panel whole, was slower: L1 is 48 KiB).
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 2
+#endif
+#if XP != 3
+#error "amx_rows_bf16 holds XP = 3 parts in tiles 4-6"
+#endif
+
+// Prefetch, at block kb of `rows` W rows read from wp (ldw apart), the block AMX_AHEAD further on, or past the end the
+// start of the rows at `after` (NULL: none).
+INLINE void amx_ahead(const uint16_t *wp, long ldw, long kb, long KB, const uint16_t *after, int rows) {
+    const uint16_t *f = kb + AMX_AHEAD < KB ? wp + (kb + AMX_AHEAD) * 32 : after ? after + (kb + AMX_AHEAD - KB) * 32 : 0;
+    if (f)
+        for (int r = 0; r < rows; r++) _mm_prefetch((const char *)(f + r * ldw), _MM_HINT_T0);
+}
+
+// Rows 0..B-1 (B <= AMX_ROWS) of x into y, tiles configured.
+static void amx_rows_chunk(const float *x, const uint16_t *w, float *y, long B, long N, long K) {
+    const long K32 = (K + 31) & ~31L, KB = K32 / 32, dense = XP * B <= 16, T = dense ? 1 : (B + 15) / 16 * XP;
+    const long panels = (N + AMX_ROWS - 1) / AMX_ROWS;
+    const int direct = K32 == K;
+    // per thread: the parts, the packed tiles, a zero-padded W panel, then C tiles (all 64-byte aligned)
+    const long n_parts = (XP * B * K32 / 2 + 15) & ~15L, n_tiles = T * KB * 256, n_pad = AMX_ROWS * K32 / 2;
+    float *buf = wide_buffer(n_parts + n_tiles + n_pad + 1024);
+    uint16_t *parts = (uint16_t *)buf, *pad = (uint16_t *)(buf + n_parts + n_tiles);
+    uint32_t *xv = (uint32_t *)(buf + n_parts);
+    float *c = buf + n_parts + n_tiles + n_pad;
+    for (long b = 0; b < B; b++) amx_split_row(x, B, K, K32, B, b, parts);
+    memset(xv, 0, n_tiles * 4);
+    for (long b = 0; b < B; b++)
+        for (long p = 0; p < XP; p++) {
+            const long t = dense ? 0 : b / 16 * XP + p, col = dense ? XP * b + p : b % 16;
+            const uint32_t *pairs = (const uint32_t *)(parts + (p * B + b) * K32);
+            for (long kb = 0; kb < KB; kb++)
+                for (long j = 0; j < 16; j++) xv[((t * KB + kb) * 16 + j) * 16 + col] = pairs[kb * 16 + j];
+        }
+    const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+#pragma omp for schedule(static) nowait
+    for (long pn = 0; pn < panels; pn++) {
+        const long n = pn * AMX_ROWS;
+        const uint16_t *wp = w + n * K;
+        long ldw = K;
+        if (!direct || N - n < AMX_ROWS) {
+            for (long r = 0; r < AMX_ROWS; r++) {
+                uint16_t *d = pad + r * K32;
+                if (n + r < N) {
+                    memcpy(d, w + (n + r) * K, K * 2);
+                    memset(d + K, 0, (K32 - K) * 2);
+                } else
+                    memset(d, 0, K32 * 2);
+            }
+            wp = pad, ldw = K32;
+        }
+        // the next whole panel, streamed while this one runs (read in place, this one is prefetched as it goes)
+        const uint16_t *after = pn + 1 < panels && N - n >= 2 * AMX_ROWS ? w + (n + AMX_ROWS) * K : 0;
+        if (dense) {  // both W tiles against the one x tile
+            _tile_zero(0); _tile_zero(1);
+            for (long kb = 0; kb < KB; kb++) {
+                if (direct) amx_ahead(wp, ldw, kb, KB, after, AMX_ROWS);
+                _tile_loadd(4, wp + kb * 32, ldw * 2);
+                _tile_loadd(5, wp + 16 * ldw + kb * 32, ldw * 2);
+                _tile_loadd(6, xv + kb * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 5, 6);
+            }
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + 256, 64);
+            for (long i = 0; i < 2 && n + 16 * i < N; i++) {
+                const __mmask16 m = N - n - 16 * i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n - 16 * i)) - 1);
+                for (long b = 0; b < B; b++) {
+                    const float *cb = c + i * 256 + XP * b;
+                    const __m512 hi = _mm512_i32gather_ps(down, cb, 4), mid = _mm512_i32gather_ps(down, cb + 1, 4);
+                    const __m512 lo = _mm512_i32gather_ps(down, cb + 2, 4);
+                    _mm512_mask_storeu_ps(y + b * N + n + 16 * i, m, _mm512_add_ps(_mm512_add_ps(hi, mid), lo));
+                }
+            }
+            continue;
+        }
+        for (long i = 0; i < 2 && n + 16 * i < N; i++)  // each W tile against each group's three part tiles
+            for (long g = 0; g < T / XP; g++) {
+                const uint32_t *xg = xv + g * XP * KB * 256;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2);
+                for (long kb = 0; kb < KB; kb++) {
+                    if (direct && g == 0) amx_ahead(wp + 16 * i * ldw, ldw, kb, KB, i ? after : wp + 16 * ldw, 16);
+                    _tile_loadd(3, wp + 16 * i * ldw + kb * 32, ldw * 2);
+                    _tile_loadd(4, xg + kb * 256, 64);
+                    _tile_loadd(5, xg + (KB + kb) * 256, 64);
+                    _tile_loadd(6, xg + (2 * KB + kb) * 256, 64);
+                    _tile_dpbf16ps(0, 3, 4);
+                    _tile_dpbf16ps(1, 3, 5);
+                    _tile_dpbf16ps(2, 3, 6);
+                }
+                _tile_stored(0, c, 64);
+                _tile_stored(1, c + 256, 64);
+                _tile_stored(2, c + 512, 64);
+                for (int j = 0; j < 256; j += 16)
+                    _mm512_storeu_ps(c + j, _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(c + 256 + j)),
+                                                          _mm512_loadu_ps(c + 512 + j)));
+                amx_store(c, y, N, B, 16 * g, n + 16 * i);
+            }
+    }
+}
+
+// Any B, in chunks of AMX_ROWS rows (a chunk's rows sum as in any other: the per-thread buffers stay small).
+static void amx_rows_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+    for (long b0 = 0; b0 < B; b0 += AMX_ROWS)
+        amx_rows_chunk(x + b0 * K, w, y + b0 * N, B - b0 < AMX_ROWS ? B - b0 : AMX_ROWS, N, K);
+    _tile_release();
+}
 #endif
 #endif
+
+int tl_gemm_ok(void);
+
+// y = x W^T for bf16 W and B rows (decode rows, any B): on AMX tiles where the CPU has them (amx_rows_bf16), else the
+// row kernel. Either is batch-invariant; the choice is the machine's, made once per process (tl_set_amx).
+static int use_amx_rows = 1;
+void tl_set_amx(int on) { use_amx_rows = on; }
+
+void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
+#ifdef TL_AMX
+    if (use_amx_rows && tl_gemm_ok() == 512 && amx_ok()) {
+        if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+            amx_rows_bf16(x, w, y, B, N, K);
+        } else
+            amx_rows_bf16(x, w, y, B, N, K);
+        return;
+    }
+#endif
+    rows_bf16(x, w, y, B, N, K, threads);
+}
 
 // ---- many rows on AVX2 + FMA: the same scheme, 8 x rows per vector (every CPU these kernels run on)
 //
