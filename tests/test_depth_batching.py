@@ -262,3 +262,52 @@ def test_greedy_draws_in_c_equal_the_draws_one_token_a_call(make_artifact, rule,
     assert ahead == one_each == by_tokens
     assert ahead[4][3] == "cancelled" and ahead[4][0] == alone.tokens[:12]
     assert ahead[3][3] == "eos" or len(ahead[3][0]) == 40
+
+
+@pytest.mark.parametrize("rule", ["latent", "cdf-compute", "schedule"])
+def test_greedy_rows_waiting_to_share_a_head_change_no_token(make_artifact, rule, monkeypatch):
+    """A greedy row whose token ended may sit out a pass or two (no K/V, its state kept) so that its head and its
+    next token's prelude run in one product with batch-mates' (cpu_block.c's keep_waiting): far fewer head products,
+    and every lane's tokens, loops per token and stop reason equal TINYLOOP_COALESCE=0 (every head in the pass its
+    token ends) and each request alone, beside batch-mates at other depths and exiting early, a sampled one and one
+    that may stop at EOS. A waiting row is left out of the passes: one that ran them anyway would overwrite the K/V
+    its early exit copied into the slots of the loops it skipped, which a later, deeper token reads (certain with
+    the forced depths, `schedule`)."""
+    from tinyloop.kernels import cpu_block
+    arch, exits = {"latent": ({}, dict(early_exit_threshold=0.25)),
+                   "cdf-compute": (dict(ARCHS["ouro"], exit_rule="cdf", exit_kv="compute"),
+                                   dict(early_exit_threshold=0.6)),
+                   "schedule": ({}, dict(exit_schedule=(2, 5, 3, 4)))}[rule]
+    model = tinyloop.load_model(make_artifact(**arch), 128)
+    cfgs = [G(max_tokens=40, loops=8, ignore_eos=True, **exits), G(max_tokens=30, loops=3, ignore_eos=True),
+            G(max_tokens=36, loops=7, ignore_eos=True, **exits), G(max_tokens=40, loops=5, **exits),
+            G(max_tokens=8, loops=6, temperature=0.9, seed=3, ignore_eos=True, **exits),
+            G(max_tokens=34, loops=6, ignore_eos=True, **exits)]
+    prompts = [ids(3 + 2 * i, 70 + i) for i in range(len(cfgs))]
+    heads = {"products": 0}
+    until = cpu_block.DecodeStep.iterate_until
+
+    def counting(*a, **k):
+        got = until(*a, **k)
+        heads["products"] += got.heads
+        return got
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
+    monkeypatch.setattr(cpu_block, "RUN_AHEAD_S", 60.0)  # (a stall of a busy machine would end calls, and waits, early)
+
+    def run() -> tuple[list[tuple], int]:
+        heads["products"] = 0
+        sched = tinyloop.Scheduler(model, lanes=len(cfgs))
+        seqs = [sched.submit(p, c) for p, c in zip(prompts, cfgs)]
+        drain(sched)
+        return ([(r.tokens, r.loops_used, r.stats.loops_mean, r.stats.stop_reason) for r in (s.result() for s in seqs)],
+                heads["products"])
+
+    waiting, shared = run()
+    monkeypatch.setenv("TINYLOOP_COALESCE", "0")
+    each, alone = run()
+    assert waiting == each
+    assert shared < 0.8 * alone, (shared, alone)  # the rows did wait for each other
+    for p, c, got in zip(prompts, cfgs, waiting):
+        by_itself = tinyloop.generate(model, p, c)
+        assert (got[0], got[1]) == (by_itself.tokens, by_itself.loops_used), c
+    assert any(n < c.loops for c, got in zip(cfgs, waiting) if c.loops > 3 for n in got[1][1:])  # exits fired

@@ -327,9 +327,9 @@ typedef struct {
     const long *slots;                      // the layer slot each of them writes
 } tl_step_t;
 
-// Floats of work a call of B rows needs (two rows of passes, [s | e], RoPE rows, and the RoPE rows of a subset of
-// them: tl_iterate_rows).
-long tl_step_work(long B, long d, long hd) { return B * (4 * d + 4 * hd); }
+// Floats of work a call of B rows needs (two rows of passes, [s | e], RoPE rows, and the RoPE rows, e and s of a
+// subset of them: tl_iterate_rows, tl_iterate_until).
+long tl_step_work(long B, long d, long hd) { return B * (6 * d + 4 * hd); }
 
 // blocks[0..n-1] of the step from x into out (tmp: a third buffer; with n == 0, out = x).
 static void pass(const tl_step_t *s, long first, long n, tl_block_rows_t *r, const long *table, long slot_stride,
@@ -452,11 +452,12 @@ static long flagged(const unsigned char *flag, long B, long *idx) {
 
 // The prelude of the rows with start[b] (the embedding of ids[b], the prelude into e, the initial state into st),
 // then one core pass of every row at its own loop loop[b] (writing and attending slots core_slot(loop[b], j) of its
-// lane), the rows sharing each product: the weights stream once for the pass whatever the rows' depths. r's RoPE
-// rows are the rows' (rope_rows).
+// lane), the rows sharing each product: the weights stream once for the pass whatever the rows' depths. A row with
+// out[b] (out NULL: none) sits the pass out: the pass runs the other rows as a call of their own (subset), so it
+// writes and reads none of its K/V and leaves its e and st as they are. r's RoPE rows are the rows' (rope_rows).
 static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride,
-                           const long *ids, const long *pos, const long *loop, const unsigned char *start, float *e,
-                           float *st, float *work) {
+                           const long *ids, const long *pos, const long *loop, const unsigned char *start,
+                           const unsigned char *out, float *e, float *st, float *work) {
     const long B = r->B, d = r->d, hd = r->hd, n = B * d;
     float *x = work, *tmp = x + n, *cat = tmp + n, *sub_cos = cat + 2 * n + 2 * B * hd;
     long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS], ids_in[MAX_ITERATE_ROWS],
@@ -472,10 +473,26 @@ static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *t
             memcpy(st + idx[i] * d, st_sub + i * d, d * sizeof(float));
         }
     }
-    for (long b = 0; b < B; b++) shift[b] = loop[b] * s->n_core * slot_stride;
-    r->shift = shift;  // loop 0's blocks and slots, each row in its own loop's slots
-    core_pass(s, r, table, slot_stride, 0, e, st, x, tmp, cat);
-    r->shift = 0;
+    if (!out) {
+        for (long b = 0; b < B; b++) shift[b] = loop[b] * s->n_core * slot_stride;
+        r->shift = shift;  // loop 0's blocks and slots, each row in its own loop's slots
+        core_pass(s, r, table, slot_stride, 0, e, st, x, tmp, cat);
+        r->shift = 0;
+        return;
+    }
+    unsigned char runs[MAX_ITERATE_ROWS];  // the rows in the pass: their e, st gathered, st scattered back
+    for (long b = 0; b < B; b++) runs[b] = !out[b];
+    if (!(m = flagged(runs, B, idx))) return;
+    tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+    float *e_in = sub_cos + 2 * B * hd, *st_in = e_in + n;
+    for (long i = 0; i < m; i++) {
+        shift[i] = loop[idx[i]] * s->n_core * slot_stride;
+        memcpy(e_in + i * d, e + idx[i] * d, d * sizeof(float));
+        memcpy(st_in + i * d, st + idx[i] * d, d * sizeof(float));
+    }
+    sub.shift = shift;
+    core_pass(s, &sub, table, slot_stride, 0, e_in, st_in, x, tmp, cat);
+    for (long i = 0; i < m; i++) memcpy(st + idx[i] * d, st_in + i * d, d * sizeof(float));
 }
 
 // The coda, final norm and head of the rows with finish[b], from their states st: logits [rows finishing, V].
@@ -501,7 +518,7 @@ void tl_iterate_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, 
                      const long *pos, const long *loop, const unsigned char *start, const unsigned char *finish,
                      float *e, float *st, float *logits, float *work) {
     rope_rows(s, r, pos, work + 4 * r->B * r->d, work + 4 * r->B * r->d + r->B * r->hd);
-    start_and_pass(s, r, table, slot_stride, ids, pos, loop, start, e, st, work);
+    start_and_pass(s, r, table, slot_stride, ids, pos, loop, start, 0, e, st, work);
     finish_rows(s, r, table, slot_stride, finish, st, logits, work);
 }
 
@@ -576,6 +593,58 @@ static long argmax(const float *v, long n) {
     return best;
 }
 
+// Row b's greedy draw from its logits, as tl_iterate_until hands it back (chosen, used, n_chosen, its budget, ids[b])
+// with start[b] set: its next token starts from it. Whether it is eos.
+static int draw(long b, const float *row, long V, const tl_exit_t *x, long *ids, unsigned char *start, long *budget,
+                long cap, long eos, long *chosen, long *used, long *n_chosen) {
+    const long token = argmax(row, V), n = n_chosen[b]++;
+    chosen[b * cap + n] = token, used[b * cap + n] = x->used;
+    budget[b]--, start[b] = 1, ids[b] = token;
+    return token == eos;
+}
+
+// The fewest passes before a running token may end, `done` loops run: at its loop count (no rule, or an exit chosen
+// under exit_kv "compute", which loops on for its K/V), at its forced depth, or, under an adaptive rule, at any pass
+// from min_loops on.
+static long passes_left(const tl_exit_t *x, long done) {
+    long k = x->loops;
+    if (x->rule && !x->chosen) {
+        k = x->min_loops > done + 1 ? x->min_loops : done + 1;
+        if (x->rule == 2 && (long)x->threshold > k) k = (long)x->threshold;
+        if (k > x->loops) k = x->loops;
+    }
+    return k - done;
+}
+
+// Coalescing the heads of greedy rows (tl_iterate_until's `wait`; docs/engine.md). A head call streams the whole head
+// matrix and the coda's weights for its rows, and the next pass the prelude's for the rows it starts: for the bundled
+// model ~0.2-0.3 ms and ~0.1 ms for a few rows, most of a 16-row pass (0.41 ms). Lanes exiting early end their tokens
+// at scattered passes, so most heads and preludes ran for 1-4 rows. A greedy row whose token ended may instead sit
+// out passes (start_and_pass's `out`: no K/V written or read, its state untouched) until a batch-mate's token ends
+// too, and their heads and their next tokens' preludes run as one product each: the same rows, the same bits (every
+// piece is batch-invariant), fewer weight streams. Rows at one depth that once waited for each other then end
+// together, so a steady mix soon needs no waiting. What waiting costs is the passes the waiting rows do not run: n
+// rows waiting p passes lose n p row-passes, a pass of every row when n p = B, about what one head call and one
+// prelude save. Hence the held rows (n of B, having waited `waited` passes) wait one more pass only where some running
+// row's token may end within p passes (passes_left), p <= most - waited (never more than `most` passes in all) and
+// n p <= B. (A row that ends the call takes the held rows' heads into its own product: tl_iterate_until's last.)
+static int keep_waiting(const tl_exit_t *exits, const long *done, const unsigned char *held, long B, long n,
+                        long waited, long most) {
+    long p = most + 1;
+    for (long b = 0; b < B; b++)
+        if (!held[b]) {
+            const long left = passes_left(exits + b, done[b]);
+            p = left < p ? left : p;
+        }
+    return waited + p <= most && n * p <= B;
+}
+
+INLINE double seconds_since(const struct timespec *t0) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - t0->tv_sec) + 1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
+}
+
 // Iteration-level steps over B <= 64 rows, in one call, until some row's token is done and needs the caller
 // (kernels/cpu_block.py's DecodeStep.iterate_until; engine/runner.py's Runner.iterate): a row with start[b] first
 // runs the prelude of ids[b]; then every row runs one core pass at its own loop, done[b] -> done[b] + 1, and its
@@ -586,21 +655,23 @@ static long argmax(const float *v, long n) {
 // A row with budget[b] > 0 (a greedy draw the caller lets C make) takes its next token here: the argmax of its
 // logits goes to chosen[b * cap + i] (the loops it ran to used[b * cap + i]), n_chosen[b] counts them, and its next
 // token starts at the next cell and position (ids, pos and r->cells move on; a forced depth's next token stops after
-// next_depth[b * cap + i] loops), while no row needs the caller. Once one does (a token ended without budget, or a
-// greedy draw gave eos, or the call has drawn for ahead_s seconds), the call ends: the other rows' tokens ended here are finish[b], and their coda, final norm
-// and head give logits [rows finished, V], in row order; a row whose draw was made but whose next token did not
-// start has start[b] set. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes [lanes, d], read and
-// written in place. The passes are tl_iterate_rows's, so each row has the same bits as there and as its token
-// decoded alone. Returns the passes run. rows: work floats for 4 B d; head: floats for B V (the greedy rows' logits,
-// consumed in the pass: it may be `logits`).
+// next_depth[b * cap + i] loops), while no row needs the caller. Such a row may wait up to `wait` passes for its
+// head (keep_waiting: 0, every head runs in the pass its token ends). Once a row needs the caller (a token ended
+// without budget, or a greedy draw gave eos, or the call has drawn for ahead_s seconds), the call ends: the other
+// rows' tokens ended here are finish[b], and their coda, final norm and head give logits [rows finished, V], in row
+// order (with the waiting rows' heads in the same product, their draws made); a row whose draw was made but whose
+// next token did not start has start[b] set. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes
+// [lanes, d], read and written in place. The passes are tl_iterate_rows's, so each row has the same bits as there
+// and as its token decoded alone. Returns the passes run; *heads: the head products run. rows: work floats for 4 B
+// d; head: floats for B V (the greedy rows' logits, consumed in the pass: it may be `logits`).
 long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, long *ids,
                       long *pos, long *done, unsigned char *start, tl_exit_t *exits, const float *gate_w,
                       double gate_b, long compute, unsigned char *finish, float *e_lanes, float *s_lanes,
                       float *o_lanes, float *logits, float *work, float *rows, long *budget, long cap, long eos,
                       const double *next_depth, long *chosen, long *used, long *n_chosen, float *head,
-                      double ahead_s) {
+                      double ahead_s, long wait, long *heads) {
     const long B = r->B, d = r->d, hd = r->hd, V = s->head.rows;
-    struct timespec t0, now;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     float *e = rows, *st = rows + B * d, *old = rows + 2 * B * d, *out = rows + 3 * B * d;
     long *cells = (long *)r->cells;  // (the caller's array: a row's cell moves on with its greedy draws)
@@ -612,12 +683,14 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         n_chosen[b] = 0;
     }
     rope_rows(s, r, pos, work + 4 * B * d, work + 4 * B * d + B * hd);
-    long passes = 0, ended = 0;
-    while (!ended) {
+    unsigned char held[MAX_ITERATE_ROWS] = {0};  // greedy rows whose token ended, waiting for their head
+    long passes = 0, ended = 0, n_held = 0, waited = 0;
+    *heads = 0;
+    while (1) {
         long at[MAX_ITERATE_ROWS];
         for (long b = 0; b < B; b++) at[b] = done[b];
         memcpy(old, st, B * d * sizeof(float));
-        start_and_pass(s, r, table, slot_stride, ids, pos, at, start, e, st, work);
+        start_and_pass(s, r, table, slot_stride, ids, pos, at, start, n_held ? held : 0, e, st, work);
         for (long b = 0; b < B; b++)
             if (start[b])  // the state loop 0 started from: the initial state of its prelude output
                 for (long k = 0; k < d; k++)
@@ -626,9 +699,9 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
                                                           : s->noise[pos[b] * d + k];
         memset(start, 0, B);
         passes++;
-        unsigned char greedy[MAX_ITERATE_ROWS];
-        long drawn = 0;
+        waited += n_held > 0;
         for (long b = 0; b < B; b++) {
+            if (held[b]) continue;  // (it sat the pass out)
             tl_exit_t *x = exits + b;
             const long k = ++done[b];
             if (x->rule && !x->chosen) {
@@ -637,35 +710,66 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
                     x->chosen = 1, x->used = k;
             }
             finish[b] = k >= x->loops || (x->chosen && !compute);
-            greedy[b] = finish[b] && budget[b] > 0;
-            ended |= finish[b] && !greedy[b];
-            drawn += greedy[b];
-            if (finish[b] && !x->rule) memcpy(out + b * d, st + b * d, d * sizeof(float));  // its head reads it
-            if (finish[b] && !compute) copy_skipped(s, r, table, slot_stride, b, x);
+            if (!finish[b]) continue;
+            if (!x->rule) memcpy(out + b * d, st + b * d, d * sizeof(float));  // its head reads it
+            if (!compute) copy_skipped(s, r, table, slot_stride, b, x);
+            if (budget[b] > 0)
+                held[b] = 1, finish[b] = 0, n_held++;
+            else
+                ended = 1;
         }
-        if (!drawn) continue;
-        finish_rows(s, r, table, slot_stride, greedy, out, head, work);
-        for (long b = 0, i = 0; b < B; b++) {
-            if (!greedy[b]) continue;
-            const long token = argmax(head + i++ * V, V), n = n_chosen[b]++;
-            chosen[b * cap + n] = token, used[b * cap + n] = exits[b].used;
-            budget[b]--, finish[b] = 0, start[b] = 1;
-            ended |= token == eos;
-            ids[b] = token;
+        if (!n_held) {
+            if (ended) break;
+            continue;
         }
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        ended |= (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec) > ahead_s;
-        if (ended) break;  // the drawn rows' next tokens start in the next call (start[b] stays set)
+        // The call ends: the held rows' heads run in the product of the rows that end it (below; wait = 0 keeps the
+        // heads apart, as before coalescing). Otherwise they wait while keep_waiting says it pays and the call has
+        // time left. (A held row's draw may be eos, found a pass or two later: the others' passes in between are
+        // theirs anyway, so nothing is lost but those passes' time.)
+        if (ended && wait) break;
+        if (!ended && keep_waiting(exits, done, held, B, n_held, waited, wait) && seconds_since(&t0) <= ahead_s)
+            continue;
+        finish_rows(s, r, table, slot_stride, held, out, head, work);
+        ++*heads;
+        for (long b = 0, i = 0; b < B; b++)
+            if (held[b])
+                ended |= draw(b, head + i++ * V, V, exits + b, ids, start, budget, cap, eos, chosen, used, n_chosen);
+        ended |= seconds_since(&t0) > ahead_s;
+        if (ended) {  // the drawn rows' next tokens start in the next call (start[b] stays set)
+            memset(held, 0, B);
+            n_held = 0;
+            break;
+        }
         for (long b = 0; b < B; b++) {
-            if (!greedy[b]) continue;
+            if (!held[b]) continue;
             tl_exit_t *x = exits + b;
             pos[b]++, cells[b]++, done[b] = 0;
             x->chosen = 0, x->used = x->loops, x->cdf = 0.0f, x->rest = 1.0f;
             if (x->rule == 2) x->threshold = next_depth[b * cap + n_chosen[b] - 1];
+            held[b] = 0;
         }
+        n_held = waited = 0;
         rope_rows(s, r, pos, work + 4 * B * d, work + 4 * B * d + B * hd);
     }
-    finish_rows(s, r, table, slot_stride, finish, out, logits, work);
+    // the heads of the rows that end the call and of the rows still waiting, as one product: the waiting rows' draws
+    // are made (their next tokens start in the next call) and the others' logits close up, in row order
+    unsigned char last[MAX_ITERATE_ROWS];
+    long m = 0;
+    for (long b = 0; b < B; b++) m += last[b] = finish[b] || held[b];
+    if (m) {
+        finish_rows(s, r, table, slot_stride, last, out, logits, work);
+        ++*heads;
+    }
+    for (long b = 0, i = 0, j = 0; b < B; b++) {
+        if (!last[b]) continue;
+        const float *row = logits + i++ * V;
+        if (held[b]) {
+            draw(b, row, V, exits + b, ids, start, budget, cap, eos, chosen, used, n_chosen);
+        } else {
+            if (row != logits + j * V) memmove(logits + j * V, row, V * sizeof(float));
+            j++;
+        }
+    }
     for (long b = 0; b < B; b++) {
         const long lane = lane_of(r, b);
         memcpy(e_lanes + lane * d, e + b * d, d * sizeof(float));

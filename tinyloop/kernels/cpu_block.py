@@ -32,6 +32,9 @@ _FMT = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 MAX_LANES = 32
 RUN_AHEAD = 15  # the most tokens a row draws in one iterate_until call (one block of cells: cache.BLOCK_TOKENS - 1)
 RUN_AHEAD_S = 0.02  # and for how long: a streaming client gets its tokens at least every ~20 ms
+# the most passes a greedy row whose token ended waits for its batch-mates' to end too, to share their head and
+# prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (Runner.coalesce): 0, none
+COALESCE = 2
 _p, _L = ctypes.c_void_p, ctypes.c_long
 
 
@@ -291,7 +294,8 @@ class DecodeStep:
 
     def iterate_until(self, cache, cells: list[int], done: list[int], tokens: list[int | None], exits: list,
                       lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
-                      compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1) -> Until:
+                      compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1,
+                      wait: int = COALESCE) -> Until:
         """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
         cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
         (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
@@ -303,7 +307,9 @@ class DecodeStep:
         at their loop counts (Runner.reserve), for the cells the greedy draws move on to too.
         ahead[b]: row b draws up to len(ahead[b]) tokens greedily here (the argmax of its logits) and goes on with
         them at the next cells, the i-th's forced depth ahead[b][i] (rule 2); a draw of `eos` ends the call, as
-        does drawing for longer than RUN_AHEAD_S. A
+        does drawing for longer than RUN_AHEAD_S. A greedy row whose token ended may sit out up to `wait` passes
+        (no K/V written or read, its state kept) so that its head, and its next token's prelude, run in one product
+        with its batch-mates' (cpu_block.c's keep_waiting; 0: never): the same bits, fewer weight streams. A
         finished token's skipped loops hold copies of its last loop's K/V (copy)."""
         B, cfg, cap = len(cells), self.cfg, RUN_AHEAD
         ids = [0 if t is None else t for t in tokens]
@@ -333,14 +339,16 @@ class DecodeStep:
         _lib().tl_iterate_until(self.ref, lane.ref, table.data_ptr(), table.stride(0), ids_at, pos_at, loop_at,
                                 start_at, exits_at, gate_w, gate_b, int(compute), finish_at, e.data_ptr(),
                                 s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at, drawn_at[0], cap,
-                                eos, *drawn_at[1:], logits.data_ptr(), RUN_AHEAD_S)  # (the greedy rows' logits go there first)
+                                eos, *drawn_at[1:], logits.data_ptr(), RUN_AHEAD_S, wait,
+                                ctypes.addressof(lane.heads))  # (the greedy rows' logits go there first)
         for b, x in enumerate(exits):
             got = lane.exits[b]
             x[3:] = got.threshold, got.chosen, got.used, got.cdf, got.rest
         finished = [b for b in range(B) if lane.finish[b]]
         drawn = [list(zip(lane.chosen[b * cap:b * cap + lane.n_chosen[b]], lane.used[b * cap:b * cap + lane.n_chosen[b]]))
                  for b in range(B)]
-        return Until(lane.loop[:B], finished, logits[:len(finished)], drawn, [bool(lane.start[b]) for b in range(B)])
+        return Until(lane.loop[:B], finished, logits[:len(finished)], drawn, [bool(lane.start[b]) for b in range(B)],
+                     lane.heads.value)
 
     def _prepare_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
                       finish: list[bool]) -> None:
@@ -406,12 +414,13 @@ def _rows(t: torch.Tensor, B: int, d: int) -> torch.Tensor:
 class Until(NamedTuple):
     """What a DecodeStep.iterate_until call did: per row the loops its token in flight has run, the rows whose token
     ended (their logits [n, V], row order), per row its greedy draws [(token, loops it ran)], and per row whether its
-    next token starts from its last draw (it has none in flight)."""
+    next token starts from its last draw (it has none in flight), and the head products the call ran."""
     done: list[int]
     finished: list[int]
     logits: torch.Tensor
     drawn: list[list[tuple[int, int]]]
     starts: list[bool]
+    heads: int
 
 
 class _Lanes:
@@ -432,7 +441,7 @@ class _Lanes:
                             table_stride, self.work.data_ptr() + 4 * step_work)
         self.ref = ctypes.byref(self.struct)
         # iterate_until's greedy draws: per row its budget, the forced depths of its next tokens, what it drew
-        self.budget, self.n_chosen = (_L * B)(), (_L * B)()
+        self.budget, self.n_chosen, self.heads = (_L * B)(), (_L * B)(), _L()
         self.depth, self.chosen, self.used = (ctypes.c_double * (B * RUN_AHEAD))(), (_L * (B * RUN_AHEAD))(), \
             (_L * (B * RUN_AHEAD))()
         self.until = (*map(ctypes.addressof, (self.ids, self.pos, self.loop, self.start, self.exits, self.finish)),
@@ -452,7 +461,7 @@ def _lib() -> ctypes.CDLL:
         lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
         lib.tl_iterate_rows.restype = None
         lib.tl_iterate_until.argtypes = [_p, _p, _p, _L, _p, _p, _p, _p, _p, _p, ctypes.c_double, _L, *[_p] * 8,
-                                         _L, _L, *[_p] * 5, ctypes.c_double]
+                                         _L, _L, *[_p] * 5, ctypes.c_double, _L, _p]
         lib.tl_iterate_until.restype = _L
     return lib
 
