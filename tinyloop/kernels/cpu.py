@@ -6,7 +6,8 @@ batch, in its stored format, split over threads by rows.
 Past the engine's lanes (prefill chunks) a product is bound by multiply-adds instead: `linear(..., tiled=True)` runs
 cpu_gemv.c's tiled GEMM: 512-bit tiles with VNNI integer dot products for act_quant int8 / int4 where the CPU has
 AVX-512 VNNI, else 256-bit tiles (AVX2 + FMA; act_quant int4 on integers, int8 through fp32); gemm_isa() says which.
-bf16 weights take AMX tiles where the CPU has them (gemm_amx()).
+bf16 weights take AMX tiles where the CPU has them: past the lanes (gemm_amx()) and, with their own batch-invariant
+sums, for decode rows too (rows_amx()).
 A prefill chunk's attention reads the paged cache in place (cpu_attention.c: prefill_attention).
 
 The C file compiles at first use (`$CC` or `cc`, -O3 -march=native -fopenmp) into a cache directory, keyed by
