@@ -1138,6 +1138,25 @@ static void amx_store(const float *c, float *y, long N, long B, long b0, long n0
         _mm512_mask_storeu_ps(y + (b0 + i) * N + n0, (__mmask16)((1u << nn) - 1), _mm512_i32gather_ps(idx, c + i, 4));
 }
 
+// W rows n..n+AMX_ROWS-1 as A tiles read them: in place (ldw = K) where whole and K a multiple of 32, else copied
+// zero-padded into pad (ldw = K32).
+static const uint16_t *amx_panel(const uint16_t *w, long n, long N, long K, long K32, uint16_t *pad, long *ldw) {
+    if (K32 == K && N - n >= AMX_ROWS) {
+        *ldw = K;
+        return w + n * K;
+    }
+    for (long r = 0; r < AMX_ROWS; r++) {
+        uint16_t *d = pad + r * K32;
+        if (n + r < N) {
+            memcpy(d, w + (n + r) * K, K * 2);
+            memset(d + K, 0, (K32 - K) * 2);
+        } else
+            memset(d, 0, K32 * 2);
+    }
+    *ldw = K32;
+    return pad;
+}
+
 static void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
     const long K32 = (K + 31) & ~31L, KB = K32 / 32, Bp = (B + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, T = Bp / 16;
     // x rows per chunk: its packed parts in about 1 MiB (L2 is 2 MiB per core on Sapphire Rapids)
@@ -1145,7 +1164,6 @@ static void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, long B, l
     if (rc < AMX_ROWS) rc = AMX_ROWS;
     uint16_t *parts = aligned_alloc(64, XP * Bp * K32 * 2);
     uint32_t *xv = aligned_alloc(64, XP * T * KB * 1024);  // [p][t][kb] tiles of 1 KiB
-    const int direct = K32 == K;  // W tiles load straight from the stored rows (full panels)
 #pragma omp parallel num_threads(threads)
     {
         amx_cfg cfg;
@@ -1167,19 +1185,8 @@ static void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, long B, l
 #pragma omp for schedule(static) nowait
             for (long pn = 0; pn < (N + AMX_ROWS - 1) / AMX_ROWS; pn++) {
                 const long n = pn * AMX_ROWS;
-                const uint16_t *wp = w + n * K;
-                long ldw = K;
-                if (!direct || N - n < AMX_ROWS) {
-                    for (long r = 0; r < AMX_ROWS; r++) {
-                        uint16_t *d = pad + r * K32;
-                        if (n + r < N) {
-                            memcpy(d, w + (n + r) * K, K * 2);
-                            memset(d + K, 0, (K32 - K) * 2);
-                        } else
-                            memset(d, 0, K32 * 2);
-                    }
-                    wp = pad, ldw = K32;
-                }
+                long ldw;
+                const uint16_t *wp = amx_panel(w, n, N, K, K32, pad, &ldw);
                 for (long b = c0; b < c1; b += AMX_ROWS) {
                     const long t = b / 16;
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -1266,19 +1273,8 @@ static void amx_rows_chunk(const float *x, const uint16_t *w, float *y, long B, 
 #pragma omp for schedule(static) nowait
     for (long pn = 0; pn < panels; pn++) {
         const long n = pn * AMX_ROWS;
-        const uint16_t *wp = w + n * K;
-        long ldw = K;
-        if (!direct || N - n < AMX_ROWS) {
-            for (long r = 0; r < AMX_ROWS; r++) {
-                uint16_t *d = pad + r * K32;
-                if (n + r < N) {
-                    memcpy(d, w + (n + r) * K, K * 2);
-                    memset(d + K, 0, (K32 - K) * 2);
-                } else
-                    memset(d, 0, K32 * 2);
-            }
-            wp = pad, ldw = K32;
-        }
+        long ldw;
+        const uint16_t *wp = amx_panel(w, n, N, K, K32, pad, &ldw);
         // the next whole panel, streamed while this one runs (read in place, this one is prefetched as it goes)
         const uint16_t *after = pn + 1 < panels && N - n >= 2 * AMX_ROWS ? w + (n + AMX_ROWS) * K : 0;
         if (dense) {  // both W tiles against the one x tile
