@@ -1106,6 +1106,15 @@ static int amx_ok(void) {
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_cfg;
 
+// This thread's 8 tiles as every AMX kernel here uses them: 16 rows of 64 bytes.
+static void amx_configure(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
 INLINE __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 // Rows b of x (zero past B) split into XP bf16 parts, row-major [XP][Bp][K32] (zero past K).
@@ -1166,11 +1175,7 @@ static void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, long B, l
     uint32_t *xv = aligned_alloc(64, XP * T * KB * 1024);  // [p][t][kb] tiles of 1 KiB
 #pragma omp parallel num_threads(threads)
     {
-        amx_cfg cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-        _tile_loadconfig(&cfg);
+        amx_configure();
         // per thread: a zero-padded W panel, then the 4 C tiles (64-byte aligned: K32 is a multiple of 32)
         uint16_t *pad = (uint16_t *)wide_buffer(AMX_ROWS * K32 / 2 + 1024);
         float *c = (float *)pad + AMX_ROWS * K32 / 2;
@@ -1327,11 +1332,7 @@ static void amx_rows_chunk(const float *x, const uint16_t *w, float *y, long B, 
 
 // Any B, in chunks of AMX_ROWS rows (a chunk's rows sum as in any other: the per-thread buffers stay small).
 static void amx_rows_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K) {
-    amx_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
+    amx_configure();
     for (long b0 = 0; b0 < B; b0 += AMX_ROWS)
         amx_rows_chunk(x + b0 * K, w, y + b0 * N, B - b0 < AMX_ROWS ? B - b0 : AMX_ROWS, N, K);
     _tile_release();
