@@ -105,6 +105,30 @@ def test_a_shallow_request_does_not_wait_for_the_deepest_lane(make_artifact):
         assert seq.result().tokens == tinyloop.generate(model, prompt, cfg).tokens
 
 
+def test_requests_that_come_together_start_with_the_most_loop_iterations(make_artifact):
+    """Of the requests that come between the same two steps, the one with the most loop iterations (loops x
+    max_tokens) takes a free lane first, so a deep request does not start last and run alone; one that came at an
+    earlier step still goes before them, and every result equals its request alone."""
+    model = tinyloop.load_model(make_artifact(), 128)
+    sched = tinyloop.Scheduler(model, lanes=1)
+    cfgs = {"early": G(max_tokens=3, loops=2, ignore_eos=True), "shallow": G(max_tokens=6, loops=2, ignore_eos=True),
+            "deep": G(max_tokens=6, loops=8, ignore_eos=True), "long": G(max_tokens=12, loops=2, ignore_eos=True),
+            "late": G(max_tokens=4, loops=16, ignore_eos=True)}
+    prompts = {name: ids(4, i) for i, name in enumerate(cfgs)}
+    seqs = {"early": sched.submit(prompts["early"], cfgs["early"])}
+    sched.step()  # it came alone: it takes the lane
+    for name in ("shallow", "deep", "long"):  # 12, 48 and 24 loop iterations, together
+        seqs[name] = sched.submit(prompts[name], cfgs[name])
+    order = [s for s in sched.step()]
+    seqs["late"] = sched.submit(prompts["late"], cfgs["late"])  # the deepest of all, but it came later
+    while not sched.idle():
+        order += sched.step()
+    names = {id(s): name for name, s in seqs.items()}
+    assert [names[id(s)] for s in order] == ["early", "deep", "long", "shallow", "late"]
+    for name, seq in seqs.items():
+        assert seq.result().tokens == tinyloop.generate(model, prompts[name], cfgs[name]).tokens
+
+
 def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypatch):
     """The same lanes stepped by loop iterations and by whole tokens (TINYLOOP_DEPTH_STEPS=0) give logits within
     1e-5 (fp32) and the same tokens, lanes at 3, 5 and 8 loops side by side."""

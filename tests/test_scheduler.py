@@ -203,6 +203,7 @@ def test_a_preempted_beam_request_is_recomputed_exactly(make_artifact):
     plain = [G(max_tokens=78 + i, loops=4, ignore_eos=True) for i in range(3)]
     beam = G(max_tokens=60, loops=4, beam_size=3)
     seqs = [sched.submit(ids(8 + 3 * i, 70 + i), c) for i, c in enumerate(plain)]
+    sched.step()  # the beam request comes a step later: the youngest (it has the most loop iterations)
     seqs.append(sched.submit(ids(10, 90), beam))
     drain(sched)
     assert seqs[-1].stats.preempted > 0, "precondition: the pool must run out while the beam request runs"

@@ -4,7 +4,8 @@ Sequences may be added at any time (`add`); one `step()` is one scheduling itera
 as in Orca and vLLM), and both the in-process calls (`run`: add, then step until done) and the worker drive it.
 One step, schedule -> execute -> postprocess (the shape of nano-vllm's and vLLM v1's engine step):
   1. retire: drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
-  2. schedule (a Plan): admit waiting sequences, oldest first, while a lane is free (a beam request: beam_size lanes)
+  2. schedule (a Plan): admit waiting sequences (oldest first; of those that came together, the deepest and longest
+     first: admission_order) while a lane is free (a beam request: beam_size lanes)
      and the pool's free blocks cover them (a preempted sequence is recomputed here, exactly); pieces of admitted
      prompts, the shortest rest first, up to `chunk` prompt tokens in all (a piece never crosses a multiple of
      `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards); the running lanes'
@@ -60,6 +61,15 @@ class Plan:
     driven: list[Sequence]              # lanes whose driver runs their own forwards (a speculative round)
 
 
+def admission_order(seq: Sequence) -> tuple[int, int, int]:
+    """The order waiting sequences take lanes in: those that came earlier first; of those that came together (between
+    the same two steps, such as a generate_batch call's prompts), the most loop iterations first (loops x max_tokens
+    x beam_size), so that no deep request starts last and runs alone at the end while the shallow ones are long done
+    (the longest-processing-time rule); among equals, the order they came in."""
+    work = seq.loops * seq.cfg.max_tokens * seq.cfg.beam_size
+    return seq.place.came, -work, seq.place.arrival
+
+
 # Every decision at DEBUG level, one line each: admit, prefill piece, decode group, finish, preempt (docs/engine.md).
 log = logging.getLogger("tinyloop.scheduler")
 
@@ -73,7 +83,7 @@ class Runner:
         self.adaptive = self.is_adaptive(self.early_exit)
         self.chunk = model.prefill_chunk if chunk is None else chunk  # 0: a prompt in one piece
         self.free_lanes = list(range(cache.lanes))
-        self.waiting: list[Sequence] = []   # without a lane (new or preempted), oldest first
+        self.waiting: list[Sequence] = []   # without a lane (new or preempted), in admission_order
         self.admitted: list[Sequence] = []  # holding a lane, in admission order: the youngest last
         self.hold_back = False  # set by a preemption, cleared when a sequence finishes
         self.arrivals = self.steps = 0
@@ -230,11 +240,12 @@ class Runner:
     def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
         """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`
         tokens come from a handle instead of a prefill."""
-        seq.place = Place(cached=cached, first=first, arrival=self.arrivals)  # the runner's state of it
+        seq.place = Place(cached=cached, first=first, arrival=self.arrivals, came=self.steps)  # the runner's state of it
         if seq.cfg.beam_size > 1 and seq.beam is None:
             seq.beam = BeamGroup(seq)  # it takes beam_size lanes when admitted
         self.arrivals += 1
         self.waiting.append(seq)
+        self.waiting.sort(key=admission_order)
 
     @property
     def idle(self) -> bool:
@@ -708,7 +719,7 @@ class Runner:
         return []
 
     def admit(self) -> None:
-        """Give waiting sequences a lane, oldest first, while the pool has room for them (with nothing admitted one
+        """Give waiting sequences a lane, in admission_order, while the pool has room for them (with nothing admitted one
         is tried anyway: a pool that cannot hold it ends it with a BudgetError)."""
         pool, window, cfg = self.cache.pool, self.cache.ring, self.model.cfg
         if self.hold_back and self.admitted:
@@ -786,13 +797,13 @@ class Runner:
     def preempt(self, seq: Sequence) -> None:
         log.debug("step %d: pool exhausted: preempt #%d (lane %d, %d tokens to recompute)", self.steps,
                   seq.place.arrival, seq.place.lane, len(seq.history))
-        arrival = seq.place.arrival
+        arrival, came = seq.place.arrival, seq.place.came
         self.release(seq)  # (a beam request: every lane it holds)
         for member in ([seq] if seq.beam is None else [seq, *seq.beam.members]):
-            member.place = Place(arrival=arrival)  # recomputed from its prompt (and tokens) when it rejoins
+            member.place = Place(arrival=arrival, came=came)  # recomputed from its prompt (and tokens) when it rejoins
         seq.stats.preempted += 1
         self.waiting.append(seq)
-        self.waiting.sort(key=lambda s: s.place.arrival)
+        self.waiting.sort(key=admission_order)
         self.hold_back = True
 
     def release(self, seq: Sequence) -> None:
