@@ -119,7 +119,7 @@ def test_requests_that_come_together_start_with_the_most_loop_iterations(make_ar
     sched.step()  # it came alone: it takes the lane
     for name in ("shallow", "deep", "long"):  # 12, 48 and 24 loop iterations, together
         seqs[name] = sched.submit(prompts[name], cfgs[name])
-    order = [s for s in sched.step()]
+    order = sched.step()
     seqs["late"] = sched.submit(prompts["late"], cfgs["late"])  # the deepest of all, but it came later
     while not sched.idle():
         order += sched.step()

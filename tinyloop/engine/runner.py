@@ -240,7 +240,8 @@ class Runner:
     def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
         """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`
         tokens come from a handle instead of a prefill."""
-        seq.place = Place(cached=cached, first=first, arrival=self.arrivals, came=self.steps)  # the runner's state of it
+        # the runner's state of it
+        seq.place = Place(cached=cached, first=first, arrival=self.arrivals, came=self.steps)
         if seq.cfg.beam_size > 1 and seq.beam is None:
             seq.beam = BeamGroup(seq)  # it takes beam_size lanes when admitted
         self.arrivals += 1
@@ -719,8 +720,8 @@ class Runner:
         return []
 
     def admit(self) -> None:
-        """Give waiting sequences a lane, in admission_order, while the pool has room for them (with nothing admitted one
-        is tried anyway: a pool that cannot hold it ends it with a BudgetError)."""
+        """Give waiting sequences a lane, in admission_order, while the pool has room for them (with nothing admitted
+        one is tried anyway: a pool that cannot hold it ends it with a BudgetError)."""
         pool, window, cfg = self.cache.pool, self.cache.ring, self.model.cfg
         if self.hold_back and self.admitted:
             return  # after a preemption sequences rejoin only once a running one has finished (no thrashing)

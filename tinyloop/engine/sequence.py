@@ -32,7 +32,7 @@ class Place:
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
     drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (Runner.ahead)
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
-    came: int = 0  # the runner's step count when it arrived: requests that came between the same two steps came together
+    came: int = 0  # the runner's step count when it arrived (the same for requests that came between two steps)
     token: "InFlight | None" = None  # the token it is looping, when the runner schedules loop iterations
 
 
