@@ -61,9 +61,9 @@ def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool | str, mo
         m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
         m.setattr(cpu_block.DecodeStep, "run", lambda *a, **k: (took.append("step"), real_run(*a, **k))[1])
         with torch.inference_mode():
-            for lane, ids in enumerate(prompts):
-                cached.forward(net, ids, loops, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)),
-                               cache.lane_view(lane))
+            for lane, ids in enumerate(prompts):  # (through torch in every arm: the same cells for the decode rows)
+                cached.chunk_loops(net, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)), cache.lane_view(lane),
+                                   0, loops, cached.Latent.empty(1, ids.shape[1], net), ids)
             view = cache.select(lanes)
             pos = torch.tensor([lengths[i] for i in lanes]).unsqueeze(1)
             tok = tokens[lanes]

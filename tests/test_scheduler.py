@@ -4,10 +4,12 @@ blocks; every output equals generate of that request alone."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tinyloop
 from conftest import ids
 from tinyloop import GenerateConfig as G
+from tinyloop.engine.runner import Runner
 
 
 def drain(sched: tinyloop.Scheduler) -> None:
@@ -211,3 +213,35 @@ def test_a_preempted_beam_request_is_recomputed_exactly(make_artifact):
     for i, (c, s) in enumerate(zip(plain, seqs)):
         assert s.result().tokens == tinyloop.generate(probe, ids(8 + 3 * i, 70 + i), c).tokens
     assert model.pool.used == 0
+
+
+def test_prompts_that_come_together_are_prefilled_in_shared_calls_each_as_alone(make_artifact, caplog):
+    """Short prompts admitted in one step run as rows of shared C calls (Runner.prefill_rows), those at one loop count
+    together; a prompt longer than a call's rows runs its own forward. Each prompt's first logits have the bits of
+    that prompt prefilled alone, and of its tokens decoded one at a time."""
+    model = tinyloop.load_model(make_artifact(), 128)
+    cfgs = [G(max_tokens=3, loops=4), G(max_tokens=3, loops=4), G(max_tokens=3, loops=8), G(max_tokens=3, loops=4),
+            G(max_tokens=3, loops=4, temperature=0.9, seed=5), G(max_tokens=3, loops=4)]
+    prompts = [ids(n, 40 + i) for i, n in enumerate((3, 20, 9, 14, 6, 40))]  # 3 + 20 + 14 + 6: two calls at 4 loops
+    sched = tinyloop.Scheduler(model, lanes=len(cfgs))
+    seqs = [sched.submit(p, c) for p, c in zip(prompts, cfgs)]
+    runner = sched.runner
+    with caplog.at_level("DEBUG", logger="tinyloop.scheduler"):
+        runner.steps += 1
+        plan = runner.schedule([])
+        assert sorted(n for _, n in plan.pieces) == sorted(map(len, prompts))  # every prompt in this step
+        runner.execute(plan)
+    shared = [r.getMessage() for r in caplog.records if "piece(s)" in r.getMessage()]
+    assert sorted(shared) == ["step 1: 1 piece(s) at 8 loops ran as 9 rows in 1 call(s)",
+                              "step 1: 4 piece(s) at 4 loops ran as 43 rows in 2 call(s)"]
+    together = [s.place.logits.clone() for s in seqs]
+    runner.postprocess()
+    drain(sched)
+    for p, c, seq, first in zip(prompts, cfgs, seqs, together):
+        alone = Runner(model, model.new_cache(1, 128), c.loops)  # the one-piece prefill, over a cache of its own
+        assert torch.equal(alone.prefill(p, 0), first[None]), len(p)
+        assert seq.result().tokens == tinyloop.generate(model, p, c).tokens
+    one = Runner(model, model.new_cache(1, 128), 4)
+    for i, token in enumerate(prompts[0]):
+        row, _ = one.decode([token], [i], loops=4)
+    assert torch.equal(row[0], together[0])

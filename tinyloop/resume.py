@@ -101,7 +101,7 @@ class ResumeHandle(Handle):
             if first == 0 and not from_ids:
                 rows.s.copy_(net.init_state(rows.e, step))
             ids = torch.tensor([self.ids[a:b]], device=dev) if from_ids else None
-            logits = cached.chunk_loops(net, step, cache, first, last, rows, ids, head)
+            logits = cached.forward_loops(net, step, cache, first, last, rows, ids, head)
         return None if logits is None else logits[0]
 
     @torch.inference_mode()

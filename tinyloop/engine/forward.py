@@ -332,21 +332,25 @@ class torch_threads:
 def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache,
             exit_threshold: "ExitRule | float" = 0.0, last_only: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`
-    (exit_threshold: LoopedLM.forward's, the cdf rule's choice of each position's loop)."""
+    (exit_threshold: LoopedLM.forward's, the cdf rule's choice of each position's loop). A chunk of up to
+    cpu_block.MAX_LANES tokens in all runs as the C step's rows where it can (c_chunk): each row then has the bits of
+    its token decoded alone at its cell, whatever chunk it came in."""
     exits = ExitRule.of(exit_threshold, net.cfg.exit_rule)
     exit_threshold = exits if exits.threshold > 0 else 0.0  # (the compiled paths take no exit rule)
-    rows = ids.shape[1] == 1 and step.cells is None and step.mask is None
+    B, T = ids.shape
+    chunk = step.cells is None and step.mask is None
+    rows = T == 1 and chunk
     if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled() \
             and triton_supports(net.cfg) and not exit_threshold:
-        return cuda_graph(net, cache, ids.shape[0], loops).run(ids, step.pos)
-    cpu_rows = rows and ids.device.type == "cpu"
-    c_blocks = cpu_rows and cpu_block.supported(net.cfg, cache, ids.shape[0], net.embed.weight.dtype)
-    threads = decode_threads(ids.shape[0], net.cfg, c_blocks=c_blocks) if cpu_rows else 0
+        return cuda_graph(net, cache, B, loops).run(ids, step.pos)
+    plan = c_chunk(net, cache, B * T, exits) if chunk else None
+    if plan is not None:  # the whole forward in one C call
+        cells, lanes = _c_rows(step)
+        logits = plan.run(cache, cells, 0, loops, **lanes, tokens=ids.reshape(-1).tolist()).view(B, T, -1)
+        return logits[:, -1:] if last_only else logits
+    c_blocks = rows and ids.device.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype)
+    threads = decode_threads(B, net.cfg, c_blocks=c_blocks) if rows and ids.device.type == "cpu" else 0
     with torch_threads(threads):
-        plan = c_step(net, cache) if c_blocks and not exit_threshold else None
-        if plan is not None:  # the whole step in one C call, with the bits of the step below
-            logits = plan.run(cache, step.pos.reshape(-1).tolist(), 0, loops, tokens=ids.reshape(-1).tolist())
-            return logits.unsqueeze(1)
         ctx = context(net, step, cache)
         if rows:
             cfg = net.cfg
@@ -354,6 +358,21 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
         logits = net(ids, loops, ctx=ctx, exit_threshold=exit_threshold, last_only=last_only)
         ctx.flush()
         return logits
+
+
+def c_chunk(net: LoopedLM, cache: KVCache, rows: int, exits: ExitRule | None = None) -> cpu_block.DecodeStep | None:
+    """The C step that runs a chunk of `rows` tokens over `cache` at every loop, or None (the model's pieces through
+    torch run it): on the CPU, up to cpu_block.MAX_LANES rows where cpu_block.supported says the blocks run in C,
+    and not under the cdf rule with a threshold (LoopedLM.forward picks each position's exit loop). A prefill piece
+    that fits runs here, alone or with other prompts' pieces (Runner.prefill_rows): the row kernels stream each
+    weight once for all its rows, where the torch path costs hundreds of operations per loop (a 2-token prompt of
+    the bundled model at 16 loops: ~16 ms through torch, ~2 ms here)."""
+    if cache.device.type != "cpu" or rows > cpu_block.MAX_LANES or \
+            exits is not None and exits.rule == "cdf" and exits.threshold > 0:
+        return None
+    if not cpu_block.supported(net.cfg, cache, rows, net.embed.weight.dtype):
+        return None
+    return c_step(net, cache)
 
 
 def c_step(net: LoopedLM, cache: KVCache) -> cpu_block.DecodeStep | None:
@@ -399,10 +418,8 @@ class LoopForward:
 
     def __init__(self, net: LoopedLM, cache: KVCache):
         self.net, self.cache = net, cache
-        cpu = cache.device.type == "cpu"
-        self.plan = c_step(net, cache) if cpu and cpu_block.supported(net.cfg, cache, 1, net.embed.weight.dtype) \
-            else None
-        self.cpu = cpu
+        self.plan = c_chunk(net, cache, 1)  # (chunks of up to MAX_LANES rows: c_chunk's rule, as `forward`)
+        self.cpu = cache.device.type == "cpu"
 
     def __call__(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None = None,
                  head: bool = True) -> torch.Tensor | None:
@@ -441,8 +458,9 @@ class LoopForward:
 
 def chunk_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
                 ids: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
-    """forward_loops through the model's pieces over the chunk's `Cached` context: the path a prompt's prefill
-    takes, so a handle built and deepened piece by piece (tinyloop/resume.py) has the bits of generate's prefill."""
+    """forward_loops through the model's pieces over the chunk's `Cached` context: the path of a chunk the C step
+    does not run (`forward`'s too), so a handle built and deepened piece by piece (tinyloop/resume.py, through
+    forward_loops) has the bits of generate's prefill."""
     ctx = context(net, step, cache)
     if ids is not None:
         latent.e.copy_(net.encode(ids, ctx))

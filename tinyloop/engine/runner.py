@@ -11,8 +11,9 @@ One step, schedule -> execute -> postprocess (the shape of nano-vllm's and vLLM 
      `chunk`, so a prompt is cut at the same places alone or in a batch: the same forwards); the running lanes'
      decode rows, and the lanes whose driver (Sequence.driver: a speculative round, a refine's verified piece) runs
      its own forwards; then `reserve` takes every block they will write, so the forwards take none;
-  3. execute: the pieces, the drivers' forwards, and the decode rows in one forward, each lane at its own loop count
-     and early-exit threshold (the model's one forward takes them per lane);
+  3. execute: the pieces (those of up to 32 tokens as rows of shared C calls, one loop count a call:
+     prefill_rows), the drivers' forwards, and the decode rows in one forward, each lane at its own loop count and
+     early-exit threshold (the model's one forward takes them per lane);
   4. postprocess: every sequence with fresh logits takes its next token, drawn for all of them in one pass of the
      sampler (stops, grammar, streaming, max_tokens), a driven lane the tokens its round decided, and every beam
      request chooses its next beam (engine/beam.py); a finished one leaves at once and gives its blocks back; a fault
@@ -193,14 +194,60 @@ class Runner:
             logits = row[0]
             seq.loop_counts.append(used[0])
         else:
-            log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, at.arrival, at.cached,
-                      at.cached + n, len(seq.prompt), at.lane)
-            rows = self.prefill(seq.prompt[at.cached:at.cached + n], at.cached, at.lane, seq.loops, seq.exit)
-            logits = rows[-1].clone()  # not a view pinning [T, V]
+            self.log_piece(seq, n)
+            logits = self.prefill(seq.prompt[at.cached:at.cached + n], at.cached, at.lane, seq.loops, seq.exit)[-1]
             if at.cached + n == len(seq.prompt):
                 seq.loop_counts.append(seq.loops)
+        self.piece_done(seq, n, logits.clone(), time.perf_counter() - t)  # (a copy: not a view pinning [T, V])
+
+    def log_piece(self, seq: Sequence, n: int) -> None:
+        at = seq.place
+        log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, at.arrival, at.cached,
+                  at.cached + n, len(seq.prompt), at.lane)
+
+    def in_rows(self, seq: Sequence, n: int) -> bool:
+        """Whether seq's scheduled piece runs as C rows (forward.c_chunk: up to MAX_LANES tokens), so that pieces of
+        several prompts can share a call (prefill_rows)."""
+        return n > 0 and seq.place.first is None and not (len(seq.prompt) == 1 and self.is_adaptive(seq.exit)) \
+            and cached.c_chunk(self.net, self.cache, n, seq.exit) is not None
+
+    def prefill_rows(self, pieces: list[tuple[Sequence, int]]) -> None:
+        """The pieces (each in_rows) as the C step's rows, those at the same loop count sharing calls of up to
+        MAX_LANES rows: each weight streams once per call instead of once per prompt. A row has the bits of its token
+        decoded alone, so each piece's logits are those of its prompt prefilled alone (`prefill`), however the
+        pieces are packed; a piece may span two calls (the first call's cells are written before the second reads
+        them)."""
+        plan = cached.c_step(self.net, self.cache)
+        by_loops: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq, n in pieces:
+            by_loops.setdefault(seq.loops, []).append((seq, n))
+            self.log_piece(seq, n)
+        for loops, group in by_loops.items():
+            rows = [(seq, at) for seq, n in group for at in range(seq.place.cached, seq.place.cached + n)]
+            last: dict[int, torch.Tensor] = {}  # id(seq) -> the logits of its piece's last row
+            took: dict[int, float] = {}  # id(seq) -> its rows' share of the calls' seconds
+            for i in range(0, len(rows), cpu_block.MAX_LANES):
+                call = rows[i:i + cpu_block.MAX_LANES]
+                t = time.perf_counter()
+                logits = plan.run(self.cache, [at for _, at in call], 0, loops, lanes=[s.place.lane for s, _ in call],
+                                  tokens=[s.prompt[at] for s, at in call])
+                share = (time.perf_counter() - t) / len(call)
+                for r, (seq, at) in enumerate(call):
+                    took[id(seq)] = took.get(id(seq), 0.0) + share
+                    last[id(seq)] = logits[r]
+            log.debug("step %d: %d piece(s) at %d loops ran as %d rows in %d call(s)", self.steps, len(group), loops,
+                      len(rows), -(-len(rows) // cpu_block.MAX_LANES))
+            for seq, n in group:
+                if seq.place.cached + n == len(seq.prompt):
+                    seq.loop_counts.append(seq.loops)
+                self.piece_done(seq, n, last[id(seq)].clone(), took[id(seq)])
+
+    def piece_done(self, seq: Sequence, n: int, logits: torch.Tensor, seconds: float) -> None:
+        """seq's piece of n prompt tokens ran, `logits` its last position's: once the prompt is in they are its fresh
+        logits, and the prompt's blocks go to the prefix cache."""
+        at = seq.place
         at.cached += n
-        seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
+        seq.stats.prefill_ms += seconds * 1000
         if at.cached == len(seq.prompt):
             at.logits, seq.t_prefilled = logits, time.perf_counter()
             release_freed_memory(self.model.device)
@@ -340,7 +387,12 @@ class Runner:
         finished = []
         if self.steps == self.fail_at_step and (plan.pieces or plan.rows or plan.driven):
             raise RuntimeError(f"a fault injected into step {self.steps}'s forwards (Runner.fail_at_step)")
+        rows = [(seq, n) for seq, n in plan.pieces if self.in_rows(seq, n)]
+        if rows:
+            self.prefill_rows(rows)
         for seq, n in plan.pieces:
+            if any(seq is other for other, _ in rows):
+                continue
             try:
                 self.prefill_piece(seq, n)
             except BudgetError as exc:  # a handle's `first` takes blocks of its own
