@@ -174,3 +174,12 @@ def test_bench_plot_without_rows_says_so(tmp_path):
     assert run.returncode == 2 and "--peers" in run.stderr
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["sections"]["cache_agreement"]["lines"][0].startswith("greedy agreement") and not (tmp_path / "b.png").exists()
+
+
+def test_llama_peer_that_cannot_load_fails_its_own_row_with_the_reason(tmp_path):
+    """llama.cpp runs in a process of its own (scripts/bench/llama_peer.py); a model it cannot load (here a file that
+    does not exist, or llama-cpp-python not installed) is a PeerCrashed naming why, and the bench process goes on."""
+    from scripts.bench.llama_peer import LlamaPeer, PeerCrashed
+
+    with pytest.raises(PeerCrashed, match=r"llama\.cpp could not load .*missing\.gguf"):
+        LlamaPeer(tmp_path / "missing.gguf", 64, 1)

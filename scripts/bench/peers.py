@@ -48,6 +48,7 @@ from tinyloop.generation import generate_stream
 from tinyloop.formats import FORMATS, quantize
 from tinyloop.model import LoopedLM
 from tinyloop.runtime import free_model, load_model
+from scripts.bench.llama_peer import LlamaPeer, PeerCrashed
 from scripts.bench.twin import GGUF_BYTES, GGUF_TYPES, head, hf_twin, matrix_numel, write_gguf
 
 _COMMON = dict(injection="none", state_init="embed", tie_embeddings=True, bos_id=1, eos_id=2)
@@ -226,15 +227,9 @@ def hf_runner(twin, prompts: list[list[int]], n: int) -> Run:
     return run
 
 
-def llama_runner(llm, prompt: list[int], n: int) -> Run:
+def llama_runner(llm: LlamaPeer, prompt: list[int], n: int) -> Run:
     def run():
-        llm.reset()  # no reuse of the last run's cache: every run prefills the same prompt
-        toks, stamps = [], []
-        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            stamps.append(time.perf_counter())
-            toks.append(int(tok))
-            if len(toks) == n:
-                break
+        toks, stamps = llm.generate(prompt, n)  # (every request prefills the same prompt: no reuse)
         return [toks], n - 1, stamps[-1] - stamps[0]
     return run
 
@@ -273,17 +268,23 @@ def hf_prefill(twin) -> Prefill:
     return run
 
 
-def llama_prefill(llm) -> Prefill:
-    def run(prompt: list[int]) -> float:
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        return time.perf_counter() - t0
-    return run
+def llama_prefill(llm: LlamaPeer) -> Prefill:
+    return llm.eval
+
+
+def measured(runs: dict, key: tuple, crashed: dict, *args: object):
+    """runs[key](*args), or None where the peer's process died (PeerCrashed): its row is dropped from runs and the
+    reason kept in crashed."""
+    try:
+        return runs[key](*args)
+    except PeerCrashed as e:
+        crashed[" ".join(map(str, key[:2]))] = str(e)
+        del runs[key]
+        return None
 
 
 def prefill_rows(name: str, runs: dict[tuple[str, str], Prefill], vocab: int, rounds: int,
-                 progress: Callable[[str], None]) -> list[dict]:
+                 progress: Callable[[str], None], crashed: dict) -> list[dict]:
     """tok/s of each prefill row at each prompt length, best of interleaved rounds, a fresh prompt per round."""
     g = torch.Generator().manual_seed(2)
     first = 3 + 256
@@ -291,9 +292,9 @@ def prefill_rows(name: str, runs: dict[tuple[str, str], Prefill], vocab: int, ro
     for P in PREFILL_LENS:
         for r in range(rounds + 1):  # round 0 warms up
             prompt = torch.randint(first, vocab, (P,), generator=g).tolist()
-            for key, run in runs.items():
-                s = run(prompt)
-                if r:
+            for key in list(runs):
+                s = measured(runs, key, crashed, prompt)
+                if s is not None and r:
                     best[key, P] = min(best.get((key, P), float("inf")), s)
         progress(f"  [{name}] prefill {P} tokens done")
     return [{"config": name, "system": sys_, "format": fmt, "prompt_len": P, "tok_s": P / s}
@@ -405,29 +406,36 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         for B in batches:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
             runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
-    llamas = {}
+    llamas, crashed = {}, {}
     if installed("llama_cpp") and installed("gguf"):
-        from llama_cpp import Llama
-
         for qtype in GGUF_TYPES:
             path = write_gguf(model.net, loops, tmp / f"{name}-{qtype}.gguf", qtype)
-            llm = Llama(str(path), n_ctx=ctx, n_batch=512, n_threads=torch.get_num_threads(),
-                        n_threads_batch=torch.get_num_threads(), verbose=False)
-            llamas[qtype] = llm
+            try:
+                llamas[qtype] = llm = LlamaPeer(path, ctx, torch.get_num_threads())
+            except PeerCrashed as e:
+                crashed[f"llama.cpp {qtype}"] = str(e)
+                continue
             runs["llama.cpp", qtype, 1] = llama_runner(llm, prompts[0], n_tokens)
     prefill = prefill_rows(name, prefill_runs(models, loops, twin, twin_bf16, llamas), cfg.vocab_size, rounds,
-                           progress)
+                           progress, crashed)
+    for qtype in GGUF_TYPES:  # a peer that died in its prefill rows has no decode row either
+        if f"llama.cpp {qtype}" in crashed:
+            runs.pop(("llama.cpp", qtype, 1), None)
     if decode_rounds == 0:
         runs = {}
     decode_rounds = rounds if decode_rounds is None else decode_rounds
     progress(f"  [{name}] warm-up, then {decode_rounds} rounds of {len(runs)} rows")
-    for run in runs.values():  # warm-up: compiled kernels, allocator pools, llama.cpp's first-use work
-        run()
+    for key in list(runs):  # warm-up: compiled kernels, allocator pools, llama.cpp's first-use work
+        measured(runs, key, crashed)
     best: dict = {}
     tokens: dict = {}
     for r in range(decode_rounds):
-        for key, run in runs.items():
-            toks, decoded, seconds = run()
+        for key in list(runs):
+            got = measured(runs, key, crashed)
+            if got is None:
+                best.pop(key, None)
+                continue
+            toks, decoded, seconds = got
             tokens[key] = toks
             best[key] = min(best.get(key, float("inf")), seconds / max(decoded, 1))
         progress(f"  [{name}] round {r + 1}/{rounds} done")
@@ -448,7 +456,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
     facts = {"config": cfg.to_dict(), "loops": loops, "layer_passes": cfg.n_prelude + cfg.n_core * loops + cfg.n_coda,
              "weights_read_per_step": numel, "weights_per_prompt_token": body, "prompt_len": prompt_len,
              "new_tokens": n_tokens, "rounds": rounds,
-             "prefill": prefill, **checks}
+             "prefill": prefill, "crashed_peers": crashed, **checks}
     return rows, facts
 
 
@@ -536,6 +544,7 @@ def bench_peers(model_path: str | None, quick: bool):
             configs[name] = facts
             lines.append("")
             lines.append(describe(name, facts))
+            lines += [f"  peer {peer}: CRASHED, not measured: {why}" for peer, why in facts["crashed_peers"].items()]
             lines += table(got, bandwidth)
             lines.append(f"  prefill ({name}, best of {facts['rounds']} rounds, a fresh prompt per round; no tiles: "
                          "TINYLOOP_CPU_GEMM=0):")
@@ -584,6 +593,8 @@ def main() -> None:
                 of_peak(r, peak)
             print(f"{name}: prefill tok/s, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f} "
                   "(no tiles: TINYLOOP_CPU_GEMM=0)")
+            for peer, why in facts["crashed_peers"].items():
+                print(f"  peer {peer}: CRASHED, not measured: {why}")
             print("\n".join(prefill_table(facts["prefill"], peak["fp32"])))
             rat = prefill_ratios(facts["prefill"])
             print("\n".join(prefill_ratio_lines(rat)), flush=True)
