@@ -612,8 +612,9 @@ INLINE void f32_tile512(int R, int BT, const float *w, long K, const float *x, f
         default: f32_tile512(R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break; }
 
 static void f32_rows512(const float *x, const float *w, float *y, long B, long N, long K) {
-    const long RB = B == 1 ? 1 : F32R, KC = B == 1 || F32KC == 0 ? K : F32KC;
-    __m512 keep[8 * 32];  // a block's accumulators between K blocks (B <= 32 rows)
+    // (past 32 rows, which the engine's steps never pass, all of K at once: keep holds 8 x 32 accumulators)
+    const long RB = B == 1 ? 1 : F32R, KC = B == 1 || B > 32 || F32KC == 0 ? K : F32KC;
+    __m512 keep[8 * 32];  // a block's accumulators between K blocks
 #pragma omp for schedule(static) nowait
     for (long i = 0; i < (N + RB - 1) / RB; i++)
         for (long n = i * RB, end = n + RB < N ? n + RB : N; n < end;) {
