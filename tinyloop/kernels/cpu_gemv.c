@@ -558,12 +558,18 @@ float *tl_thread_buffer(int slot, long n) {
 // at 16 rows. Here an element is one 512-bit accumulator: acc += w[k .. k+16] * x[k .. k+16] for k = 0, 16, ... in
 // order, the K % 16 tail as one more masked chunk (zeros past K, which add nothing), then _mm512_reduce_add_ps (a
 // fixed tree). Every tile sums an element that way, so tiles follow B freely and the product stays batch-invariant
-// (another summation than the 256-bit kernel's: a machine's bits are its own). Tiles: R W rows x BT x rows, up to
-// 8 x 6 accumulators; at B = 1 one row, prefetched PF_F32 bytes ahead (as the 256-bit tile). At B > 1 a block of 8 W
-// rows walks K in blocks of 256, every x tile (2 rows) per K block, its accumulators kept between blocks (the same
-// sums): the block's W slice (8 KB) and the x slices (16 KB at 16 rows) stay in L1 where 4 x 4 tiles over all of K
-// reread x from L2 for every 4 W rows. 4-16 rows 7-10 % faster (Sapphire Rapids, 4 copies of a d768 layer's
-// matrices, 2 threads, alternating builds, 5 rounds), 32 rows the same; 8 x 2 or 4 x 6 over all of K: no faster.
+// (another summation than the 256-bit kernel's: a machine's bits are its own). bf16 weights without AMX take the
+// same tiles (widened to fp32 in registers, or from 8 rows once per block into a buffer: the same values), so bf16
+// rows stream half the bytes at fp32's fma rate. Tiles: R W rows x BT x rows, up to 8 x 6 accumulators.
+//   B < 8 (the weight stream is the limit): 1 W row (bf16 at 4-7 rows: 2) times all B rows (up to 6 per tile),
+//         prefetched PF_* bytes ahead, so W comes from memory once in one stream.
+//   B >= 8: blocks of 8 W rows, x tiles of 2 rows; on Intel each block walks K in blocks of 256, every x tile per K
+//         block, its accumulators kept between blocks (the same sums): the block's W slice (8 KB) and the x slices
+//         (16 KB at 16 rows) stay in L1 (Sapphire Rapids: 4-16 rows 7-10 % faster than all of K); on AMD blocks of
+//         1024 (f32_kc).
+// Zen 5 (2 threads, 4 copies of a d768 layer's matrices, alternating builds), against the tiles before (fp32: 8 x 2
+// at every B > 1, K blocks of 256; bf16: the 256-bit tiles): fp32 2-7 rows 1.2-1.8x, 16-32 rows 1.1x (16 rows
+// 166 -> 184 GFLOP/s); bf16 3-32 rows 1.2-2.4x (16 rows 129 -> 224); 1-2 rows the same. (Not remeasured on Intel.)
 #if defined(__AVX512F__)
 #define TL_F32_512 1
 #ifndef F32R
@@ -572,13 +578,33 @@ float *tl_thread_buffer(int slot, long n) {
 #ifndef F32BT
 #define F32BT 2  // x rows per tile
 #endif
-#ifndef F32KC
-#define F32KC 256  // K per block at B > 1 (a multiple of 16; 0: all of K)
+#ifndef WIDE512
+#define WIDE512 8  // bf16 from this many rows: a block's rows widened to fp32 once, the tiles read them from L1
 #endif
+
+// K per block at B > 1 (a multiple of 16; all of K when K is shorter): 256 on Intel (above), 1024 on AMD, where
+// the blocks of 256 ran 4-32 rows 1.3x slower than all of K (Zen 5, 2 threads, 4 copies of a d768 layer's
+// matrices, alternating builds; 1024 and all of K the same up to K = 768, 1024 8 % faster at K = 2048).
+static long f32_kc(void) {
+    static long kc;
+    if (!kc) {
+        __builtin_cpu_init();
+        kc = __builtin_cpu_is("amd") ? 1024 : 256;
+    }
+    return kc;
+}
+
+// 16 consecutive weights as fp32 (zeros where m is clear): fp32 as is, bf16 the high half of an fp32.
+INLINE __m512 load16w(int fmt, const void *w, long i, __mmask16 m) {
+    if (fmt == F32) return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Chunks k0 .. k1 of the tile's elements; acc comes from (and goes back to) keep between K blocks, so each element
 // still sums its chunks in order into one accumulator; the last block reduces it.
-INLINE void f32_tile512(int R, int BT, const float *w, long K, const float *x, float *out, long ldy, long k0, long k1,
-                        __m512 *keep) {
+INLINE void f32_tile512(int fmt, int R, int BT, const void *w, long K, const float *x, float *out, long ldy, long k0,
+                        long k1, __m512 *keep, int pf) {
     __m512 acc[8][6];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < BT; b++) acc[r][b] = k0 ? keep[r * BT + b] : _mm512_setzero_ps();
@@ -586,8 +612,9 @@ INLINE void f32_tile512(int R, int BT, const float *w, long K, const float *x, f
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
         __m512 wv[8];
         for (int r = 0; r < R; r++) {
-            if (BT == 1) _mm_prefetch((const char *)(w + r * K + k) + PF_F32, PF_HINT);
-            wv[r] = _mm512_maskz_loadu_ps(m, w + r * K + k);
+            if (pf)
+                _mm_prefetch((const char *)w + (r * K + k) * ESZ(fmt) + (fmt == F32 ? PF_F32 : PF_NARROW), PF_HINT);
+            wv[r] = load16w(fmt, w, r * K + k, m);
         }
         for (int b = 0; b < BT; b++) {
             const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * K + k);
@@ -602,48 +629,67 @@ INLINE void f32_tile512(int R, int BT, const float *w, long K, const float *x, f
             for (int b = 0; b < BT; b++) out[b * ldy + r] = _mm512_reduce_add_ps(acc[r][b]);
 }
 
-#define F32_BT(R_, bt)                                                                                     \
+#define F32_BT(F_, R_, bt)                                                                                 \
     switch (bt) {                                                                                          \
-        case 1: f32_tile512(R_, 1, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break;               \
-        case 2: f32_tile512(R_, 2, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break;               \
-        case 3: f32_tile512(R_, 3, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break;               \
-        case 4: f32_tile512(R_, 4, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break;               \
-        case 5: f32_tile512(R_, 5, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break;               \
-        default: f32_tile512(R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp); break; }
+        case 1: f32_tile512(F_, R_, 1, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
+        case 2: f32_tile512(F_, R_, 2, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
+        case 3: f32_tile512(F_, R_, 3, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
+        case 4: f32_tile512(F_, R_, 4, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
+        case 5: f32_tile512(F_, R_, 5, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
+        default: f32_tile512(F_, R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break; }
+#define F32_R(F_, R)                                                                                       \
+    if (R == 8) { F32_BT(F_, 8, bt) }                                                                      \
+    else if (R == 4) { F32_BT(F_, 4, bt) }                                                                 \
+    else if (R == 2) { F32_BT(F_, 2, bt) }                                                                 \
+    else { F32_BT(F_, 1, bt) }
 
-static void f32_rows512(const float *x, const float *w, float *y, long B, long N, long K) {
+// fmt F32 or BF16 (the row kernel of bf16 weights where there is no AMX: the same tiles, the weights widened in
+// registers or, from WIDE512 rows, once per block into a buffer; the same values, so the same bits either way).
+static void f32_rows512(int fmt, const float *x, const void *w, float *y, long B, long N, long K) {
     // (past 32 rows, which the engine's steps never pass, all of K at once: keep holds 8 x 32 accumulators)
-    const long RB = B == 1 ? 1 : F32R, KC = B == 1 || B > 32 || F32KC == 0 ? K : F32KC;
+    // Below 8 rows, where the weight stream is the limit: blocks of 1 W row (bf16 at 4-7 rows: 2, two chains to cover
+    // the widening's latency) times all the rows in one tile, prefetched; W comes from memory once.
+    const long RB = B >= 8 ? F32R : fmt == BF16 && B >= 4 ? 2 : 1, BT = B >= 8 ? F32BT : 6;
+    const long KC = B < 8 || B > 32 ? K : f32_kc();
     __m512 keep[8 * 32];  // a block's accumulators between K blocks
+    float *wide = fmt == BF16 && B >= WIDE512 ? wide_buffer(F32R * K) : 0;
 #pragma omp for schedule(static) nowait
     for (long i = 0; i < (N + RB - 1) / RB; i++)
         for (long n = i * RB, end = n + RB < N ? n + RB : N; n < end;) {
             const long R = end - n >= F32R ? F32R : end - n >= 4 ? 4 : end - n >= 2 ? 2 : 1;
-            const float *wn = w + n * K;
+            const void *wn = (const char *)w + n * K * ESZ(fmt);
+            if (wide) {
+                widen_rows(BF16, R, wn, K, wide);
+                wn = wide;
+            }
             for (long k0 = 0, k1; k0 < K; k0 = k1) {
                 k1 = k0 + KC < K ? k0 + KC : K;
                 for (long b0 = 0, bt; b0 < B; b0 += bt) {
-                    bt = B - b0 < F32BT ? B - b0 : F32BT;
+                    bt = B - b0 < BT ? B - b0 : BT;
                     __m512 *kp = keep + R * b0;
-                    if (R == 8) { F32_BT(8, bt) }
-                    else if (R == 4) { F32_BT(4, bt) }
-                    else if (R == 2) { F32_BT(2, bt) }
-                    else { F32_BT(1, bt) }
+                    const int pf = b0 == 0 && RB <= 2;
+                    if (fmt == F32 || wide) { F32_R(F32, R) }
+                    else { F32_R(BF16, R) }
                 }
             }
             n += R;
         }
 }
+#undef F32_R
 #undef F32_BT
+
+static void rows512(int fmt, const float *x, const void *w, float *y, long B, long N, long K, int threads) {
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        f32_rows512(fmt, x, w, y, B, N, K);
+    } else
+        f32_rows512(fmt, x, w, y, B, N, K);
+}
 #endif
 
 void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, long K, int threads) {
 #ifdef TL_F32_512
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        f32_rows512(x, w, y, B, N, K);
-    } else
-        f32_rows512(x, w, y, B, N, K);
+    rows512(F32, x, w, y, B, N, K, threads);
 #else
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(F32, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
@@ -655,6 +701,9 @@ void tl_linear_f32(const float *x, const float *w, float *y, long B, long N, lon
 
 // The row kernel of bf16 weights; tl_linear_bf16 (below) runs it where the CPU has no AMX.
 static void rows_bf16(const float *x, const uint16_t *w, float *y, long B, long N, long K, int threads) {
+#ifdef TL_F32_512
+    rows512(BF16, x, w, y, B, N, K, threads);
+#else
     const float *wscale = 0;
 #define T(R_, BT_) dense_tile(BF16, per_elem, R_, BT_, w + n * K, K, x + b0 * K, K, y + b0 * N + n, N, 0)
 #define W(R_, buf) widen_rows(BF16, R_, w + n * K, K, buf)
@@ -662,6 +711,7 @@ static void rows_bf16(const float *x, const uint16_t *w, float *y, long B, long 
 #undef W
 #undef T
     (void)wscale;
+#endif
 }
 
 void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *y, long B, long N, long K,
