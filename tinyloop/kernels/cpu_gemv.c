@@ -638,7 +638,7 @@ INLINE void f32_tile512(int fmt, int R, int BT, const void *w, long K, const flo
         case 5: f32_tile512(F_, R_, 5, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
         default: f32_tile512(F_, R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break; }
 #define F32_R(F_, R)                                                                                       \
-    if (R == 8) { F32_BT(F_, 8, bt) }                                                                      \
+    if (R == F32R) { F32_BT(F_, F32R, bt) }                                                                    \
     else if (R == 4) { F32_BT(F_, 4, bt) }                                                                 \
     else if (R == 2) { F32_BT(F_, 2, bt) }                                                                 \
     else { F32_BT(F_, 1, bt) }
