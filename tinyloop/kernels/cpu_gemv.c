@@ -498,10 +498,10 @@ INLINE int next_tile(long left, int R, int per) {
 #define WIDE_TILE(R_, BT_) dense_tile(F32, per_elem, R_, BT_, wide, K, x + b0 * K, K, y + b0 * N + n, N, wscale)
 
 // Per-thread buffers of n floats, kept between calls (no allocation per product): slot 0 holds widened rows, slot 1
-// attention scores (cpu_block.c).
+// attention scores (cpu_block.c), slot 2 the AVX2 GEMM's partial sums.
 float *tl_thread_buffer(int slot, long n) {
-    static __thread float *buf[2];
-    static __thread long size[2];
+    static __thread float *buf[3];
+    static __thread long size[3];
     if (n > size[slot]) {
         free(buf[slot]);
         buf[slot] = aligned_alloc(64, (n * 4 + 63) & ~63L);
@@ -1436,9 +1436,10 @@ void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N,
 // ---- many rows on AVX2 + FMA: the same scheme, 8 x rows per vector (every CPU these kernels run on)
 //
 // Where AVX-512 VNNI is missing (AMD Zen 1-3, Intel before Ice Lake) the tiles are 256 bits wide: x packed into
-// tiles of 8 rows (xp[t][k][8]), each weight broadcast from its row into the fmas of AM x vectors, a tile of
-// AR W rows x AM vectors holding 12 accumulators of the 16 registers (3 + 4 loads per 12 fmas).
-//   fp32, bf16, weight-only int8 / int4: as on AVX-512 (bf16 / int8 / int4 panels widened once per chunk of x).
+// tiles of 8 rows (xp[t][k][8]), each weight broadcast into the fmas of AM x vectors, a tile of AR W rows x AM
+// vectors holding 12 accumulators of the 16 registers (3 + 4 loads per 12 fmas: the x vectors held in registers,
+// else gcc folds a load into every fma and loads, 16 per 12 fmas, are the limit).
+//   fp32, bf16, weight-only int8 / int4: blocked over W rows and K (a2_gemm_f32), panels widened once per block.
 //   act_quant int8: x quantised as quant_x does and packed as the values q * d (exactly what
 //         formats.reference_linear multiplies), then the same fp32 tile over the widened panel, the row scale at
 //         the end. Without VNNI an int8 x int8 product costs maddubs (sign trick, since both are signed) plus a madd
@@ -1477,32 +1478,6 @@ INLINE void a2_store(int R, int MB, __m256 acc[AR][AM], float *y, long ldy, long
         }
 }
 
-INLINE void a2_f32_tile(int R, int MB, const float *w, long ldw, const float *xp, long K, float *y, long ldy, long B,
-                        long b0, const float *scale) {
-    __m256 acc[AR][AM];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k++) {
-        __m256 xv[AM];
-        for (int m = 0; m < MB; m++) xv[m] = _mm256_load_ps(xp + (m * K + k) * AT);
-        for (int r = 0; r < R; r++) {
-            const __m256 wb = _mm256_broadcast_ss(w + r * ldw + k);
-            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(xv[m], wb, acc[r][m]);
-        }
-    }
-    __m256 out[AR][AM];  // a copy for the store: with acc's own address taken, gcc kept acc in memory in the loop
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = in_reg(acc[r][m]);
-    a2_store(R, MB, out, y, ldy, B, b0, scale);
-}
-
-#define A2SWITCH_MB(R_, mb, TILE)                                                        \
-    switch (mb) { case 1: TILE(R_, 1); break; case 2: TILE(R_, 2); break; default: TILE(R_, 3); break; }
-#define A2SWITCH(R, mb, TILE)                                                            \
-    switch (R) {                                                                         \
-        case 1: A2SWITCH_MB(1, mb, TILE) break; case 2: A2SWITCH_MB(2, mb, TILE) break;  \
-        case 3: A2SWITCH_MB(3, mb, TILE) break; default: A2SWITCH_MB(4, mb, TILE) break; }
-
 // Tile t of xp[t][k][8] from x [B, K] (rows past B zero); with qx / sx (act_quant), the first KB blocks of each row
 // are its quantised values q * d and the K tail stays as it is, as in formats.quantize_activations.
 static void a2_pack(const float *x, const int8_t *qx, const float *sx, long B, long K, long KB, long t, float *xp) {
@@ -1517,42 +1492,98 @@ static void a2_pack(const float *x, const int8_t *qx, const float *sx, long B, l
     }
 }
 
+#ifndef A2_KC
+#define A2_KC 256  // k per block: a tile's x (24 rows x KC) stays in L1 while the block's W panels stream from L2
+#endif
+#ifndef A2_NC
+#define A2_NC 64  // W rows per block: the block's widened panels, NC x KC, stay in L2 while x's tiles pass
+#endif
+
+// acc [MB][AR][8] (vectors of 8 x rows for AR W rows) += x tile (MB vectors, xp + m * xs) times the panel
+// wp [KC][AR] (AR W rows interleaved, so the broadcasts are one stream); zero first where first.
+INLINE void a2_micro(int MB, const float *wp, const float *xp, long xs, long KC, float *acc, int first) {
+    __m256 c[AR][AM];
+    for (int r = 0; r < AR; r++)
+        for (int m = 0; m < MB; m++) c[r][m] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (m * AR + r) * AT);
+    for (long k = 0; k < KC; k++) {
+        __m256 xv[AM];
+        for (int m = 0; m < MB; m++) xv[m] = in_reg(_mm256_load_ps(xp + m * xs + k * AT));
+        for (int r = 0; r < AR; r++) {
+            const __m256 wb = _mm256_broadcast_ss(wp + k * AR + r);
+            for (int m = 0; m < MB; m++) c[r][m] = _mm256_fmadd_ps(xv[m], wb, c[r][m]);
+        }
+    }
+    for (int r = 0; r < AR; r++)
+        for (int m = 0; m < MB; m++) _mm256_store_ps(acc + (m * AR + r) * AT, in_reg(c[r][m]));
+}
+
+// Rows n0..n0+R-1 of W (any format) widened to fp32 and interleaved by panels of AR rows: pw[p][k][AR], rows past
+// R zero.
+static void a2_panels(int fmt, const void *w, const float *scale, long n0, long R, long K, long group, float *row,
+                      float *pw) {
+    const long G = fmt == 3 ? K / group : 0;
+    for (long r = 0; r < (R + AR - 1) / AR * AR; r++) {
+        const float *src = row;
+        if (r >= R) memset(row, 0, K * 4);
+        else if (fmt == F32) src = (const float *)w + (n0 + r) * K;
+        else if (fmt == 3) widen_rows_int4(1, (const uint8_t *)w + (n0 + r) * (K / 2), K / 2, scale + (n0 + r) * G, G,
+                                           group, K, row);
+        else widen_rows(fmt, 1, (const char *)w + (n0 + r) * K * ESZ(fmt), K, row);
+        float *d = pw + (r / AR) * K * AR + r % AR;
+        for (long k = 0; k < K; k++) d[k * AR] = src[k];
+    }
+}
+
 // fmt: F32, BF16, I8 (scale per row) or 3 (int4, group scales); act_quant (int8 / int4): x rounded first.
+// Blocked as BLIS blocks a GEMM: a thread takes NC W rows at a time (widened and interleaved once), and for each
+// K block of KC runs every x tile of 24 rows (in L1) against the block's panels (in L2). Partial sums wait in a
+// buffer between K blocks: storing and reloading an fp32 sum changes no bit, so every element is still one fma
+// chain over K in order.
 static void a2_gemm_f32(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
                         long group, int act_quant, int threads) {
-    const long T = (B + AT - 1) / AT, per = a2_chunk_bytes() / (K * AT * 4), tc = per < AM ? AM : per;
-    const long KB = act_quant ? K / QB : 0, G = fmt == 3 ? K / group : 0;
+    const long T = (B + AT - 1) / AT, KB = act_quant ? K / QB : 0, NB = (N + A2_NC - 1) / A2_NC;
     float *xp = aligned_alloc(64, (T * K * AT * 4 + 63) & ~63L);
     int8_t *qx = act_quant ? aligned_alloc(64, (B * KB * QB + 64) & ~63L) : 0;
     float *sx = act_quant ? malloc((B * KB + 1) * sizeof(float)) : 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *wide = fmt == F32 ? 0 : wide_buffer(AR * K);
+        float *pw = tl_thread_buffer(0, A2_NC * K + K), *row = pw + A2_NC * K;
+        float *acc = tl_thread_buffer(2, T * A2_NC * AT);  // [t][n][8] for the block's NC rows
         if (act_quant) {
 #pragma omp for schedule(static)
             for (long b = 0; b < B; b++) quant_x(x + b * K, 1, K, KB, qx + b * KB * QB, sx + b * KB, 0);
         }
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) a2_pack(x, qx, sx, B, K, KB, t, xp);
-        for (long c0 = 0; c0 < T; c0 += tc) {
-            const long c1 = c0 + tc < T ? c0 + tc : T;
-#pragma omp for schedule(static) nowait
-            for (long p = 0; p < (N + AR - 1) / AR; p++) {
-                const long n = p * AR, R = N - n < AR ? N - n : AR;
-                const float *wp = (const float *)w + n * K, *sc = fmt == I8 ? scale + n : 0;
-                if (fmt == BF16 || fmt == I8)
-                    for (long r = 0; r < R; r++) widen_rows(fmt, 1, (const char *)w + (n + r) * K * ESZ(fmt), K, wide + r * K);
-                else if (fmt == 3)
-                    for (long r = 0; r < R; r++)
-                        widen_rows_int4(1, (const uint8_t *)w + (n + r) * (K / 2), K / 2, scale + (n + r) * G, G, group, K,
-                                        wide + r * K);
-                if (fmt != F32) wp = wide;
-                for (long t = c0; t < c1; t += AM) {
-                    const long mb = c1 - t < AM ? c1 - t : AM;
-#define TILE(R_, MB_) a2_f32_tile(R_, MB_, wp, K, xp + t * K * AT, K, y + n, N, B, t * AT, sc)
-                    A2SWITCH(R, mb, TILE)
-#undef TILE
+#pragma omp for schedule(dynamic, 1)
+        for (long nb = 0; nb < NB; nb++) {
+            const long n0 = nb * A2_NC, R = N - n0 < A2_NC ? N - n0 : A2_NC, P = (R + AR - 1) / AR;
+            a2_panels(fmt, w, scale, n0, R, K, group, row, pw);
+            for (long k0 = 0; k0 < K; k0 += A2_KC) {
+                const long kc = K - k0 < A2_KC ? K - k0 : A2_KC;
+                for (long t = 0; t < T; t += AM) {
+                    const long mb = T - t < AM ? T - t : AM;
+                    for (long p = 0; p < P; p++) {
+                        const float *wp = pw + p * K * AR + k0 * AR, *xt = xp + (t * K + k0) * AT;
+                        float *a = acc + (t * P + p * mb) * AR * AT;
+#define MICRO(MB_) a2_micro(MB_, wp, xt, K * AT, kc, a, k0 == 0)
+                        if (mb == 1) MICRO(1); else if (mb == 2) MICRO(2); else MICRO(3);
+#undef MICRO
+                    }
                 }
+            }
+            // acc holds, for x tile t and panel p, [m][r][8] at (t * P + p) * AR * 8 + (m * AR + r) * 8 with m
+            // counted from the tile group's first tile: undone here, times the int8 row scales
+            for (long t = 0; t < T; t += AM) {
+                const long mb = T - t < AM ? T - t : AM;
+                for (long p = 0; p < P; p++)
+                    for (long m = 0; m < mb; m++)
+                        for (long r = 0; r < AR && p * AR + r < R; r++) {
+                            const long n = n0 + p * AR + r;
+                            const float *v = acc + (t * P + p * mb) * AR * AT + (m * AR + r) * AT, s = fmt == I8 ? scale[n] : 1.0f;
+                            for (long i = 0; i < AT && (t + m) * AT + i < B; i++)
+                                y[((t + m) * AT + i) * N + n] = fmt == I8 ? v[i] * s : v[i];
+                        }
             }
         }
     }
@@ -1578,7 +1609,7 @@ INLINE void a2_int4q_tile(int R, int MB, const uint8_t *wq, long K, const float 
 #pragma GCC unroll 8
         for (int s = 0; s < QB / 4; s++) {
             __m256i xv[QM];
-            for (int m = 0; m < MB; m++) xv[m] = _mm256_load_si256((const __m256i *)(xb + (m * KB * 8 + s) * AT));
+            for (int m = 0; m < MB; m++) xv[m] = in_reg_i(_mm256_load_si256((const __m256i *)(xb + (m * KB * 8 + s) * AT)));
             for (int r = 0; r < R; r++) {
                 int32_t wd;
                 memcpy(&wd, wq + r * K + blk * QB + 4 * s, 4);
@@ -1598,7 +1629,7 @@ INLINE void a2_int4q_tile(int R, int MB, const uint8_t *wq, long K, const float 
         }
         if (++in_g == bpg) in_g = 0, g++;
     }
-    __m256 out[AR][AM];  // see a2_f32_tile
+    __m256 out[AR][AM];  // a copy for the store: with acc's own address taken, gcc kept acc in memory in the loop
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MB; m++) out[r][m] = in_reg(acc[r][m]);
     a2_store(R, MB, out, y, ldy, B, b0, 0);
