@@ -1499,55 +1499,74 @@ static void a2_pack(const float *x, const int8_t *qx, const float *sx, long B, l
 #define A2_NC 64  // W rows per block: the block's widened panels, NC x KC, stay in L2 while x's tiles pass
 #endif
 
-// acc [MB][AR][8] (vectors of 8 x rows for AR W rows) += x tile (MB vectors, xp + m * xs) times the panel
-// wp [KC][AR] (AR W rows interleaved, so the broadcasts are one stream); zero first where first.
-INLINE void a2_micro(int MB, const float *wp, const float *xp, long xs, long KC, float *acc, int first) {
-    __m256 c[AR][AM];
-    for (int r = 0; r < AR; r++)
-        for (int m = 0; m < MB; m++) c[r][m] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (m * AR + r) * AT);
+// c[r] holds y[i, r] for x rows i < 8 (W row r; times scale[r] where scale): written to y [rows][ldy], rows past
+// `rows` dropped; four whole W rows of eight x rows through one 8 x 4 transpose.
+INLINE void a2_out(int R, __m256 c[AR], float *y, long ldy, long rows, const float *scale) {
+    if (scale)
+        for (int r = 0; r < R; r++) c[r] = _mm256_mul_ps(c[r], _mm256_set1_ps(scale[r]));
+    if (R == AR && rows >= AT) {
+        const __m256 t0 = _mm256_unpacklo_ps(c[0], c[1]), t1 = _mm256_unpackhi_ps(c[0], c[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(c[2], c[3]), t3 = _mm256_unpackhi_ps(c[2], c[3]);
+        const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};  // rows i, i + 4
+        for (int i = 0; i < 4; i++) {
+            _mm_storeu_ps(y + i * ldy, _mm256_castps256_ps128(u[i]));
+            _mm_storeu_ps(y + (i + 4) * ldy, _mm256_extractf128_ps(u[i], 1));
+        }
+        return;
+    }
+    float t[AR][AT];
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(t[r], c[r]);
+    for (long i = 0; i < AT && i < rows; i++)
+        for (int r = 0; r < R; r++) y[i * ldy + r] = t[r][i];
+}
+
+// The sums of MB x vectors (xp + m * xs, x rows b0 + 8 m + i) for R <= AR W rows (wp + r * ldw) over KC values:
+// added to acc [MB][AR][8] (zero first where first), or where last written to y (ldy, rows past B dropped).
+INLINE void a2_micro(int R, int MB, const float *wp, long ldw, const float *xp, long xs, long KC, float *acc,
+                     int first, int last, float *y, long ldy, long B, long b0, const float *scale) {
+    __m256 c[AM][AR];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) c[m][r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (m * AR + r) * AT);
     for (long k = 0; k < KC; k++) {
         __m256 xv[AM];
         for (int m = 0; m < MB; m++) xv[m] = in_reg(_mm256_load_ps(xp + m * xs + k * AT));
-        for (int r = 0; r < AR; r++) {
-            const __m256 wb = _mm256_broadcast_ss(wp + k * AR + r);
-            for (int m = 0; m < MB; m++) c[r][m] = _mm256_fmadd_ps(xv[m], wb, c[r][m]);
+        for (int r = 0; r < R; r++) {
+            const __m256 wb = _mm256_broadcast_ss(wp + r * ldw + k);
+            for (int m = 0; m < MB; m++) c[m][r] = _mm256_fmadd_ps(xv[m], wb, c[m][r]);
         }
     }
-    for (int r = 0; r < AR; r++)
-        for (int m = 0; m < MB; m++) _mm256_store_ps(acc + (m * AR + r) * AT, in_reg(c[r][m]));
+    __m256 out[AM][AR];  // a copy for the store: with c's own address taken, gcc would keep c in memory in the loop
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MB; m++) out[m][r] = in_reg(c[m][r]);
+    for (int m = 0; m < MB; m++)
+        if (last) a2_out(R, out[m], y + (b0 + m * AT) * ldy, ldy, B - b0 - m * AT, scale);
+        else
+            for (int r = 0; r < R; r++) _mm256_store_ps(acc + (m * AR + r) * AT, out[m][r]);
 }
 
-// Rows n0..n0+R-1 of W (any format) widened to fp32 and interleaved by panels of AR rows: pw[p][k][AR], rows past
-// R zero.
-static void a2_panels(int fmt, const void *w, const float *scale, long n0, long R, long K, long group, float *row,
-                      float *pw) {
-    const long G = fmt == 3 ? K / group : 0;
-    for (long r = 0; r < (R + AR - 1) / AR * AR; r++) {
-        const float *src = row;
-        if (r >= R) memset(row, 0, K * 4);
-        else if (fmt == F32) src = (const float *)w + (n0 + r) * K;
-        else if (fmt == 3) widen_rows_int4(1, (const uint8_t *)w + (n0 + r) * (K / 2), K / 2, scale + (n0 + r) * G, G,
-                                           group, K, row);
-        else widen_rows(fmt, 1, (const char *)w + (n0 + r) * K * ESZ(fmt), K, row);
-        float *d = pw + (r / AR) * K * AR + r % AR;
-        for (long k = 0; k < K; k++) d[k * AR] = src[k];
-    }
-}
+#define A2SWITCH_MB(R_, mb, TILE)                                                        \
+    switch (mb) { case 1: TILE(R_, 1); break; case 2: TILE(R_, 2); break; default: TILE(R_, 3); break; }
+#define A2SWITCH(R, mb, TILE)                                                            \
+    switch (R) {                                                                         \
+        case 1: A2SWITCH_MB(1, mb, TILE) break; case 2: A2SWITCH_MB(2, mb, TILE) break;  \
+        case 3: A2SWITCH_MB(3, mb, TILE) break; default: A2SWITCH_MB(4, mb, TILE) break; }
 
 // fmt: F32, BF16, I8 (scale per row) or 3 (int4, group scales); act_quant (int8 / int4): x rounded first.
-// Blocked as BLIS blocks a GEMM: a thread takes NC W rows at a time (widened and interleaved once), and for each
-// K block of KC runs every x tile of 24 rows (in L1) against the block's panels (in L2). Partial sums wait in a
-// buffer between K blocks: storing and reloading an fp32 sum changes no bit, so every element is still one fma
-// chain over K in order.
+// Blocked as BLIS blocks a GEMM: a thread takes NC W rows at a time (bf16 / int8 / int4 widened to fp32 once, fp32
+// read in place), and for each K block of KC runs every x tile of 24 rows (in L1) against the block's rows (in L2).
+// Partial sums wait in a buffer between K blocks: storing and reloading an fp32 sum changes no bit, so every
+// element is still one fma chain over K in order.
 static void a2_gemm_f32(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
                         long group, int act_quant, int threads) {
     const long T = (B + AT - 1) / AT, KB = act_quant ? K / QB : 0, NB = (N + A2_NC - 1) / A2_NC;
+    const long G = fmt == 3 ? K / group : 0;
     float *xp = aligned_alloc(64, (T * K * AT * 4 + 63) & ~63L);
     int8_t *qx = act_quant ? aligned_alloc(64, (B * KB * QB + 64) & ~63L) : 0;
     float *sx = act_quant ? malloc((B * KB + 1) * sizeof(float)) : 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *pw = tl_thread_buffer(0, A2_NC * K + K), *row = pw + A2_NC * K;
+        float *wide = fmt == F32 ? 0 : tl_thread_buffer(0, A2_NC * K);
         float *acc = tl_thread_buffer(2, T * A2_NC * AT);  // [t][n][8] for the block's NC rows
         if (act_quant) {
 #pragma omp for schedule(static)
@@ -1557,33 +1576,25 @@ static void a2_gemm_f32(int fmt, const float *x, const void *w, const float *sca
         for (long t = 0; t < T; t++) a2_pack(x, qx, sx, B, K, KB, t, xp);
 #pragma omp for schedule(dynamic, 1)
         for (long nb = 0; nb < NB; nb++) {
-            const long n0 = nb * A2_NC, R = N - n0 < A2_NC ? N - n0 : A2_NC, P = (R + AR - 1) / AR;
-            a2_panels(fmt, w, scale, n0, R, K, group, row, pw);
+            const long n0 = nb * A2_NC, RN = N - n0 < A2_NC ? N - n0 : A2_NC, P = (RN + AR - 1) / AR;
+            const float *wb = (const float *)w + n0 * K;
+            if (fmt == 3) widen_rows_int4(RN, (const uint8_t *)w + n0 * (K / 2), K / 2, scale + n0 * G, G, group, K, wide);
+            else if (fmt != F32) widen_rows(fmt, RN, (const char *)w + n0 * K * ESZ(fmt), K, wide);
+            if (fmt != F32) wb = wide;
             for (long k0 = 0; k0 < K; k0 += A2_KC) {
                 const long kc = K - k0 < A2_KC ? K - k0 : A2_KC;
                 for (long t = 0; t < T; t += AM) {
                     const long mb = T - t < AM ? T - t : AM;
                     for (long p = 0; p < P; p++) {
-                        const float *wp = pw + p * K * AR + k0 * AR, *xt = xp + (t * K + k0) * AT;
+                        const long R = RN - p * AR < AR ? RN - p * AR : AR;
+                        const float *wp = wb + p * AR * K + k0, *xt = xp + (t * K + k0) * AT;
                         float *a = acc + (t * P + p * mb) * AR * AT;
-#define MICRO(MB_) a2_micro(MB_, wp, xt, K * AT, kc, a, k0 == 0)
-                        if (mb == 1) MICRO(1); else if (mb == 2) MICRO(2); else MICRO(3);
-#undef MICRO
+#define TILE(R_, MB_) a2_micro(R_, MB_, wp, K, xt, K * AT, kc, a, k0 == 0, k0 + kc == K, y + n0 + p * AR, N, B, t * AT, \
+                              fmt == I8 ? scale + n0 + p * AR : 0)
+                        A2SWITCH(R, mb, TILE)
+#undef TILE
                     }
                 }
-            }
-            // acc holds, for x tile t and panel p, [m][r][8] at (t * P + p) * AR * 8 + (m * AR + r) * 8 with m
-            // counted from the tile group's first tile: undone here, times the int8 row scales
-            for (long t = 0; t < T; t += AM) {
-                const long mb = T - t < AM ? T - t : AM;
-                for (long p = 0; p < P; p++)
-                    for (long m = 0; m < mb; m++)
-                        for (long r = 0; r < AR && p * AR + r < R; r++) {
-                            const long n = n0 + p * AR + r;
-                            const float *v = acc + (t * P + p * mb) * AR * AT + (m * AR + r) * AT, s = fmt == I8 ? scale[n] : 1.0f;
-                            for (long i = 0; i < AT && (t + m) * AT + i < B; i++)
-                                y[((t + m) * AT + i) * N + n] = fmt == I8 ? v[i] * s : v[i];
-                        }
             }
         }
     }
