@@ -29,6 +29,7 @@ through torch, as before issue 34); transformers a forward of the prompt; llama.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -118,6 +119,28 @@ def matmul_peak(n: int = 1024, repeats: int = 5) -> dict[str, float]:
     for fmt in ("fp32", "bf16"):
         peak[fmt] = max(v for k, v in peak.items() if k.startswith(f"{fmt}_"))
     return peak
+
+
+# Below this ratio of torch's bf16 to fp32 product rate, transformers' bf16 decode rows are left out: on a CPU without
+# bf16 instructions they run ~100x slower than fp32 (0.9 against 87 GFLOP/s on a 2-core Zen 3), over an hour for
+# the section. Its prefill rows (a few seconds each) stay.
+SLOW_BF16 = 0.1
+
+
+@functools.cache
+def torch_bf16_rate(n: int = 256) -> float:
+    """torch.mm's bf16 flop rate over its fp32 rate on an n^3 product, best of 3 each."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(5))
+
+    def best(m: torch.Tensor) -> float:
+        torch.mm(m, m)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            torch.mm(m, m)
+            times.append(time.perf_counter() - t)
+        return min(times)
+    return best(a) / best(a.bfloat16())
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -403,9 +426,15 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
              f"forward on 2 prompts: {diff:.2e}")
         twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)  # a copy: the fp32 twin shares TinyLoop's tensors
+        bf16_rate = torch_bf16_rate()
+        if bf16_rate < SLOW_BF16:
+            checks["transformers_bf16_decode"] = (f"not measured: torch's bf16 product runs at {bf16_rate:.3f}x its "
+                                                  "fp32 product on this CPU (no bf16 instructions)")
+            echo(f"  [{name}] transformers bf16 decode rows {checks['transformers_bf16_decode']}")
         for B in batches:
             runs["transformers", "fp32", B] = hf_runner(twin, prompts[:B], n_tokens)
-            runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
+            if bf16_rate >= SLOW_BF16:
+                runs["transformers", "bf16", B] = hf_runner(twin_bf16, prompts[:B], n_tokens)
     llamas, crashed = {}, {}
     if installed("llama_cpp") and installed("gguf"):
         for qtype in GGUF_TYPES:

@@ -9,8 +9,9 @@ Which implementation runs (the weights are held once, in their format's layout, 
                      compute-bound. AVX-512 + VNNI: x rows in tiles of 16, each weight broadcast over 48 rows,
                      act_quant int8/int4 on integer dot products, bf16 on AMX tiles where the CPU has them (x split
                      into three bf16 parts, so still fp32's product); AVX2 + FMA (any CPU the kernels run on): tiles of 8
-                     rows, each weight over 24, act_quant int4 on integers (maddubs, int16 sums per block), the rest
-                     on fp32 fmas over widened panels. At MKL's fp32 rate or above (docs/kernels.md). Not the row
+                     rows, each weight over 24, blocked by 64 weight rows and 256 of K as BLIS blocks, act_quant int4
+                     on integers (maddubs, int16 sums per block), the rest on fp32 fmas over widened blocks. At MKL's
+                     fp32 rate or above (docs/kernels.md). Not the row
                      kernels' summation order, hence only past the lanes.
   CPU, more rows,    fp32: MKL (F.linear); bf16/int8/int4: widened to fp32 per product, then MKL; an act_quant
   TINYLOOP_CPU_GEMM=0  matrix's rows are quantised first (formats.reference_linear): every path computes one product
