@@ -29,7 +29,6 @@ through torch, as before issue 34); transformers a forward of the prompt; llama.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import json
 import os
@@ -125,22 +124,6 @@ def matmul_peak(n: int = 1024, repeats: int = 5) -> dict[str, float]:
 # bf16 instructions they run ~100x slower than fp32 (0.9 against 87 GFLOP/s on a 2-core Zen 3), over an hour for
 # the section. Its prefill rows (a few seconds each) stay.
 SLOW_BF16 = 0.1
-
-
-@functools.cache
-def torch_bf16_rate(n: int = 256) -> float:
-    """torch.mm's bf16 flop rate over its fp32 rate on an n^3 product, best of 3 each."""
-    a = torch.randn(n, n, generator=torch.Generator().manual_seed(5))
-
-    def best(m: torch.Tensor) -> float:
-        torch.mm(m, m)
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            torch.mm(m, m)
-            times.append(time.perf_counter() - t)
-        return min(times)
-    return best(a) / best(a.bfloat16())
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -393,9 +376,10 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 
 
 def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int, rounds: int, tmp: Path,
-                 echo: Callable[[str], None], progress: Callable[[str], None], decode_rounds: int | None = None,
-                 batches: tuple[int, ...] = BATCHES) -> tuple[list[dict], dict]:
-    """Rows (one per runtime, format and batch) and facts about the config (weights read per step)."""
+                 echo: Callable[[str], None], progress: Callable[[str], None], peak: dict[str, float],
+                 decode_rounds: int | None = None, batches: tuple[int, ...] = BATCHES) -> tuple[list[dict], dict]:
+    """Rows (one per runtime, format and batch) and facts about the config (weights read per step); peak is
+    matmul_peak's (its torch rates decide whether transformers' bf16 decode rows run)."""
     loops = cfg.default_loops
     art = random_artifact(cfg, tmp / f"{name}.tinyloop")
     ctx = max(prompt_len + n_tokens, max(PREFILL_LENS)) + 16
@@ -426,7 +410,7 @@ def bench_config(name: str, cfg: ModelConfig, *, prompt_len: int, n_tokens: int,
         echo(f"  [{name}] transformers {transformers.__version__} twin: max |logit difference| from TinyLoop's "
              f"forward on 2 prompts: {diff:.2e}")
         twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)  # a copy: the fp32 twin shares TinyLoop's tensors
-        bf16_rate = torch_bf16_rate()
+        bf16_rate = peak["bf16_torch"] / peak["fp32_torch"]
         if bf16_rate < SLOW_BF16:
             checks["transformers_bf16_decode"] = (f"not measured: torch's bf16 product runs at {bf16_rate:.3f}x its "
                                                   "fp32 product on this CPU (no bf16 instructions)")
@@ -561,7 +545,7 @@ def bench_peers(model_path: str | None, quick: bool):
         for name, cfg in (QUICK if quick else CONFIGS).items():
             got, facts = bench_config(name, cfg, prompt_len=8 if quick else 32, n_tokens=8 if quick else 32,
                                       rounds=1 if quick else 3, tmp=Path(tmp), echo=echo,
-                                      progress=progress, batches=QUICK_BATCHES if quick else BATCHES)
+                                      progress=progress, peak=peak, batches=QUICK_BATCHES if quick else BATCHES)
             for r in got:
                 steps_per_s = r["tok_s"] / r["batch"]  # a step reads the weights once for all its lanes
                 r["weights_GBps"] = r["weight_bytes_per_step"] * steps_per_s / 1e9
@@ -617,7 +601,7 @@ def main() -> None:
         for name, cfg in (QUICK if quick else CONFIGS).items():
             _, facts = bench_config(name, cfg, prompt_len=8, n_tokens=8, rounds=1 if quick else 3, tmp=Path(tmp),
                                     echo=print, progress=lambda t: print(t, file=sys.stderr, flush=True),
-                                    decode_rounds=0, batches=(1,))
+                                    peak=peak, decode_rounds=0, batches=(1,))
             for r in facts["prefill"]:
                 of_peak(r, peak)
             print(f"{name}: prefill tok/s, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f} "

@@ -1468,16 +1468,6 @@ static long a2_chunk_bytes(void) {
     return bytes;
 }
 
-// acc[r][m] holds y[b0 + 8 m + i, n + r] for lanes i: written back transposed (rows past B dropped), times scale[r].
-INLINE void a2_store(int R, int MB, __m256 acc[AR][AM], float *y, long ldy, long B, long b0, const float *scale) {
-    float t[AT];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < MB; m++) {
-            _mm256_storeu_ps(t, scale ? _mm256_mul_ps(acc[r][m], _mm256_set1_ps(scale[r])) : acc[r][m]);
-            for (int i = 0; i < AT && b0 + m * AT + i < B; i++) y[(b0 + m * AT + i) * ldy + r] = t[i];
-        }
-}
-
 // Tile t of xp[t][k][8] from x [B, K] (rows past B zero); with qx / sx (act_quant), the first KB blocks of each row
 // are its quantised values q * d and the K tail stays as it is, as in formats.quantize_activations.
 static void a2_pack(const float *x, const int8_t *qx, const float *sx, long B, long K, long KB, long t, float *xp) {
@@ -1640,10 +1630,10 @@ INLINE void a2_int4q_tile(int R, int MB, const uint8_t *wq, long K, const float 
         }
         if (++in_g == bpg) in_g = 0, g++;
     }
-    __m256 out[AR][AM];  // a copy for the store: with acc's own address taken, gcc kept acc in memory in the loop
+    __m256 out[AM][AR];  // a copy for the store: with acc's own address taken, gcc kept acc in memory in the loop
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = in_reg(acc[r][m]);
-    a2_store(R, MB, out, y, ldy, B, b0, 0);
+        for (int m = 0; m < MB; m++) out[m][r] = in_reg(acc[r][m]);
+    for (int m = 0; m < MB; m++) a2_out(R, out[m], y + (b0 + m * AT) * ldy, ldy, B - b0 - m * AT, 0);
 }
 
 // act_quant int4 (K a multiple of the group, itself a multiple of 32).
