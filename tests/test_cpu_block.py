@@ -351,3 +351,71 @@ def test_a_tree_chunk_sees_its_own_branch(monkeypatch):
                 out[native] = cached.forward_loops(net, tree.step(net, pos, cells), cache, 0, 3,
                                                    cached.Latent.empty(1, len(cells), net), toks)
     torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-5)
+
+
+# --- prefill chunks of many rows (cpu_block.c: tl_block_chunk, the tiled GEMM between its row steps) ---------------
+def prefill_chunks(net: LoopedLM, sizes: list[int], starts: list[int], c_chunks: bool, monkeypatch
+                   ) -> tuple[torch.Tensor, list[bool]]:
+    """Logits of two lanes' prompts fed in chunks of `sizes` tokens (lane b's from starts[b], its earlier cells one
+    chunk through torch), and whether each chunk ran as C blocks."""
+    cfg, gen = net.cfg, torch.Generator().manual_seed(4)
+    B = len(starts)
+    cache = KVCache(cfg, B, 256, "fp16")
+    out, took, at = [], [], torch.tensor(starts).unsqueeze(1)
+    with monkeypatch.context() as m, torch.inference_mode():
+        for b, s in enumerate(starts):
+            if s:
+                ids = torch.randint(0, cfg.vocab_size, (1, s), generator=gen)
+                cached.forward(net, ids, 3, net.make_step(torch.arange(s).unsqueeze(0)), cache.lane_view(b))
+        if not c_chunks:
+            m.setattr(cpu_block, "chunk_supported", lambda *a: False)
+        for n in sizes:
+            ids = torch.randint(0, cfg.vocab_size, (B, n), generator=gen)
+            step = net.make_step(at + torch.arange(n))
+            took.append(isinstance(cached.context(net, step, cache).native, cpu_block.Chunk))
+            out.append(cached.forward(net, ids, 3, step, cache))
+            at = at + n
+    return torch.cat(out, 1), took
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_prefill_chunk_in_c_matches_torch_blocks(variant, monkeypatch):
+    """Chunks past the C step's 32 rows (two lanes at different starts, cells crossing blocks of 16) run their
+    blocks as C calls, and give torch's logits to fp32 rounding; a chunk of up to 32 rows stays on torch's path."""
+    net = make_net(ModelConfig(**{**BASE, **VARIANTS[variant]}))
+    got, took = prefill_chunks(net, [41, 17, 23], [0, 23], True, monkeypatch)
+    want, took_torch = prefill_chunks(net, [41, 17, 23], [0, 23], False, monkeypatch)
+    assert took == [True, True, True] and not any(took_torch)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    _, took_one = prefill_chunks(net, [32, 33], [5], True, monkeypatch)
+    assert took_one == [False, True]
+
+
+@pytest.mark.parametrize("fmt,act_quant", [("bf16", False), ("int8", False), ("int4", False), ("int8", True),
+                                           ("int4", True)])
+def test_a_prefill_chunk_in_c_multiplies_in_every_weight_format(fmt, act_quant, monkeypatch):
+    """In every format the chunk's products are the format's (not fp32's) and agree with torch's blocks to fp32
+    rounding; with act_quant a norm output within rounding of a quantisation midpoint may round the other way
+    (see test_c_blocks_multiply_in_every_weight_format), so there the logits agree to that flip's size."""
+    cfg = ModelConfig(**{**BASE, **VARIANTS["qk_bias"]})
+    net = make_net(cfg, fmt, act_quant)
+    got, took = prefill_chunks(net, [40], [0, 9], True, monkeypatch)
+    want, _ = prefill_chunks(net, [40], [0, 9], False, monkeypatch)
+    assert took == [True]
+    torch.testing.assert_close(got, want, atol=5e-3 if act_quant else 2e-5, rtol=1e-5)
+    fp32, _ = prefill_chunks(make_net(cfg), [40], [0, 9], True, monkeypatch)
+    assert (got - fp32).abs().max() > 1e-4
+
+
+def test_a_prefill_chunk_skips_int4_widths_the_group_does_not_divide(monkeypatch):
+    """A padded FFN width is taken (its input rows padded as for decode rows), but a padded attention width is not:
+    cpu_attention.c writes the heads' outputs unpadded, so that chunk runs through torch."""
+    net = make_net(ModelConfig(**{**BASE, "ffn_hidden": 104}), "int4")
+    got, took = prefill_chunks(net, [40], [0, 9], True, monkeypatch)
+    want, _ = prefill_chunks(net, [40], [0, 9], False, monkeypatch)
+    assert took == [True]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    narrow = make_net(ModelConfig(**{**BASE, "d_model": 48, "n_heads": 6, "n_kv_heads": 2}), "int4")
+    assert narrow.quantized.core[0].wo.padded_width == 64
+    assert prefill_chunks(narrow, [40], [0], True, monkeypatch)[1] == [False]

@@ -93,6 +93,11 @@ class Cached:
         # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
         lockstep = not tree and T == 1 and all(h == step.end - 1 for h in self.hi)
         self.mask = step.mask.unsqueeze(1) if tree else None if lockstep or self.c_attention else self.causal_mask()
+        # a chunk of many rows over that store runs its blocks in C too, its products on the tiled GEMM
+        shape = _native_blocks(net, cache, 1, weights) if self.c_attention and B * T > cpu_block.MAX_LANES else None
+        if shape is not None and cpu_block.chunk_supported(cfg, cache, B * T, net.embed.weight.dtype, shape):
+            cache.changed()
+            self.native = cpu_block.Chunk(cfg, cache, pos, self.cos, self.sin, shape)
         if cache.mode == "int4":
             kp = step.key_pos if tree else torch.arange(step.end, device=dev).expand(B, step.end)
             self.kcos, self.ksin = rope_factors(*step.rope_at(kp))

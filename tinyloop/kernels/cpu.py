@@ -138,6 +138,8 @@ def _load() -> ctypes.CDLL | None:
     lib.tl_huge_pages.restype = L
     lib.tl_blocks_rows.argtypes = [L, p, p, p, p, p, p]
     lib.tl_blocks_rows.restype = None
+    lib.tl_blocks_chunk.argtypes = [L, p, p, p, L, L, p, p, p]
+    lib.tl_blocks_chunk.restype = None
     lib.tl_rms_norm_rows.argtypes = [p, p, ctypes.c_double, L, L, p]
     lib.tl_rms_norm_rows.restype = None
     lib.tl_block_scratch.argtypes = [p, L]

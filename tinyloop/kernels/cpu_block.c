@@ -32,6 +32,11 @@ void tl_linear_int8(const float *x, const void *w, const float *scale, float *y,
 void tl_linear_int4(const float *x, const void *w, const float *scale, float *y, long B, long N, long K,
                     long group, int act_quant, int threads);
 float *tl_thread_buffer(int slot, long n);
+void tl_gemm(int fmt, const float *x, const void *w, const float *scale, float *y, long B, long N, long K, long group,
+             int act_quant, int threads);
+void tl_prefill_attention(const float *q, long sb, long st, long sh, const float *k, const float *v,
+                          const long *table, long table_stride, long bt, const long *pos, long B, long T, long H,
+                          long KV, long hd, long end, float *out, int threads);
 
 // A matrix in its weight format (tinyloop/formats.py): 0 fp32, 1 bf16, 2 int8, 3 int4. cols is the stored width:
 // an int4 matrix whose group does not divide its width holds it zero-padded, and its input rows are padded to
@@ -219,74 +224,142 @@ int tl_block_ok(long H, long KV, long hd) {
     return hd % 8 == 0 && hd <= 128 && KV > 0 && H % KV == 0;
 }
 
+// The steps of a block between its products, one row b at a time; shared by tl_block_rows (decode rows, one
+// OpenMP team) and tl_block_chunk (prefill chunks, the tiled GEMM between), so both compute a row the same way.
+typedef struct {
+    long hs, as, ms, NQKV;   // row widths of h, att, m (padded: a product's stored input width) and qkv
+    float *h, *qkv, *att, *o, *gu, *m;
+} tl_block_bufs;
+
+static tl_block_bufs block_bufs(const tl_block_weights *w, const tl_block_rows_t *r) {
+    const long B = r->B, F = r->ffn;
+    tl_block_bufs s = {w->qkv.cols, w->wo.cols, w->down.cols, (r->H + 2 * r->KV) * r->hd};
+    s.h = r->scratch, s.qkv = s.h + B * s.hs, s.att = s.qkv + B * s.NQKV, s.o = s.att + B * s.as;
+    s.gu = s.o + B * r->d, s.m = s.gu + 2 * B * F;
+    for (long b = 0; b < B; b++) {  // the padding columns stay zero
+        for (long i = r->d; i < s.hs; i++) s.h[b * s.hs + i] = 0.0f;
+        for (long i = r->H * r->hd; i < s.as; i++) s.att[b * s.as + i] = 0.0f;
+        for (long i = F; i < s.ms; i++) s.m[b * s.ms + i] = 0.0f;
+    }
+    return s;
+}
+
+// bias, RoPE, and row b's k and v into its cell
+static void qkv_row(const tl_block_weights *w, const tl_block_rows_t *r, const long *table, const tl_block_bufs *s,
+                    long b) {
+    const long H = r->H, KV = r->KV, hd = r->hd, NQKV = s->NQKV;
+    float *row = s->qkv + b * NQKV;
+    if (w->bqkv)
+        for (long i = 0; i < NQKV; i++) row[i] += w->bqkv[i];
+    rotate(row, H + KV, hd, r->cos2 + b * hd, r->sin2 + b * hd);
+    const long cell = r->cells[b], blk = row_table(r, table, b)[cell / r->bt];
+    float *kd = r->k_store + (blk * r->bt + cell % r->bt) * KV * hd;
+    float *vd = r->v_store + (blk * r->bt + cell % r->bt) * KV * hd;
+    for (long i = 0; i < KV * hd; i++) {
+        kd[i] = row[H * hd + i];
+        vd[i] = row[(H + KV) * hd + i];
+    }
+}
+
+// x_out = x + attention branch (with its out-norm), and its MLP norm into h
+static void mid_row(const tl_block_weights *w, const tl_block_rows_t *r, const tl_block_bufs *s, const float *x,
+                    float *x_out, long b) {
+    const long d = r->d;
+    float *xo = x_out + b * d;
+    for (long k = 0; k < d; k++) xo[k] = x[b * d + k];
+    residual(xo, s->o + b * d, w->attn_out_norm, w->on_sum, r->eps, d);
+    rms_norm(xo, w->mlp_norm, r->eps, d, s->h + b * s->hs);
+}
+
+// silu(gate) * up, gate / (1 + e^-gate) as torch's silu
+static void silu_row(const tl_block_rows_t *r, const tl_block_bufs *s, long b) {
+    const long F = r->ffn;
+    const float *g = s->gu + b * 2 * F, *u = g + F;
+    float *mb = s->m + b * s->ms;
+    long i = 0;
+    for (; i + 8 <= F; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(mb + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < F; i++) mb[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+}
+
 // x_out [B, d] = block(x [B, d]) for lanes writing cell cells[b] of the slot whose block table is `table`.
 void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const long *table, const float *x,
                    float *x_out) {
-    const long B = r->B, d = r->d, H = r->H, KV = r->KV, hd = r->hd, F = r->ffn, G = H / KV;
-    const long NQKV = (H + 2 * KV) * hd;
-    const long hs = w->qkv.cols, as = w->wo.cols, ms = w->down.cols;  // input rows, padded (gu.cols == hs)
-    float *h = r->scratch, *qkv = h + B * hs, *att = qkv + B * NQKV, *o = att + B * as, *gu = o + B * d,
-          *m = gu + 2 * B * F;
-    for (long b = 0; b < B; b++) {  // the padding columns stay zero
-        for (long i = d; i < hs; i++) h[b * hs + i] = 0.0f;
-        for (long i = H * hd; i < as; i++) att[b * as + i] = 0.0f;
-        for (long i = F; i < ms; i++) m[b * ms + i] = 0.0f;
-    }
-    const double eps = r->eps;
+    const long B = r->B, d = r->d, KV = r->KV, hd = r->hd, G = r->H / KV;
+    const tl_block_bufs s = block_bufs(w, r);
 #pragma omp parallel num_threads(r->threads) if (r->threads > 1)
     {
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) rms_norm(x + b * d, w->attn_norm, eps, d, h + b * hs);
-        product(&w->qkv, h, qkv, B, 1);
+        for (long b = 0; b < B; b++) rms_norm(x + b * d, w->attn_norm, r->eps, d, s.h + b * s.hs);
+        product(&w->qkv, s.h, s.qkv, B, 1);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {  // bias, RoPE, the token's k and v into its cell
-            float *row = qkv + b * NQKV;
-            if (w->bqkv)
-                for (long i = 0; i < NQKV; i++) row[i] += w->bqkv[i];
-            rotate(row, H + KV, hd, r->cos2 + b * hd, r->sin2 + b * hd);
-            const long cell = r->cells[b], blk = row_table(r, table, b)[cell / r->bt];
-            float *kd = r->k_store + (blk * r->bt + cell % r->bt) * KV * hd;
-            float *vd = r->v_store + (blk * r->bt + cell % r->bt) * KV * hd;
-            for (long i = 0; i < KV * hd; i++) {
-                kd[i] = row[H * hd + i];
-                vd[i] = row[(H + KV) * hd + i];
-            }
-        }
+        for (long b = 0; b < B; b++) qkv_row(w, r, table, &s, b);
 #pragma omp for schedule(static)
         for (long i = 0; i < B * KV; i++) {
             const long b = i / KV, g = i % KV;
-            attend(qkv + b * NQKV + g * G * hd, G, g, r->cells[b] + 1, row_table(r, table, b), r,
-                   r->mask ? r->mask + b * r->mask_width : 0, r->mask_from, att + b * as + g * G * hd);
+            attend(s.qkv + b * s.NQKV + g * G * hd, G, g, r->cells[b] + 1, row_table(r, table, b), r,
+                   r->mask ? r->mask + b * r->mask_width : 0, r->mask_from, s.att + b * s.as + g * G * hd);
         }
-        product(&w->wo, att, o, B, 1);
+        product(&w->wo, s.att, s.o, B, 1);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {
-            float *xo = x_out + b * d;
-            for (long k = 0; k < d; k++) xo[k] = x[b * d + k];
-            residual(xo, o + b * d, w->attn_out_norm, w->on_sum, eps, d);
-            rms_norm(xo, w->mlp_norm, eps, d, h + b * hs);
-        }
-        product(&w->gu, h, gu, B, 1);
+        for (long b = 0; b < B; b++) mid_row(w, r, &s, x, x_out, b);
+        product(&w->gu, s.h, s.gu, B, 1);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {  // silu(gate) * up, gate / (1 + e^-gate) as torch's silu
-            const float *g = gu + b * 2 * F, *u = g + F;
-            float *mb = m + b * ms;
-            long i = 0;
-            for (; i + 8 <= F; i += 8) {
-                const __m256 gv = _mm256_loadu_ps(g + i);
-                const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-                const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-                _mm256_storeu_ps(mb + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
-            }
-            for (; i < F; i++) mb[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
-        }
-        product(&w->down, m, o, B, 1);
+        for (long b = 0; b < B; b++) silu_row(r, &s, b);
+        product(&w->down, s.m, s.o, B, 1);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) residual(x_out + b * d, o + b * d, w->mlp_out_norm, w->on_sum, eps, d);
+        for (long b = 0; b < B; b++) residual(x_out + b * d, s.o + b * d, w->mlp_out_norm, w->on_sum, r->eps, d);
+    }
+}
+
+// y = x m^T through the tiled GEMM (cpu_gemv.c), its own OpenMP team
+static void gemm(const tl_mat *m, const float *x, float *y, long B, int threads) {
+    tl_gemm((int)m->fmt, x, m->data, m->scale, y, B, m->rows, m->cols, m->group, (int)m->act_quant, threads);
+}
+
+// The same block over a prefill chunk: r->B = lanes x T rows, row l T + t token t of lane l at cell pos[l T + t]
+// (r->cells), each row attending over its lane's cells up to its own. Many rows make the products compute-bound, so
+// they take the tiled GEMM (the prefill chunk's products through torch take it too) between the row steps above,
+// each its own team, and attention is cpu_attention.c's blocked causal kernel. x_out may not be x.
+void tl_block_chunk(const tl_block_weights *w, const tl_block_rows_t *r, const long *table, long T, long end,
+                    const float *x, float *x_out) {
+    const long B = r->B, d = r->d, H = r->H, KV = r->KV, hd = r->hd;
+    const int threads = (int)r->threads;
+    const tl_block_bufs s = block_bufs(w, r);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < B; b++) rms_norm(x + b * d, w->attn_norm, r->eps, d, s.h + b * s.hs);
+    gemm(&w->qkv, s.h, s.qkv, B, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < B; b++) qkv_row(w, r, table, &s, b);
+    tl_prefill_attention(s.qkv, T * s.NQKV, s.NQKV, hd, r->k_store, r->v_store, table, r->table_stride, r->bt,
+                         r->cells, B / T, T, H, KV, hd, end, s.att, threads);
+    gemm(&w->wo, s.att, s.o, B, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < B; b++) mid_row(w, r, &s, x, x_out, b);
+    gemm(&w->gu, s.h, s.gu, B, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < B; b++) silu_row(r, &s, b);
+    gemm(&w->down, s.m, s.o, B, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < B; b++) residual(x_out + b * d, s.o + b * d, w->mlp_out_norm, w->on_sum, r->eps, d);
+}
+
+// x_out = blocks ws[0..n-1] in turn over a prefill chunk (tl_block_chunk), block i writing the slot whose block
+// table is tables[i]; tmp [B, d] holds every other intermediate.
+void tl_blocks_chunk(long n, const tl_block_weights *const *ws, const tl_block_rows_t *r, const long *const *tables,
+                     long T, long end, const float *x, float *x_out, float *tmp) {
+    for (long i = 0; i < n; i++) {
+        float *dst = (n - 1 - i) % 2 ? tmp : x_out;  // the last block writes x_out
+        tl_block_chunk(ws[i], r, tables[i], T, end, x, dst);
+        x = dst;
     }
 }
 
