@@ -28,11 +28,13 @@ def tiled(x: torch.Tensor, w, **kw) -> torch.Tensor | None:
 # fp32 / bf16 / int8 (100: not a multiple of 32, the int8 tail in fp32; 20: not one whole block, so act_quant int8 has
 # nothing to quantise), int4 groups 32 and 64 and an odd count of 32-blocks (96); bf16 64 x 768: whole AMX panels,
 # their tiles loaded straight from the stored rows; fp32 / int8 77: two super-panels of 64 rows (the 512-bit fp32
-# tiles), the second partial.
-SHAPES = [("fp32", 37, 100, 32), ("fp32", 64, 768, 32), ("fp32", 77, 768, 32), ("bf16", 37, 200, 32),
+# tiles), the second partial; 29: 256-bit panels of 6 rows (for the last 2 x tiles) ending in one of 5.
+SHAPES = [("fp32", 37, 100, 32), ("fp32", 29, 100, 32), ("int8", 29, 768, 32), ("fp32", 64, 768, 32), ("fp32", 77, 768, 32), ("bf16", 37, 200, 32),
           ("bf16", 21, 768, 32), ("bf16", 64, 768, 32), ("bf16", 37, 20, 32), ("int8", 37, 100, 32), ("int8", 77, 100, 32),
           ("int8", 33, 768, 32), ("int8", 37, 20, 32), ("int4", 37, 96, 32), ("int4", 64, 768, 64), ("int4", 21, 544, 32)]
-ROWS = (1, 15, 33, 48, 49, 100, 300)  # partial tiles of 16 rows, one and several 48-row tiles, several chunks
+# partial tiles of 16 rows, one and several 48-row tiles, several chunks; on AVX2 (tiles of 8 rows, groups of 3):
+# 2 tiles, 4 (as 2 + 2), 5 (3 + 2), 7 (3 + 2 + 2)
+ROWS = (1, 15, 29, 33, 48, 49, 100, 300)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

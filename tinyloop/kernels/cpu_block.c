@@ -17,7 +17,8 @@
 // batch-invariant like the products: a row of a chunk has the bits of the same token decoded alone. Every row
 // writes its K/V before any row attends (the `omp for`'s barrier), so a chunk of one lane is causal in itself.
 // RoPE is mul, mul, add as torch computes it (-ffp-contract=off), so it has torch's bits; the norm, softmax and SiLU
-// agree with torch to fp32 rounding, not bitwise.
+// agree with torch to fp32 rounding, not bitwise. A prefill chunk of more rows than the lanes (tl_block_chunk) runs
+// the same row steps with the tiled GEMM's products between them, as its products through torch would.
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>

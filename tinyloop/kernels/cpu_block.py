@@ -5,7 +5,8 @@ The cached step (engine/forward.py) takes this path for token rows when `support
 CPU, the CPU kernels built, fp32 activations, cache mode "fp16" holding fp32, no sliding window, at most 32 rows,
 and head sizes the kernel takes. A row writes one cell of its lane and attends over that lane's cells up to its
 own: decode rows are one row per lane; a speculative chunk is rows of one lane at consecutive cells (causal
-within the chunk), a speculative tree the same with an ancestor mask. Everything else (prefill chunks, int8 / int4
+within the chunk), a speculative tree the same with an ancestor mask. A prefill chunk of more than 32 rows runs as
+`Chunk`: the same row steps in C, its products on the tiled GEMM (`chunk_supported`). Everything else (int8 / int4
 caches, bf16 models, CUDA) runs model.block through torch. TINYLOOP_CPU_KERNELS=0 switches this off with the
 products.
 

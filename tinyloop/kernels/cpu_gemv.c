@@ -1438,7 +1438,9 @@ void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N,
 // Where AVX-512 VNNI is missing (AMD Zen 1-3, Intel before Ice Lake) the tiles are 256 bits wide: x packed into
 // tiles of 8 rows (xp[t][k][8]), each weight broadcast into the fmas of AM x vectors, a tile of AR W rows x AM
 // vectors holding 12 accumulators of the 16 registers (3 + 4 loads per 12 fmas: the x vectors held in registers,
-// else gcc folds a load into every fma and loads, 16 per 12 fmas, are the limit).
+// else gcc folds a load into every fma and loads, 16 per 12 fmas, are the limit). The x tiles that remain after
+// groups of AM (40 rows: 3 + 2 tiles; 4 tiles go as 2 + 2) take panels of AR2 W rows, so 2 vectors still hold 12
+// accumulators (with AR rows, 8: the 40-row products ran 5-25 % slower, the 16-row group 1.3x).
 //   fp32, bf16, weight-only int8 / int4: blocked over W rows and K (a2_gemm_f32), panels widened once per block.
 //   act_quant int8: x quantised as quant_x does and packed as the values q * d (exactly what
 //         formats.reference_linear multiplies), then the same fp32 tile over the widened panel, the row scale at
@@ -1454,6 +1456,7 @@ void tl_linear_bf16(const float *x, const uint16_t *w, float *y, long B, long N,
 // chunk or the thread count; still not the row kernels' order, so the dispatcher's rule (only past the lanes) holds.
 #define AT 8   // x rows per vector
 #define AR 4   // W rows per fp32 panel
+#define AR2 6  // W rows per panel for 1 or 2 x vectors (12 accumulators for 2)
 #define AM 3   // x vectors per fp32 tile
 #define QR 2   // W rows per int4 panel
 #define QM 2   // x vectors per int4 tile
@@ -1515,9 +1518,9 @@ INLINE void a2_out(int R, __m256 c[AR], float *y, long ldy, long rows, const flo
 // added to acc [MB][AR][8] (zero first where first), or where last written to y (ldy, rows past B dropped).
 INLINE void a2_micro(int R, int MB, const float *wp, long ldw, const float *xp, long xs, long KC, float *acc,
                      int first, int last, float *y, long ldy, long B, long b0, const float *scale) {
-    __m256 c[AM][AR];
+    __m256 c[AM][AR2];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < MB; m++) c[m][r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (m * AR + r) * AT);
+        for (int m = 0; m < MB; m++) c[m][r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (m * R + r) * AT);
     for (long k = 0; k < KC; k++) {
         __m256 xv[AM];
         for (int m = 0; m < MB; m++) xv[m] = in_reg(_mm256_load_ps(xp + m * xs + k * AT));
@@ -1526,21 +1529,26 @@ INLINE void a2_micro(int R, int MB, const float *wp, long ldw, const float *xp, 
             for (int m = 0; m < MB; m++) c[m][r] = _mm256_fmadd_ps(xv[m], wb, c[m][r]);
         }
     }
-    __m256 out[AM][AR];  // a copy for the store: with c's own address taken, gcc would keep c in memory in the loop
+    __m256 out[AM][AR2];  // a copy for the store: with c's own address taken, gcc would keep c in memory in the loop
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MB; m++) out[m][r] = in_reg(c[m][r]);
     for (int m = 0; m < MB; m++)
-        if (last) a2_out(R, out[m], y + (b0 + m * AT) * ldy, ldy, B - b0 - m * AT, scale);
+        if (last)
+            for (int r0 = 0; r0 < R; r0 += AR)
+                a2_out(R - r0 < AR ? R - r0 : AR, out[m] + r0, y + (b0 + m * AT) * ldy + r0, ldy, B - b0 - m * AT,
+                       scale ? scale + r0 : 0);
         else
-            for (int r = 0; r < R; r++) _mm256_store_ps(acc + (m * AR + r) * AT, out[m][r]);
+            for (int r = 0; r < R; r++) _mm256_store_ps(acc + (m * R + r) * AT, out[m][r]);
 }
 
-#define A2SWITCH_MB(R_, mb, TILE)                                                        \
+#define A2SWITCH_R(mb, R_, TILE)                                                         \
     switch (mb) { case 1: TILE(R_, 1); break; case 2: TILE(R_, 2); break; default: TILE(R_, 3); break; }
 #define A2SWITCH(R, mb, TILE)                                                            \
     switch (R) {                                                                         \
-        case 1: A2SWITCH_MB(1, mb, TILE) break; case 2: A2SWITCH_MB(2, mb, TILE) break;  \
-        case 3: A2SWITCH_MB(3, mb, TILE) break; default: A2SWITCH_MB(4, mb, TILE) break; }
+        case 1: A2SWITCH_R(mb, 1, TILE) break; case 2: A2SWITCH_R(mb, 2, TILE) break;    \
+        case 3: A2SWITCH_R(mb, 3, TILE) break; case 4: A2SWITCH_R(mb, 4, TILE) break;    \
+        case 5: if (mb == 1) TILE(5, 1); else TILE(5, 2); break;                         \
+        default: if (mb == 1) TILE(6, 1); else TILE(6, 2); break; }
 
 // fmt: F32, BF16, I8 (scale per row) or 3 (int4, group scales); act_quant (int8 / int4): x rounded first.
 // Blocked as BLIS blocks a GEMM: a thread takes NC W rows at a time (bf16 / int8 / int4 widened to fp32 once, fp32
@@ -1566,21 +1574,22 @@ static void a2_gemm_f32(int fmt, const float *x, const void *w, const float *sca
         for (long t = 0; t < T; t++) a2_pack(x, qx, sx, B, K, KB, t, xp);
 #pragma omp for schedule(dynamic, 1)
         for (long nb = 0; nb < NB; nb++) {
-            const long n0 = nb * A2_NC, RN = N - n0 < A2_NC ? N - n0 : A2_NC, P = (RN + AR - 1) / AR;
+            const long n0 = nb * A2_NC, RN = N - n0 < A2_NC ? N - n0 : A2_NC;
             const float *wb = (const float *)w + n0 * K;
             if (fmt == 3) widen_rows_int4(RN, (const uint8_t *)w + n0 * (K / 2), K / 2, scale + n0 * G, G, group, K, wide);
             else if (fmt != F32) widen_rows(fmt, RN, (const char *)w + n0 * K * ESZ(fmt), K, wide);
             if (fmt != F32) wb = wide;
             for (long k0 = 0; k0 < K; k0 += A2_KC) {
                 const long kc = K - k0 < A2_KC ? K - k0 : A2_KC;
-                for (long t = 0; t < T; t += AM) {
-                    const long mb = T - t < AM ? T - t : AM;
-                    for (long p = 0; p < P; p++) {
-                        const long R = RN - p * AR < AR ? RN - p * AR : AR;
-                        const float *wp = wb + p * AR * K + k0, *xt = xp + (t * K + k0) * AT;
-                        float *a = acc + (t * P + p * mb) * AR * AT;
-#define TILE(R_, MB_) a2_micro(R_, MB_, wp, K, xt, K * AT, kc, a, k0 == 0, k0 + kc == K, y + n0 + p * AR, N, B, t * AT, \
-                              fmt == I8 ? scale + n0 + p * AR : 0)
+                for (long t = 0, mb; t < T; t += mb) {
+                    mb = T - t == 4 ? 2 : T - t < AM ? T - t : AM;  // (4 tiles as 2 + 2, not 3 + 1)
+                    const long ar = mb == AM ? AR : AR2;
+                    for (long n = 0; n < RN; n += ar) {
+                        const long R = RN - n < ar ? RN - n : ar;
+                        const float *wp = wb + n * K + k0, *xt = xp + (t * K + k0) * AT;
+                        float *a = acc + (t * A2_NC + n * mb) * AT;
+#define TILE(R_, MB_) a2_micro(R_, MB_, wp, K, xt, K * AT, kc, a, k0 == 0, k0 + kc == K, y + n0 + n, N, B, t * AT, \
+                              fmt == I8 ? scale + n0 + n : 0)
                         A2SWITCH(R, mb, TILE)
 #undef TILE
                     }
