@@ -1514,8 +1514,8 @@ INLINE void a2_out(int R, __m256 c[AR], float *y, long ldy, long rows, const flo
         for (int r = 0; r < R; r++) y[i * ldy + r] = t[r][i];
 }
 
-// The sums of MB x vectors (xp + m * xs, x rows b0 + 8 m + i) for R <= AR W rows (wp + r * ldw) over KC values:
-// added to acc [MB][AR][8] (zero first where first), or where last written to y (ldy, rows past B dropped).
+// The sums of MB x vectors (xp + m * xs, x rows b0 + 8 m + i) for R <= AR2 W rows (wp + r * ldw) over KC values:
+// added to acc [MB][R][8] (zero first where first), or where last written to y (ldy, rows past B dropped).
 INLINE void a2_micro(int R, int MB, const float *wp, long ldw, const float *xp, long xs, long KC, float *acc,
                      int first, int last, float *y, long ldy, long B, long b0, const float *scale) {
     __m256 c[AM][AR2];
