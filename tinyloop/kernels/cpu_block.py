@@ -110,7 +110,8 @@ class Rows:
         B = cells.shape[0]
         self.cache = cache
         self.cells = cells.reshape(B).contiguous()
-        self.lanes, self.at = list(range(B)), self.cells.tolist()
+        self.lanes = list(range(B))
+        self.lo = self.hi = self.cells.tolist()  # the cells each lane writes (cache.prepare's spans)
         self.cos2, self.sin2 = cos2.reshape(B, -1).contiguous(), sin2.reshape(B, -1).contiguous()
         lib = cpu._lib
         self.scratch = torch.empty(lib.tl_block_scratch(ctypes.byref(shape), B))
@@ -129,14 +130,16 @@ class Rows:
         if n == 0:
             return x
         for slot in slots:
-            cache.prepare(slot, self.lanes, self.at, self.at)
+            cache.prepare(slot, self.lanes, self.lo, self.hi)
         x = x.contiguous()
         out, tmp = torch.empty_like(x), torch.empty_like(x) if n > 1 else x
         base = self.table.data_ptr()
-        cpu._lib.tl_blocks_rows(n, (_p * n)(*[ctypes.addressof(w.native) for w in ws]), self.ref,
-                                (_p * n)(*[base + slot * self.slot_bytes for slot in slots]), x.data_ptr(),
-                                out.data_ptr(), tmp.data_ptr())
+        self._call(n, (_p * n)(*[ctypes.addressof(w.native) for w in ws]),
+                   (_p * n)(*[base + slot * self.slot_bytes for slot in slots]), x, out, tmp)
         return out
+
+    def _call(self, n: int, ws, tables, x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
+        cpu._lib.tl_blocks_rows(n, ws, self.ref, tables, x.data_ptr(), out.data_ptr(), tmp.data_ptr())
 
 
 def chunk_supported(cfg, cache, rows: int, dtype: torch.dtype, shape: _Weights) -> bool:
@@ -161,19 +164,9 @@ class Chunk(Rows):
         self.struct.lanes = self.row_lanes.data_ptr()
         self.lo, self.hi = pos.min(1).values.tolist(), pos.max(1).values.tolist()
 
-    def blocks(self, ws: list, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        cache, n = self.cache, len(ws)
-        if n == 0:
-            return x
-        for slot in slots:
-            cache.prepare(slot, self.lanes, self.lo, self.hi)
-        x = x.contiguous()
-        out, tmp = torch.empty_like(x), torch.empty_like(x) if n > 1 else x
-        base = self.table.data_ptr()
-        cpu._lib.tl_blocks_chunk(n, (_p * n)(*[ctypes.addressof(w.native) for w in ws]), self.ref,
-                                 (_p * n)(*[base + slot * self.slot_bytes for slot in slots]), self.T, self.end,
-                                 x.data_ptr(), out.data_ptr(), tmp.data_ptr())
-        return out
+    def _call(self, n: int, ws, tables, x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
+        cpu._lib.tl_blocks_chunk(n, ws, self.ref, tables, self.T, self.end, x.data_ptr(), out.data_ptr(),
+                                 tmp.data_ptr())
 
 
 class _Step(ctypes.Structure):
