@@ -74,32 +74,31 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]
             "loops": [sum(s.loop_counts[1:]) / max(1, len(s.loop_counts) - 1) for s in seqs]}
 
 
-def best(model: Model, cfgs: list[GenerateConfig], lanes: int, rounds: int, prompts: list[str] = LONG_CODE_PROMPTS,
-         key: str = "s") -> dict[bool, dict]:
-    """run() with loop-iteration steps and with token steps, alternating; the faster of each by `key`."""
+def best_of(workload, rounds: int, key: str = "s") -> dict[bool, dict]:
+    """workload() (a run's figures) with loop-iteration steps and with token steps, alternating; the faster of each
+    by `key`."""
     out: dict[bool, dict] = {}
     for _ in range(rounds):
         for tokens in (False, True):
             with token_steps(tokens):
-                r = run(model, cfgs, lanes, prompts)
+                r = workload()
             if tokens not in out or r[key] < out[tokens][key]:
                 out[tokens] = r
     return out
 
 
+def best(model: Model, cfgs: list[GenerateConfig], lanes: int, rounds: int, prompts: list[str] = LONG_CODE_PROMPTS,
+         key: str = "s") -> dict[bool, dict]:
+    """run() of the requests, best_of the rounds."""
+    return best_of(lambda: run(model, cfgs, lanes, prompts), rounds, key)
+
+
 def best_of_groups(model: Model, groups: list[list[GenerateConfig]], lanes: int, rounds: int, prompts: list[str]
                    ) -> dict[bool, dict]:
-    """The groups' requests run one group after the other, as best() runs one workload: each round's seconds are
-    the sum over the groups of that round (the best of each group's rounds summed would pick every group's luckiest
-    round, a bias of several percent on this noisy a machine against the one workload it is compared with)."""
-    out: dict[bool, dict] = {}
-    for _ in range(rounds):
-        for tokens in (False, True):
-            with token_steps(tokens):
-                s = sum(run(model, g, lanes, prompts)["s"] for g in groups)
-            if tokens not in out or s < out[tokens]["s"]:
-                out[tokens] = {"s": s}
-    return out
+    """The groups run one after the other as one workload: a round's seconds are the sum over the groups of that
+    round (the best of each group's rounds summed would pick every group's luckiest round, a bias of several percent
+    on this noisy a machine against the one workload it is compared with)."""
+    return best_of(lambda: {"s": sum(run(model, g, lanes, prompts)["s"] for g in groups)}, rounds)
 
 
 L = 16  # the deepest loop count of every figure
