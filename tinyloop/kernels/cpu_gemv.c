@@ -563,21 +563,17 @@ float *tl_thread_buffer(int slot, long n) {
 // rows stream half the bytes at fp32's fma rate. Tiles: R W rows x BT x rows, up to 8 x 6 accumulators.
 //   B < 8 (the weight stream is the limit): 1 W row (bf16 at 4-7 rows: 2) times all B rows (up to 6 per tile),
 //         prefetched PF_* bytes ahead, so W comes from memory once in one stream.
-//   B >= 8: blocks of 8 W rows, x tiles of 2 rows; on Intel each block walks K in blocks of 256, every x tile per K
-//         block, its accumulators kept between blocks (the same sums): the block's W slice (8 KB) and the x slices
-//         (16 KB at 16 rows) stay in L1 (Sapphire Rapids: 4-16 rows 7-10 % faster than all of K); on AMD blocks of
-//         1024 (f32_kc).
+//   B >= 8: blocks of 8 W rows, x tiles of 2 rows (Zen 4: 4 x 4, f32_block_rows); on Intel each block walks K in
+//         blocks of 256, every x tile per K block, its accumulators kept between blocks (the same sums): the block's
+//         W slice (8 KB) and the x slices (16 KB at 16 rows) stay in L1 (Sapphire Rapids: 4-16 rows 7-10 % faster
+//         than all of K); on AMD blocks of 1024 (f32_kc). While a block's tiles run, they prefetch the next block's
+//         rows into L2, a share each, so the weight stream overlaps the fmas instead of taking turns with them.
 // Zen 5 (2 threads, 4 copies of a d768 layer's matrices, alternating builds), against the tiles before (fp32: 8 x 2
 // at every B > 1, K blocks of 256; bf16: the 256-bit tiles): fp32 2-7 rows 1.2-1.8x, 16-32 rows 1.1x (16 rows
 // 166 -> 184 GFLOP/s); bf16 3-32 rows 1.2-2.4x (16 rows 129 -> 224); 1-2 rows the same. (Not remeasured on Intel.)
 #if defined(__AVX512F__)
 #define TL_F32_512 1
-#ifndef F32R
-#define F32R 8  // W rows per block at B > 1
-#endif
-#ifndef F32BT
-#define F32BT 2  // x rows per tile
-#endif
+#define F32R 8  // most W rows per block
 #ifndef WIDE512
 #define WIDE512 8  // bf16 from this many rows: a block's rows widened to fp32 once, the tiles read them from L1
 #endif
@@ -594,6 +590,19 @@ static long f32_kc(void) {
     return kc;
 }
 
+// W rows per block at B >= 8, each x tile 16 / that many rows (16 accumulators). 4 on Zen 4 (AMD family 19h with
+// AVX-512; 32 KiB of L1 data), where 4 x 4 ran 8-18 % faster than 8 x 2 at 8-32 rows (2 threads, 6 copies of a d768
+// layer's matrices streamed from memory, alternating builds, the same bits; 1.0x with the weights in L2); 8 elsewhere (Zen 5, Intel: measured
+// with 8 x 2, 48 KiB of L1).
+static long f32_block_rows(void) {
+    static long rows;
+    if (!rows) {
+        __builtin_cpu_init();
+        rows = __builtin_cpu_is("amdfam19h") ? 4 : 8;
+    }
+    return rows;
+}
+
 // 16 consecutive weights as fp32 (zeros where m is clear): fp32 as is, bf16 the high half of an fp32.
 INLINE __m512 load16w(int fmt, const void *w, long i, __mmask16 m) {
     if (fmt == F32) return _mm512_maskz_loadu_ps(m, (const float *)w + i);
@@ -601,26 +610,38 @@ INLINE __m512 load16w(int fmt, const void *w, long i, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// One chunk of 16 k of the tile: acc[r][b] += w[r, k .. k+16] * x[b, k .. k+16].
+INLINE void f32_chunk512(int fmt, int R, int BT, const void *w, long K, const float *x, long k, __m512 acc[8][6],
+                         int pf) {
+    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv[8];
+    for (int r = 0; r < R; r++) {
+        if (pf) _mm_prefetch((const char *)w + (r * K + k) * ESZ(fmt) + (fmt == F32 ? PF_F32 : PF_NARROW), PF_HINT);
+        wv[r] = load16w(fmt, w, r * K + k, m);
+    }
+    for (int b = 0; b < BT; b++) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * K + k);
+        for (int r = 0; r < R; r++) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
+    }
+}
+
 // Chunks k0 .. k1 of the tile's elements; acc comes from (and goes back to) keep between K blocks, so each element
-// still sums its chunks in order into one accumulator; the last block reduces it.
+// still sums its chunks in order into one accumulator; the last block reduces it. next_lines > 0: also prefetch
+// that many cache lines from next into L2 (the tile's share of the next block's rows), two with each of the first
+// chunks: a loop of their own, since a check in every chunk cost the tiles 5-20 % (Zen 4), and in a burst before the
+// loop they queued behind each other (B = 8: 1.25x the time).
 INLINE void f32_tile512(int fmt, int R, int BT, const void *w, long K, const float *x, float *out, long ldy, long k0,
-                        long k1, __m512 *keep, int pf) {
+                        long k1, __m512 *keep, int pf, const char *next, long next_lines) {
     __m512 acc[8][6];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < BT; b++) acc[r][b] = k0 ? keep[r * BT + b] : _mm512_setzero_ps();
-    for (long k = k0; k < k1; k += 16) {
-        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-        __m512 wv[8];
-        for (int r = 0; r < R; r++) {
-            if (pf)
-                _mm_prefetch((const char *)w + (r * K + k) * ESZ(fmt) + (fmt == F32 ? PF_F32 : PF_NARROW), PF_HINT);
-            wv[r] = load16w(fmt, w, r * K + k, m);
-        }
-        for (int b = 0; b < BT; b++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * K + k);
-            for (int r = 0; r < R; r++) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
-        }
+    long k = k0;
+    for (long line = 0; line < next_lines && k < k1; line += 2, k += 16) {  // (an odd share's last line is past it)
+        _mm_prefetch(next + 64 * line, _MM_HINT_T1);
+        _mm_prefetch(next + 64 * line + 64, _MM_HINT_T1);
+        f32_chunk512(fmt, R, BT, w, K, x, k, acc, pf);
     }
+    for (; k < k1; k += 16) f32_chunk512(fmt, R, BT, w, K, x, k, acc, pf);
     if (k1 < K)
         for (int r = 0; r < R; r++)
             for (int b = 0; b < BT; b++) keep[r * BT + b] = acc[r][b];
@@ -629,19 +650,19 @@ INLINE void f32_tile512(int fmt, int R, int BT, const void *w, long K, const flo
             for (int b = 0; b < BT; b++) out[b * ldy + r] = _mm512_reduce_add_ps(acc[r][b]);
 }
 
-#define F32_BT(F_, R_, bt)                                                                                 \
+#define F32_BT(F_, R_, bt, NX, NL)                                                                         \
     switch (bt) {                                                                                          \
-        case 1: f32_tile512(F_, R_, 1, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
-        case 2: f32_tile512(F_, R_, 2, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
-        case 3: f32_tile512(F_, R_, 3, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
-        case 4: f32_tile512(F_, R_, 4, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
-        case 5: f32_tile512(F_, R_, 5, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break;           \
-        default: f32_tile512(F_, R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf); break; }
-#define F32_R(F_, R)                                                                                       \
-    if (R == F32R) { F32_BT(F_, F32R, bt) }                                                                    \
-    else if (R == 4) { F32_BT(F_, 4, bt) }                                                                 \
-    else if (R == 2) { F32_BT(F_, 2, bt) }                                                                 \
-    else { F32_BT(F_, 1, bt) }
+        case 1: f32_tile512(F_, R_, 1, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf, NX, NL); break;      \
+        case 2: f32_tile512(F_, R_, 2, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf, NX, NL); break;      \
+        case 3: f32_tile512(F_, R_, 3, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf, NX, NL); break;      \
+        case 4: f32_tile512(F_, R_, 4, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf, NX, NL); break;      \
+        case 5: f32_tile512(F_, R_, 5, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf, NX, NL); break;      \
+        default: f32_tile512(F_, R_, 6, wn, K, x + b0 * K, y + b0 * N + n, N, k0, k1, kp, pf, NX, NL); break; }
+#define F32_R(F_, R, NX, NL)                                                                               \
+    if (R == F32R) { F32_BT(F_, F32R, bt, NX, NL) }                                                        \
+    else if (R == 4) { F32_BT(F_, 4, bt, NX, NL) }                                                         \
+    else if (R == 2) { F32_BT(F_, 2, bt, NX, NL) }                                                         \
+    else { F32_BT(F_, 1, bt, NX, NL) }
 
 // fmt F32 or BF16 (the row kernel of bf16 weights where there is no AMX: the same tiles, the weights widened in
 // registers or, from WIDE512 rows, once per block into a buffer; the same values, so the same bits either way).
@@ -649,7 +670,7 @@ static void f32_rows512(int fmt, const float *x, const void *w, float *y, long B
     // (past 32 rows, which the engine's steps never pass, all of K at once: keep holds 8 x 32 accumulators)
     // Below 8 rows, where the weight stream is the limit: blocks of 1 W row (bf16 at 4-7 rows: 2, two chains to cover
     // the widening's latency) times all the rows in one tile, prefetched; W comes from memory once.
-    const long RB = B >= 8 ? F32R : fmt == BF16 && B >= 4 ? 2 : 1, BT = B >= 8 ? F32BT : 6;
+    const long RB = B >= 8 ? f32_block_rows() : fmt == BF16 && B >= 4 ? 2 : 1, BT = B >= 8 ? 16 / RB : 6;
     const long KC = B < 8 || B > 32 ? K : f32_kc();
     __m512 keep[8 * 32];  // a block's accumulators between K blocks
     float *wide = fmt == BF16 && B >= WIDE512 ? wide_buffer(F32R * K) : 0;
@@ -668,8 +689,25 @@ static void f32_rows512(int fmt, const float *x, const void *w, float *y, long B
                     bt = B - b0 < BT ? B - b0 : BT;
                     __m512 *kp = keep + R * b0;
                     const int pf = b0 == 0 && RB <= 2;
-                    if (fmt == F32 || wide) { F32_R(F32, R) }
-                    else { F32_R(BF16, R) }
+                    // B >= 8: the block's calls (K blocks x tiles) share out the prefetch of the next block's
+                    // rows. Without it the block's first tile waited for its rows from memory and the others ran
+                    // with the memory idle: 1.16-1.46x the time at 8-32 rows (Zen 4, fp32 and bf16). The last
+                    // block's next lies past N: none.
+                    const char *nx = 0;
+                    long nl = 0;
+                    if (B >= 8 && n + R < N) {
+                        const long lines = ((N - n - R < RB ? N - n - R : RB) * K * ESZ(fmt) + 63) / 64;
+                        const long tiles = (B + BT - 1) / BT, calls = (K + KC - 1) / KC * tiles;
+                        const long per = (lines + calls - 1) / calls, c = k0 / KC * tiles + b0 / BT;
+                        nx = (const char *)w + (n + R) * K * ESZ(fmt) + c * per * 64;
+                        nl = lines - c * per < per ? lines - c * per : per;
+                    }
+                    // (below 8 rows the tiles are built without the next block's prefetch: its check alone cost
+                    // batch 1 7 %)
+                    if (B < 8 && fmt == F32) { F32_R(F32, R, 0, 0) }
+                    else if (B < 8) { F32_R(BF16, R, 0, 0) }
+                    else if (fmt == F32 || wide) { F32_R(F32, R, nx, nl) }
+                    else { F32_R(BF16, R, nx, nl) }
                 }
             }
             n += R;
