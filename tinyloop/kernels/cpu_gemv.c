@@ -34,7 +34,7 @@
 #define TUNE_AQ4 4, 2, 1, 2, 0, 2  // act_quant, int4 weights
 #endif
 #ifndef TUNE_AQ8V
-#define TUNE_AQ8V 2, 2, 2, 4, 0, 1  // act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles)
+#define TUNE_AQ8V 2, 2, aq8v_rows34(B), 4, 0, 1  // act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles)
 #endif
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 #ifndef PF_HINT
@@ -310,6 +310,17 @@ INLINE void int8q_tile(int R, int BT, const int8_t *w, long ldw, const float *sc
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define AQ8_VNNI 1
+// Weight rows per block at B = 3..4 (the row loop's `rb34`): 4 at B = 4 on Zen 4 (AMD family 19h with VNNI), where
+// it ran 1.28-1.31x faster than 2 (2 threads, a d768 layer's four products from memory, alternating builds, the same
+// bits) and B = 3 0.95x; 2 elsewhere (Sapphire Rapids: tuned with 2, session 20).
+static long aq8v_rows34(long B) {
+    static int zen4 = -1;
+    if (zen4 < 0) {
+        __builtin_cpu_init();
+        zen4 = __builtin_cpu_is("amdfam19h");
+    }
+    return B == 4 && zen4 ? 4 : 2;
+}
 // The same product on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums 4 products per lane, so
 // W goes in as w ^ 0x80 = w + 128 (unsigned) and x as q: the lanes sum (w + 128) q, and each starts from
 // -128 times the sum of its own 4 q (c16), so every lane holds exactly the maddubs path's lane. One
@@ -473,7 +484,8 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 //   B > 4: fp32 3 rows x 4 x rows (see above); the others 2 x 3 with U = 2: fma throughput is the limit.
 //   act_quant: int8 1 row at B = 1 (2 rows 1.2x the time), int4 4 (2 rows 1.08x); B = 2 2 rows, B = 3..4 1 row,
 //          B > 4 2 rows; tiles of up to 2 x rows prefetch the weight stream (without: int8 1.44x the time at B = 1);
-//          the VNNI int8 tile at every height (B = 3: 1.10 -> 0.94 ms over 4 layers of d 768, Sapphire Rapids).
+//          the VNNI int8 tile at every height (B = 3: 1.10 -> 0.94 ms over 4 layers of d 768, Sapphire Rapids);
+//          VNNI at B = 4 on Zen 4: 4 rows (aq8v_rows34).
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
