@@ -34,7 +34,8 @@
 #define TUNE_AQ4 4, 2, 1, 2, 0, 2  // act_quant, int4 weights
 #endif
 #ifndef TUNE_AQ8V
-#define TUNE_AQ8V 2, 2, aq8v_rows34(B), 4, 0, 1  // act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles)
+// act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles)
+#define TUNE_AQ8V 2, 2, aq8v_rows34(B), 4, 0, 1
 #endif
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 #ifndef PF_HINT
@@ -604,8 +605,8 @@ static long f32_kc(void) {
 
 // W rows per block at B >= 8, each x tile 16 / that many rows (16 accumulators). 4 on Zen 4 (AMD family 19h with
 // AVX-512; 32 KiB of L1 data), where 4 x 4 ran 8-18 % faster than 8 x 2 at 8-32 rows (2 threads, 6 copies of a d768
-// layer's matrices streamed from memory, alternating builds, the same bits; 1.0x with the weights in L2); 8 elsewhere (Zen 5, Intel: measured
-// with 8 x 2, 48 KiB of L1).
+// layer's matrices streamed from memory, alternating builds, the same bits; 1.0x with the weights in L2); 8
+// elsewhere (Zen 5, Intel: measured with 8 x 2, 48 KiB of L1).
 static long f32_block_rows(void) {
     static long rows;
     if (!rows) {
