@@ -309,19 +309,24 @@ INLINE void int8q_tile(int R, int BT, const int8_t *w, long ldw, const float *sc
         }
 }
 
+#if defined(__AVX512F__)
+// Zen 4: AMD family 19h in a build with AVX-512 (Zen 3, the same family, has none), whose tiles are tuned apart.
+static int zen4(void) {
+    static int is = -1;
+    if (is < 0) {
+        __builtin_cpu_init();
+        is = __builtin_cpu_is("amdfam19h");
+    }
+    return is;
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define AQ8_VNNI 1
 // Weight rows per block at B = 3..4 (the row loop's `rb34`): 4 at B = 4 on Zen 4 (AMD family 19h with VNNI), where
 // it ran 1.28-1.31x faster than 2 (2 threads, a d768 layer's four products from memory, alternating builds, the same
 // bits) and B = 3 0.95x; 2 elsewhere (Sapphire Rapids: tuned with 2, session 20).
-static long aq8v_rows34(long B) {
-    static int zen4 = -1;
-    if (zen4 < 0) {
-        __builtin_cpu_init();
-        zen4 = __builtin_cpu_is("amdfam19h");
-    }
-    return B == 4 && zen4 ? 4 : 2;
-}
+static long aq8v_rows34(long B) { return B == 4 && zen4() ? 4 : 2; }
 // The same product on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums 4 products per lane, so
 // W goes in as w ^ 0x80 = w + 128 (unsigned) and x as q: the lanes sum (w + 128) q, and each starts from
 // -128 times the sum of its own 4 q (c16), so every lane holds exactly the maddubs path's lane. One
@@ -607,14 +612,7 @@ static long f32_kc(void) {
 // AVX-512; 32 KiB of L1 data), where 4 x 4 ran 8-18 % faster than 8 x 2 at 8-32 rows (2 threads, 6 copies of a d768
 // layer's matrices streamed from memory, alternating builds, the same bits; 1.0x with the weights in L2); 8
 // elsewhere (Zen 5, Intel: measured with 8 x 2, 48 KiB of L1).
-static long f32_block_rows(void) {
-    static long rows;
-    if (!rows) {
-        __builtin_cpu_init();
-        rows = __builtin_cpu_is("amdfam19h") ? 4 : 8;
-    }
-    return rows;
-}
+static long f32_block_rows(void) { return zen4() ? 4 : 8; }
 
 // 16 consecutive weights as fp32 (zeros where m is clear): fp32 as is, bf16 the high half of an fp32.
 INLINE __m512 load16w(int fmt, const void *w, long i, __mmask16 m) {
