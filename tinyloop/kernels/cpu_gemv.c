@@ -34,8 +34,8 @@
 #define TUNE_AQ4 4, 2, 1, 2, 0, 2  // act_quant, int4 weights
 #endif
 #ifndef TUNE_AQ8V
-// act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles)
-#define TUNE_AQ8V 2, 2, aq8v_rows34(B), 4, 0, 1
+// act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles, up to 2 W rows x 4 x rows)
+#define TUNE_AQ8V 2, 2, 2, 2, 0, 1
 #endif
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 #ifndef PF_HINT
@@ -64,6 +64,13 @@ INLINE __m256i in_reg_i(__m256i v) {
     __asm__("" : "+x"(v));
     return v;
 }
+
+#if defined(__AVX512F__)
+INLINE __m512 in_reg512(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+#endif
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -323,10 +330,6 @@ static int zen4(void) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define AQ8_VNNI 1
-// Weight rows per block at B = 3..4 (the row loop's `rb34`): 4 at B = 4 on Zen 4 (AMD family 19h with VNNI), where
-// it ran 1.28-1.31x faster than 2 (2 threads, a d768 layer's four products from memory, alternating builds, the same
-// bits) and B = 3 0.95x; 2 elsewhere (Sapphire Rapids: tuned with 2, session 20).
-static long aq8v_rows34(long B) { return B == 4 && zen4() ? 4 : 2; }
 // The same product on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums 4 products per lane, so
 // W goes in as w ^ 0x80 = w + 128 (unsigned) and x as q: the lanes sum (w + 128) q, and each starts from
 // -128 times the sum of its own 4 q (c16), so every lane holds exactly the maddubs path's lane. One
@@ -353,6 +356,58 @@ INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const floa
             const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(c16 + (b * KP + (j)) * 16), wu, xv); \
             acc[u][r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(sx16 + (b * KP + (j)) * 16), \
                                            acc[u][r][b]);                                               \
+        }                                                                                               \
+    }
+    long j = 0;
+    for (; j + 2 <= KF; j += 2) {
+        PAIR(j, 0, 1)
+        PAIR(j + 1, 1, 1)
+    }
+    if (j < KF) {
+        PAIR(j, 0, 1)
+        j++;
+    }
+    if (j < KP) PAIR(j, 0, 0)
+#undef PAIR
+#undef LOADW
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < BT; b++) {
+            float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][b], acc[1][r][b]));
+            for (long k = KB * QB; k < K; k++) s += x[b * K + k] * (float)w[r * ldw + k];  // K tail in fp32
+            out[b * ldy + r] = s * scale[r];
+        }
+}
+
+// From 3 x rows on, the same lanes with x as the unsigned side: x goes in as q ^ 0x80 = q + 128 and W as it is, so a
+// lane sums (q + 128) w and starts from -128 times the sum of its own 4 w (a vpdpbusd of 128s per W row and pair,
+// shared by the tile's x rows): the lane is exactly sum(w q) again, so every element has the bits of the tile above.
+// A pair's x vector and x scales are loaded once for the tile's R W rows (above: once per W row, and c16 as well),
+// so a tile does one vpdpbusd, convert and fma per W row, x row and pair and 2 / R + 1 / BT loads: 1.3-1.7x the
+// tile above at 3-32 rows (Zen 4, 2 threads, a d768 layer's four products from memory, alternating builds).
+INLINE void int8q_tile_vnni_xu(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *xu,
+                               const float *sx16, long KB, const float *x, long K, float *out, long ldy) {
+    const long KP = (KB + 1) / 2, KF = KB / 2;
+    const __m512i u128 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[2][4][4];
+    for (int u = 0; u < 2; u++)
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < BT; b++) acc[u][r][b] = _mm512_setzero_ps();
+#define LOADW(p, full) ((full) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, p))
+#define PAIR(j, u, full)                                                                                \
+    {                                                                                                   \
+        __m512i wv[4], c[4];                                                                            \
+        for (int r = 0; r < R; r++) {                                                                   \
+            ahead(w + r * ldw, (j) * 2 * QB, PF_NARROW);                                                \
+            wv[r] = LOADW(w + r * ldw + (j) * 2 * QB, full);                                            \
+            c[r] = _mm512_sub_epi32(_mm512_setzero_si512(),                                             \
+                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, wv[r]));          \
+        }                                                                                               \
+        for (int b = 0; b < BT; b++) {                                                                  \
+            const __m512i xv = LOADW(xu + b * KB * QB + (j) * 2 * QB, full);                            \
+            const __m512 sv = in_reg512(_mm512_loadu_ps(sx16 + (b * KP + (j)) * 16));                   \
+            for (int r = 0; r < R; r++)                                                                 \
+                acc[u][r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c[r], xv, wv[r])), sv, \
+                                               acc[u][r][b]);                                           \
         }                                                                                               \
     }
     long j = 0;
@@ -491,7 +546,7 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 //   act_quant: int8 1 row at B = 1 (2 rows 1.2x the time), int4 4 (2 rows 1.08x); B = 2 2 rows, B = 3..4 1 row,
 //          B > 4 2 rows; tiles of up to 2 x rows prefetch the weight stream (without: int8 1.44x the time at B = 1);
 //          the VNNI int8 tile at every height (B = 3: 1.10 -> 0.94 ms over 4 layers of d 768, Sapphire Rapids);
-//          VNNI at B = 4 on Zen 4: 4 rows (aq8v_rows34).
+//          VNNI from B = 3 on: 2 rows x 4 (int8q_tile_vnni_xu; 3 x 3 and 4 x 2 the same or slower, Zen 4).
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
@@ -783,32 +838,41 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
 #ifdef AQ8_VNNI
     const long KP = (KB + 1) / 2;
     float *sx16 = malloc((B * KP + 1) * 16 * sizeof(float));
-    int32_t *c16 = malloc((B * KP + 1) * 16 * sizeof(int32_t));
     quant_x(x, B, K, KB, qx, sx, 0);
     for (long b = 0; b < B; b++)
         for (long blk = 0; blk < KB; blk++) {
             const long i = (b * KP + blk / 2) * 16 + 8 * (blk & 1);
             for (int l = 0; l < 8; l++) sx16[i + l] = sx[b * KB + blk];
         }
-    // -128 times the sum of each lane's own 4 q (dpbusd of 128s): every lane then holds exactly the 4 products
-    // the maddubs path's lane holds (a correction in one lane per block left lanes of +-128 sum(q), whose fp32
-    // sums rounded far coarser: tests/test_gemm.py near-tie identity)
-    for (long b = 0; b < B; b++)
-        for (long j = 0; j < KP; j++) {
-            const int8_t *xb = qx + b * KB * QB + j * 2 * QB;
-            const __m512i xv = 2 * j + 1 < KB ? _mm512_loadu_si512(xb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, xb);
-            const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), xv);
-            _mm512_storeu_si512(c16 + (b * KP + j) * 16, _mm512_sub_epi32(_mm512_setzero_si512(), c));
-        }
     for (long b = 0; b < B; b++)
         if (KB & 1)
             for (int l = 8; l < 16; l++) sx16[(b * KP + KP - 1) * 16 + l] = 0.0f;
+    if (B >= 3) {  // x as the unsigned side (int8q_tile_vnni_xu)
+        for (long i = 0; i < B * KB * QB; i++) qx[i] ^= (int8_t)0x80;
+#define T(R_, BT_) int8q_tile_vnni_xu(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx16 + b0 * KP * 16, \
+                                      KB, x + b0 * K, K, y + b0 * N + n, N)
+        FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
+#undef T
+    } else {
+        // -128 times the sum of each lane's own 4 q (dpbusd of 128s): every lane then holds exactly the 4 products
+        // the maddubs path's lane holds (a correction in one lane per block left lanes of +-128 sum(q), whose fp32
+        // sums rounded far coarser: tests/test_gemm.py near-tie identity)
+        int32_t *c16 = malloc((B * KP + 1) * 16 * sizeof(int32_t));
+        for (long b = 0; b < B; b++)
+            for (long j = 0; j < KP; j++) {
+                const int8_t *xb = qx + b * KB * QB + j * 2 * QB;
+                const __m512i xv =
+                    2 * j + 1 < KB ? _mm512_loadu_si512(xb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, xb);
+                const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), xv);
+                _mm512_storeu_si512(c16 + (b * KP + j) * 16, _mm512_sub_epi32(_mm512_setzero_si512(), c));
+            }
 #define T(R_, BT_) int8q_tile_vnni(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx16 + b0 * KP * 16, \
                                    c16 + b0 * KP * 16, KB, x + b0 * K, K, y + b0 * N + n, N)
-    FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
+        FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
 #undef T
+        free(c16);
+    }
     free(sx16);
-    free(c16);
 #else
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
