@@ -331,61 +331,23 @@ static int zen4(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define AQ8_VNNI 1
 // The same product on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums 4 products per lane, so
-// W goes in as w ^ 0x80 = w + 128 (unsigned) and x as q: the lanes sum (w + 128) q, and each starts from
-// -128 times the sum of its own 4 q (c16), so every lane holds exactly the maddubs path's lane. One
-// 64-byte load holds a pair of blocks (lanes 0-7 block 2j, 8-15 block 2j + 1; sx16 the matching x scales), so one
-// vpdpbusd, one convert and one fma serve 64 weights (the AVX2 path: 10 instructions). An odd last block is a
-// pair loaded under a 32-byte mask (zero lanes 8-15). Per element: pairs alternate between 2 accumulators, an odd
-// last pair into the first, then acc0 + acc1, reduce_add, the K tail in fp32, the row scale: the same for any tile.
-INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *qx,
-                            const float *sx16, const int32_t *c16, long KB, const float *x, long K, float *out,
-                            long ldy) {
-    const long KP = (KB + 1) / 2, KF = KB / 2;  // pairs (the last maybe one block), whole pairs
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[2][4][4];
-    for (int u = 0; u < 2; u++)
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < BT; b++) acc[u][r][b] = _mm512_setzero_ps();
-#define LOADW(p, full) ((full) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, p))
-#define PAIR(j, u, full)                                                                                \
-    for (int r = 0; r < R; r++) {                                                                       \
-        ahead(w + r * ldw, (j) * 2 * QB, PF_NARROW); /* every tile: 3-4 x rows 1.1-1.2x faster (SPR) */   \
-        const __m512i wu = _mm512_xor_si512(LOADW(w + r * ldw + (j) * 2 * QB, full), flip);            \
-        for (int b = 0; b < BT; b++) {                                                                  \
-            const __m512i xv = LOADW(qx + b * KB * QB + (j) * 2 * QB, full);                            \
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(c16 + (b * KP + (j)) * 16), wu, xv); \
-            acc[u][r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(sx16 + (b * KP + (j)) * 16), \
-                                           acc[u][r][b]);                                               \
-        }                                                                                               \
-    }
-    long j = 0;
-    for (; j + 2 <= KF; j += 2) {
-        PAIR(j, 0, 1)
-        PAIR(j + 1, 1, 1)
-    }
-    if (j < KF) {
-        PAIR(j, 0, 1)
-        j++;
-    }
-    if (j < KP) PAIR(j, 0, 0)
-#undef PAIR
-#undef LOADW
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < BT; b++) {
-            float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][b], acc[1][r][b]));
-            for (long k = KB * QB; k < K; k++) s += x[b * K + k] * (float)w[r * ldw + k];  // K tail in fp32
-            out[b * ldy + r] = s * scale[r];
-        }
-}
-
-// From 3 x rows on, the same lanes with x as the unsigned side: x goes in as q ^ 0x80 = q + 128 and W as it is, so a
-// lane sums (q + 128) w and starts from -128 times the sum of its own 4 w (a vpdpbusd of 128s per W row and pair,
-// shared by the tile's x rows): the lane is exactly sum(w q) again, so every element has the bits of the tile above.
-// A pair's x vector and x scales are loaded once for the tile's R W rows (above: once per W row, and c16 as well),
-// so a tile does one vpdpbusd, convert and fma per W row, x row and pair and 2 / R + 1 / BT loads: 1.3-1.7x the
-// tile above at 3-32 rows (Zen 4, 2 threads, a d768 layer's four products from memory, alternating builds).
-INLINE void int8q_tile_vnni_xu(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *xu,
-                               const float *sx16, long KB, const float *x, long K, float *out, long ldy) {
+// x goes in as q ^ 0x80 = q + 128 (unsigned) and W as it is: a lane sums (q + 128) w, and starts from -128 times the
+// sum of its own 4 w (c, one vpdpbusd of 128s per W row and pair, shared by the tile's x rows), so every lane holds
+// exactly the maddubs path's lane, sum(w q) (a correction in one lane per block instead left lanes of +-128 sum(w),
+// whose fp32 sums round far coarser: tests/test_gemm.py near-tie identity). One 64-byte load holds a pair of blocks
+// (lanes 0-7 block 2j, 8-15 block 2j + 1; sx16 the matching x scales), so one vpdpbusd, one convert and one fma
+// serve 64 weights (the AVX2 path: 10 instructions), and a pair's x vector and scales are loaded once for the tile's
+// R W rows. An odd last block is a pair loaded under a 32-byte mask (zero lanes 8-15). Per element: pairs alternate
+// between 2 accumulators, an odd last pair into the first, then acc0 + acc1, reduce_add, the K tail in fp32, the
+// row scale: the same for any tile.
+// Until session 25 W was the unsigned side (w ^ 0x80) and each lane started from -128 sum(q): the x vector, that
+// sum and the scales were then loaded per W row and x row. This order gives the same bits and ran 1.25-1.67x faster
+// at 3-32 rows (Zen 4, 2 threads, a d768 layer's four products from > 256 MB of weight copies, the two builds in
+// turns), 1.05-1.14x at 2 and the same at 1 (1.07x with the weights in L2). A vpdpbusd and an fma each take one
+// cycle of Zen 4's two 512-bit fma pipes, so 2 cycles per W row, x row and pair is the floor; it runs at 2.8 (K =
+// 3072, weights in L2, one thread; the old order 4.7).
+INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *xu,
+                            const float *sx16, long KB, const float *x, long K, float *out, long ldy) {
     const long KP = (KB + 1) / 2, KF = KB / 2;
     const __m512i u128 = _mm512_set1_epi8((char)0x80);
     __m512 acc[2][4][4];
@@ -546,7 +508,7 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 //   act_quant: int8 1 row at B = 1 (2 rows 1.2x the time), int4 4 (2 rows 1.08x); B = 2 2 rows, B = 3..4 1 row,
 //          B > 4 2 rows; tiles of up to 2 x rows prefetch the weight stream (without: int8 1.44x the time at B = 1);
 //          the VNNI int8 tile at every height (B = 3: 1.10 -> 0.94 ms over 4 layers of d 768, Sapphire Rapids);
-//          VNNI from B = 3 on: 2 rows x 4 (int8q_tile_vnni_xu; 3 x 3 and 4 x 2 the same or slower, Zen 4).
+//          VNNI: 2 rows x up to 4 (int8q_tile_vnni; 3 x 3 and 4 x 2 the same or slower, Zen 4).
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
@@ -847,31 +809,11 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     for (long b = 0; b < B; b++)
         if (KB & 1)
             for (int l = 8; l < 16; l++) sx16[(b * KP + KP - 1) * 16 + l] = 0.0f;
-    if (B >= 3) {  // x as the unsigned side (int8q_tile_vnni_xu)
-        for (long i = 0; i < B * KB * QB; i++) qx[i] ^= (int8_t)0x80;
-#define T(R_, BT_) int8q_tile_vnni_xu(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx16 + b0 * KP * 16, \
-                                      KB, x + b0 * K, K, y + b0 * N + n, N)
-        FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
+    for (long i = 0; i < B * KB * QB; i++) qx[i] ^= (int8_t)0x80;  // x as the unsigned side (int8q_tile_vnni)
+#define T(R_, BT_) int8q_tile_vnni(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx16 + b0 * KP * 16, KB, \
+                                   x + b0 * K, K, y + b0 * N + n, N)
+    FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
 #undef T
-    } else {
-        // -128 times the sum of each lane's own 4 q (dpbusd of 128s): every lane then holds exactly the 4 products
-        // the maddubs path's lane holds (a correction in one lane per block left lanes of +-128 sum(q), whose fp32
-        // sums rounded far coarser: tests/test_gemm.py near-tie identity)
-        int32_t *c16 = malloc((B * KP + 1) * 16 * sizeof(int32_t));
-        for (long b = 0; b < B; b++)
-            for (long j = 0; j < KP; j++) {
-                const int8_t *xb = qx + b * KB * QB + j * 2 * QB;
-                const __m512i xv =
-                    2 * j + 1 < KB ? _mm512_loadu_si512(xb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, xb);
-                const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), xv);
-                _mm512_storeu_si512(c16 + (b * KP + j) * 16, _mm512_sub_epi32(_mm512_setzero_si512(), c));
-            }
-#define T(R_, BT_) int8q_tile_vnni(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx16 + b0 * KP * 16, \
-                                   c16 + b0 * KP * 16, KB, x + b0 * K, K, y + b0 * N + n, N)
-        FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
-#undef T
-        free(c16);
-    }
     free(sx16);
 #else
     quant_x(x, B, K, KB, qx, sx, 0);
