@@ -771,7 +771,7 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
                     old[b * d + k] = s->state_init == 0   ? 0.0f
                                      : s->state_init == 1 ? e[b * d + k]
                                                           : s->noise[pos[b] * d + k];
-        memset(start, 0, B);
+        for (long b = 0; b < B; b++) start[b] = 0;
         passes++;
         waited += n_held > 0;
         for (long b = 0; b < B; b++) {

@@ -70,6 +70,41 @@ INLINE __m512 in_reg512(__m512 v) {
     __asm__("" : "+v"(v));
     return v;
 }
+
+// The sum of v's 16 lanes in a fixed order, whatever the compiler (gcc's _mm512_reduce_add_ps adds the same way):
+// lanes i + i+8, then + i+4, then (0 + 2) + (1 + 3).
+INLINE float reduce16(__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+
+// reduce16 of n <= 16 vectors at once (v[n..] are overwritten): the same additions, each level adding two vectors'
+// halves in one shuffle pair, so 8 vectors take 8 adds instead of 24 (and 24 shuffles). sums[e] = reduce16(v[e]).
+INLINE void reduce16_many(__m512 *v, int n, float *sums) {
+    const __m512 z = _mm512_setzero_ps();
+    for (int e = n; e < 16; e++) v[e] = z;
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < (n + 1) / 2; i++)  // lane j < 8: element 2i's j + j+8; j >= 8: element 2i+1's
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = (n + 1) / 2; i < 8; i++) a[i] = z;
+    for (int i = 0; i < (n + 3) / 4; i++)  // quad k: element 4i+k's j + j+4
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = (n + 3) / 4; i < 4; i++) b[i] = z;
+    c[1] = z;
+    for (int i = 0; i < (n + 7) / 8; i++)  // quad k: element 8i+k's 0 + 2, 1 + 3 in lanes 0, 1; 8i+4+k's in 2, 3
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // quad k: elements k, 4+k, 8+k, 12+k
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    float t[16];
+    _mm512_storeu_ps(t, d);
+    for (int e = 0; e < n; e++) sums[e] = t[4 * (e % 4) + e / 4];
+}
 #endif
 
 INLINE float hsum(__m256 v) {
@@ -384,9 +419,18 @@ INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const floa
     if (j < KP) PAIR(j, 0, 0)
 #undef PAIR
 #undef LOADW
+    // acc0 + acc1, reduce16 (a tile's elements at once from 6 on: the same sums), the K tail, the row scale
+    __m512 v[16];
+    float sums[16];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < BT; b++) v[r * BT + b] = _mm512_add_ps(acc[0][r][b], acc[1][r][b]);
+    if (R * BT >= 6)
+        reduce16_many(v, R * BT, sums);
+    else
+        for (int e = 0; e < R * BT; e++) sums[e] = reduce16(v[e]);
     for (int r = 0; r < R; r++)
         for (int b = 0; b < BT; b++) {
-            float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][b], acc[1][r][b]));
+            float s = sums[r * BT + b];
             for (long k = KB * QB; k < K; k++) s += x[b * K + k] * (float)w[r * ldw + k];  // K tail in fp32
             out[b * ldy + r] = s * scale[r];
         }
