@@ -373,7 +373,7 @@ static int zen4(void) {
 // (lanes 0-7 block 2j, 8-15 block 2j + 1; sx16 the matching x scales), so one vpdpbusd, one convert and one fma
 // serve 64 weights (the AVX2 path: 10 instructions), and a pair's x vector and scales are loaded once for the tile's
 // R W rows. An odd last block is a pair loaded under a 32-byte mask (zero lanes 8-15). Per element: pairs alternate
-// between 2 accumulators, an odd last pair into the first, then acc0 + acc1, reduce_add, the K tail in fp32, the
+// between 2 accumulators, an odd last pair into the first, then acc0 + acc1, reduce16, the K tail in fp32, the
 // row scale: the same for any tile.
 // Until session 25 W was the unsigned side (w ^ 0x80) and each lane started from -128 sum(q): the x vector, that
 // sum and the scales were then loaded per W row and x row. This order gives the same bits and ran 1.25-1.67x faster
