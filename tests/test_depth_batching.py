@@ -296,7 +296,8 @@ def test_greedy_rows_waiting_to_share_a_head_change_no_token(make_artifact, rule
     token ends) and each request alone, beside batch-mates at other depths and exiting early, a sampled one and one
     that may stop at EOS. A waiting row is left out of the passes: one that ran them anyway would overwrite the K/V
     its early exit copied into the slots of the loops it skipped, which a later, deeper token reads (certain with
-    the forced depths, `schedule`)."""
+    the forced depths, `schedule`). Rows wait only in calls of cpu_block.COALESCE_FROM_ROWS rows or more: with these
+    6 rows none does, and the heads are those of TINYLOOP_COALESCE=0."""
     from tinyloop.kernels import cpu_block
     arch, exits = {"latent": ({}, dict(early_exit_threshold=0.25)),
                    "cdf-compute": (dict(ARCHS["ouro"], exit_rule="cdf", exit_kv="compute"),
@@ -326,11 +327,13 @@ def test_greedy_rows_waiting_to_share_a_head_change_no_token(make_artifact, rule
         return ([(r.tokens, r.loops_used, r.stats.loops_mean, r.stats.stop_reason) for r in (s.result() for s in seqs)],
                 heads["products"])
 
+    few, unshared = run()  # 6 rows: fewer than cpu_block.COALESCE_FROM_ROWS, so no row waits
+    monkeypatch.setattr(cpu_block, "COALESCE_FROM_ROWS", 2)
     waiting, shared = run()
     monkeypatch.setenv("TINYLOOP_COALESCE", "0")
     each, alone = run()
-    assert waiting == each
-    assert shared < 0.8 * alone, (shared, alone)  # the rows did wait for each other
+    assert waiting == each == few
+    assert unshared == alone and shared < 0.8 * alone, (unshared, shared, alone)  # the rows did wait for each other
     for p, c, got in zip(prompts, cfgs, waiting):
         by_itself = tinyloop.generate(model, p, c)
         assert (got[0], got[1]) == (by_itself.tokens, by_itself.loops_used), c

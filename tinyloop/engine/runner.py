@@ -100,7 +100,8 @@ class Runner:
         # greedy rows draw their next tokens inside the C passes (`ahead`); TINYLOOP_RUN_AHEAD=0: every token returns
         self.run_ahead = env_choice("TINYLOOP_RUN_AHEAD", ("1", "0"), "1") == "1"
         # and a greedy row whose token ended may wait a pass or two to share its head with batch-mates' (the C call's
-        # `wait`); TINYLOOP_COALESCE=0: every head runs in the pass its token ends
+        # `wait`, in calls of cpu_block.COALESCE_FROM_ROWS rows or more); TINYLOOP_COALESCE=0: every head runs in the
+        # pass its token ends
         self.coalesce = cpu_block.COALESCE if env_choice("TINYLOOP_COALESCE", ("1", "0"), "1") == "1" else 0
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
@@ -590,7 +591,8 @@ class Runner:
         eos = -1 if any(s.cfg.ignore_eos for s, a in zip(rows, ahead) if a) else self.model.eos_id
         with cached.torch_threads(cached.decode_threads(len(rows), cfg, c_blocks=True)):
             got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
-                                     compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos, wait=self.coalesce)
+                                     compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
+                                     wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0)
         for b, seq in enumerate(rows):
             for token, used in got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
                 seq.place.token, seq.pos = None, seq.pos + 1

@@ -36,6 +36,10 @@ RUN_AHEAD_S = 0.02  # and for how long: a streaming client gets its tokens at le
 # the most passes a greedy row whose token ended waits for its batch-mates' to end too, to share their head and
 # prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (Runner.coalesce): 0, none
 COALESCE = 2
+# and only in calls of this many rows or more: with few rows a head is shared by few, while the wait costs the row
+# up to 2 passes of a token that may be 2 passes long (a 2-loop request beside an 8- and a 16-loop one, bundled
+# model: 158-162 ms waiting, 133-136 not); the wide batches where lanes end tokens at scattered passes keep it
+COALESCE_FROM_ROWS = 8
 _p, _L = ctypes.c_void_p, ctypes.c_long
 
 
