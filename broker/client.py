@@ -203,6 +203,22 @@ class Reply:
 _ids = itertools.count(1)
 
 
+async def wait_within(awaitable: Any, timeout: float) -> Any:
+    """`asyncio.wait_for` without its lost cancellation: before Python 3.12 a task cancelled just as the awaited
+    thing finished got the result and never saw the cancel, so a gateway whose client hung up mid-stream kept the
+    request running on the service. Here a cancel always raises; the timeout raises asyncio.TimeoutError."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise asyncio.TimeoutError
+    return task.result()
+
+
 def new_request_id() -> str:
     # Unique within this process; the broker keys requests by (client socket, id).
     return f"{os.getpid():x}-{next(_ids)}"
@@ -724,7 +740,7 @@ class AsyncClient(_Core):
             sent = True
             while not finished:
                 try:
-                    msg = await asyncio.wait_for(box.get(), max(deadline - time.monotonic(), 0.001))
+                    msg = await wait_within(box.get(), max(deadline - time.monotonic(), 0.001))
                 except asyncio.TimeoutError:
                     raise self._no_reply(request_id) from None
                 finished = msg.type != "token"
@@ -741,7 +757,7 @@ class AsyncClient(_Core):
     async def _send(self, frames: list[bytes], timeout: float) -> None:
         # Without a connection a DEALER send waits forever; bound it (see Client._send).
         try:
-            await asyncio.wait_for(self.socket.send_multipart(frames), timeout)
+            await wait_within(self.socket.send_multipart(frames), timeout)
         except asyncio.TimeoutError:
             raise self._no_connection() from None
 

@@ -22,6 +22,7 @@ from broker.client import (  # noqa: E402
     RequestTimeout,
     ServerBusy,
     ServiceError,
+    wait_within,
 )
 from test_broker import Service  # noqa: E402
 
@@ -144,3 +145,24 @@ def test_async_task_cancel_and_timeout_stop_the_work(service):
     with Client(service.frontend) as client:
         assert wait_idle(client) < 1.0
     assert time.monotonic() - t0 < 3.0  # nothing ran its full 3 s
+
+
+def test_a_cancel_that_comes_as_a_message_arrives_is_not_lost():
+    """The gateway cancels its pump when the HTTP client hangs up; if a token had just arrived, Python 3.11's
+    asyncio.wait_for handed it over and dropped the cancel, and the request ran on to max_tokens."""
+    async def cancelled_as_the_message_arrives():
+        box: asyncio.Queue = asyncio.Queue()
+        waiter = asyncio.ensure_future(wait_within(box.get(), 10))
+        await asyncio.sleep(0)  # the waiter is parked on the queue
+        box.put_nowait("token")
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    async def times_out():
+        with pytest.raises(asyncio.TimeoutError):
+            await wait_within(asyncio.Queue().get(), 0.05)
+        assert await wait_within(asyncio.sleep(0, "ready"), 1) == "ready"
+
+    asyncio.run(cancelled_as_the_message_arrives())
+    asyncio.run(times_out())
