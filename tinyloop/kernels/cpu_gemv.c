@@ -34,8 +34,8 @@
 #define TUNE_AQ4 4, 2, 1, 2, 0, 2  // act_quant, int4 weights
 #endif
 #ifndef TUNE_AQ8V
-// act_quant int8 on AVX-512 VNNI (32 registers: per = 1 sizes the tiles, up to 2 W rows x 4 x rows)
-#define TUNE_AQ8V 2, 2, 2, 2, 0, 1
+// act_quant int8 on AVX-512 VNNI (per = 0: 32 registers, 16 accumulators, up to 4 W rows x 4 x rows)
+#define TUNE_AQ8V 2, 2, 4, 4, 0, 0
 #endif
 #define QB 32  // values per activation-quantisation block (and per int4 nibble block)
 #ifndef PF_HINT
@@ -67,6 +67,11 @@ INLINE __m256i in_reg_i(__m256i v) {
 
 #if defined(__AVX512F__)
 INLINE __m512 in_reg512(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+INLINE __m512i in_reg512i(__m512i v) {
     __asm__("" : "+v"(v));
     return v;
 }
@@ -366,64 +371,78 @@ static int zen4(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define AQ8_VNNI 1
 // The same product on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums 4 products per lane, so
-// x goes in as q ^ 0x80 = q + 128 (unsigned) and W as it is: a lane sums (q + 128) w, and starts from -128 times the
-// sum of its own 4 w (c, one vpdpbusd of 128s per W row and pair, shared by the tile's x rows), so every lane holds
-// exactly the maddubs path's lane, sum(w q) (a correction in one lane per block instead left lanes of +-128 sum(w),
-// whose fp32 sums round far coarser: tests/test_gemm.py near-tie identity). One 64-byte load holds a pair of blocks
-// (lanes 0-7 block 2j, 8-15 block 2j + 1; sx16 the matching x scales), so one vpdpbusd, one convert and one fma
-// serve 64 weights (the AVX2 path: 10 instructions), and a pair's x vector and scales are loaded once for the tile's
-// R W rows. An odd last block is a pair loaded under a 32-byte mask (zero lanes 8-15). Per element: pairs alternate
-// between 2 accumulators, an odd last pair into the first, then acc0 + acc1, reduce16, the K tail in fp32, the
-// row scale: the same for any tile.
-// Until session 25 W was the unsigned side (w ^ 0x80) and each lane started from -128 sum(q): the x vector, that
-// sum and the scales were then loaded per W row and x row. This order gives the same bits and ran 1.25-1.67x faster
-// at 3-32 rows (Zen 4, 2 threads, a d768 layer's four products from > 256 MB of weight copies, the two builds in
-// turns), 1.05-1.14x at 2 and the same at 1 (1.07x with the weights in L2). A vpdpbusd and an fma each take one
-// cycle of Zen 4's two 512-bit fma pipes, so 2 cycles per W row, x row and pair is the floor; it runs at 2.8 (K =
-// 3072, weights in L2, one thread; the old order 4.7).
-INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *xu,
-                            const float *sx16, long KB, const float *x, long K, float *out, long ldy) {
-    const long KP = (KB + 1) / 2, KF = KB / 2;
-    const __m512i u128 = _mm512_set1_epi8((char)0x80);
-    __m512 acc[2][4][4];
-    for (int u = 0; u < 2; u++)
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < BT; b++) acc[u][r][b] = _mm512_setzero_ps();
-#define LOADW(p, full) ((full) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, p))
-#define PAIR(j, u, full)                                                                                \
+// W goes in as w ^ 0x80 = w + 128 (unsigned) and x as it is: a lane sums (w + 128) q and starts from -128 times the
+// sum of its own q (corr, made once per x row by fold_x), so every lane holds exactly sum(w q) over its bytes of one
+// block (a correction that mixed blocks or left +-128 sums in lanes would round far coarser in fp32:
+// tests/test_gemm.py near-tie identity). Folds: 4 blocks (128 bytes, two loads) are regrouped by two 128-bit
+// shuffles into one vector of each block's first 16 bytes and one of its last 16 (lanes 4i..4i+3: block i), so two
+// chained vpdpbusd, one convert and one fma (with the lanes' block scales, s16) serve 128 weights; x comes folded
+// the same way (fold_x), so a fold's two x vectors, corr and scales are loaded once per x row and shared by the
+// tile's R W rows, and each W fold once per W row. The KB % 4 blocks left: a pair as it lies, the last odd block
+// under a 32-byte mask. Per element: one accumulator, reduce16, the K tail in fp32, the row scale: the same for any
+// tile, so a row's result does not depend on its batch.
+// A vpdpbusd and an fma each take one cycle of Zen 4's two 512-bit pipes, so the old tile (one block pair per
+// vpdpbusd, convert and fma) spent as much on the fma as on the products; folding halves the converts and fmas and
+// with 16 accumulators (tiles up to 4 W x 4 x rows) ran 1.35-1.41x faster at 2-32 rows with the weights in L2 (K =
+// 3072 and 768, one thread) and 1.03x at 1-2 rows, 1.15-1.30x at 3-32 from memory (Zen 4, 2 threads, 80 matrices
+// 3072 x 768 = 180 MiB, the two builds in turns, session 26). Without in_reg512i gcc folded the x and W loads into
+// the vpdpbusd and ran 0.7x.
+INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *xt,
+                            const int32_t *corr, const float *s16, long NF, long NT, const float *x, long K,
+                            float *out, long ldy) {
+    const long NV = 2 * NF + NT, NU = NF + NT, KB = K / QB;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < BT; b++) acc[r][b] = _mm512_setzero_ps();
+#define FOLD(f)                                                                                      \
     {                                                                                                   \
-        __m512i wv[4], c[4];                                                                            \
+        __m512i w0[4], w1[4];                                                                           \
         for (int r = 0; r < R; r++) {                                                                   \
-            ahead(w + r * ldw, (j) * 2 * QB, PF_NARROW);                                                \
-            wv[r] = LOADW(w + r * ldw + (j) * 2 * QB, full);                                            \
-            c[r] = _mm512_sub_epi32(_mm512_setzero_si512(),                                             \
-                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, wv[r]));          \
+            const int8_t *p = w + r * ldw + (f) * 4 * QB;                                               \
+            ahead(p, 0, PF_NARROW);                                                                     \
+            ahead(p, 64, PF_NARROW);                                                                    \
+            const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);                  \
+            w0[r] = in_reg512i(_mm512_xor_si512(_mm512_shuffle_i32x4(v0, v1, 0x88), flip)); /* first halves */ \
+            w1[r] = in_reg512i(_mm512_xor_si512(_mm512_shuffle_i32x4(v0, v1, 0xDD), flip)); /* second halves */ \
         }                                                                                               \
         for (int b = 0; b < BT; b++) {                                                                  \
-            const __m512i xv = LOADW(xu + b * KB * QB + (j) * 2 * QB, full);                            \
-            const __m512 sv = in_reg512(_mm512_loadu_ps(sx16 + (b * KP + (j)) * 16));                   \
+            const int8_t *xb = xt + (b * NV + 2 * (f)) * 64;                                            \
+            const __m512i x0 = in_reg512i(_mm512_load_si512(xb)), x1 = in_reg512i(_mm512_load_si512(xb + 64)); \
+            const __m512i c = in_reg512i(_mm512_load_si512(corr + (b * NU + (f)) * 16));                \
+            const __m512 s = in_reg512(_mm512_load_ps(s16 + (b * NU + (f)) * 16));                      \
             for (int r = 0; r < R; r++)                                                                 \
-                acc[u][r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c[r], xv, wv[r])), sv, \
-                                               acc[u][r][b]);                                           \
+                acc[r][b] = _mm512_fmadd_ps(                                                         \
+                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, w0[r], x0), w1[r], x1)), \
+                    s, acc[r][b]);                                                                   \
         }                                                                                               \
     }
-    long j = 0;
-    for (; j + 2 <= KF; j += 2) {
-        PAIR(j, 0, 1)
-        PAIR(j + 1, 1, 1)
+#define TAIL(f)                                                                                      \
+    {                                                                                                   \
+        const long byte = NF * 4 * QB + ((f) - NF) * 2 * QB;                                            \
+        const int half = (f) == NU - 1 && (KB & 1);                                                     \
+        __m512i wv[4];                                                                                  \
+        for (int r = 0; r < R; r++)                                                                     \
+            wv[r] = _mm512_xor_si512(half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, w + r * ldw + byte)  \
+                                          : _mm512_loadu_si512(w + r * ldw + byte), flip);              \
+        for (int b = 0; b < BT; b++) {                                                                  \
+            const __m512i xv = _mm512_load_si512(xt + (b * NV + NF + (f)) * 64);                        \
+            const __m512i c = _mm512_load_si512(corr + (b * NU + (f)) * 16);                            \
+            const __m512 s = in_reg512(_mm512_load_ps(s16 + (b * NU + (f)) * 16));                      \
+            for (int r = 0; r < R; r++)                                                                 \
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, wv[r], xv)), s, \
+                                               acc[r][b]);                                           \
+        }                                                                                               \
     }
-    if (j < KF) {
-        PAIR(j, 0, 1)
-        j++;
-    }
-    if (j < KP) PAIR(j, 0, 0)
-#undef PAIR
-#undef LOADW
-    // acc0 + acc1, reduce16 (a tile's elements at once from 6 on: the same sums), the K tail, the row scale
+    for (long f = 0; f < NF; f++) FOLD(f)  // folds: 4 blocks in 2 vectors, one convert and one fma
+    for (long f = NF; f < NU; f++) TAIL(f)  // the tail: a pair of blocks as it lies, the last block alone, masked
+#undef FOLD
+#undef TAIL
+    // reduce16 (a tile's elements at once from 6 on: the same sums), the K tail, the row scale
     __m512 v[16];
     float sums[16];
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < BT; b++) v[r * BT + b] = _mm512_add_ps(acc[0][r][b], acc[1][r][b]);
+        for (int b = 0; b < BT; b++) v[r * BT + b] = acc[r][b];
     if (R * BT >= 6)
         reduce16_many(v, R * BT, sums);
     else
@@ -434,6 +453,42 @@ INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const floa
             for (long k = KB * QB; k < K; k++) s += x[b * K + k] * (float)w[r * ldw + k];  // K tail in fp32
             out[b * ldy + r] = s * scale[r];
         }
+}
+
+// x for int8q_tile_vnni, per row: NF folds of 4 blocks as 2 vectors (each block's first 16 values in lanes of
+// the first, its last 16 in the same lanes of the second), then the tail's pairs as they lie (zeros past the last
+// block); per unit (fold or tail vector) -128 times each lane's sum of q, and each lane's block scale.
+static void fold_x(const int8_t *qx, const float *sx, long B, long KB, int8_t *xt, int32_t *corr, float *s16) {
+    const long NF = KB / 4, NT = (KB % 4 + 1) / 2, NV = 2 * NF + NT, NU = NF + NT;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (long b = 0; b < B; b++) {
+        const int8_t *q = qx + b * KB * QB;
+        const float *sb = sx + b * KB;
+        for (long u = 0; u < NU; u++) {
+            __m512i v[2], sum = _mm512_setzero_si512();
+            float lane_scale[16];
+            int nv;
+            if (u < NF) {
+                const __m512i v0 = _mm512_loadu_si512(q + u * 4 * QB), v1 = _mm512_loadu_si512(q + u * 4 * QB + 64);
+                v[0] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+                v[1] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+                nv = 2;
+                for (int l = 0; l < 16; l++) lane_scale[l] = sb[u * 4 + l / 4];
+            } else {
+                const long blk = NF * 4 + (u - NF) * 2;
+                const int two = blk + 1 < KB;
+                v[0] = two ? _mm512_loadu_si512(q + blk * QB) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q + blk * QB);
+                nv = 1;
+                for (int l = 0; l < 16; l++) lane_scale[l] = l < 8 ? sb[blk] : two ? sb[blk + 1] : 0.0f;
+            }
+            for (int i = 0; i < nv; i++) {
+                _mm512_store_si512(xt + (b * NV + (u < NF ? 2 * u + i : NF + u)) * 64, v[i]);
+                sum = _mm512_dpbusd_epi32(sum, ones, v[i]);
+            }
+            _mm512_store_si512(corr + (b * NU + u) * 16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+            _mm512_store_ps(s16 + (b * NU + u) * 16, _mm512_loadu_ps(lane_scale));
+        }
+    }
 }
 #endif
 
@@ -552,14 +607,15 @@ INLINE void int4q_tile(int G32, int R, int BT, const uint8_t *w, long ldw, const
 //   act_quant: int8 1 row at B = 1 (2 rows 1.2x the time), int4 4 (2 rows 1.08x); B = 2 2 rows, B = 3..4 1 row,
 //          B > 4 2 rows; tiles of up to 2 x rows prefetch the weight stream (without: int8 1.44x the time at B = 1);
 //          the VNNI int8 tile at every height (B = 3: 1.10 -> 0.94 ms over 4 layers of d 768, Sapphire Rapids);
-//          VNNI: 2 rows x up to 4 (int8q_tile_vnni; 3 x 3 and 4 x 2 the same or slower, Zen 4).
+//          VNNI: up to 4 rows x 4 (int8q_tile_vnni, 16 accumulators of 32 registers).
 // widen: from this B on (bf16 / int8 16, int4 4) a block's rows are widened to fp32 once, into a per-thread
 // buffer, and the fp32 tile runs on them; below it, reconverting in registers per tile was as fast or faster.
 
 // The height of the next tile, with `left` x rows still to do, for R weight rows with `per` accumulators per
 // element: at most 12 accumulators (of 16 vector registers) and 4 x rows; 4 rows left of a cap of 3 go as 2 + 2.
+// per = 0: a 512-bit tile with one accumulator per element, 16 of its 32 registers.
 INLINE int next_tile(long left, int R, int per) {
-    const int fit = 12 / (R * per), cap = fit < 4 ? fit : 4;
+    const int fit = per ? 12 / (R * per) : 16 / R, cap = fit < 4 ? fit : 4;
     if (left == 4 && cap == 3) return 2;
     return left < cap ? (int)left : cap;
 }
@@ -842,23 +898,19 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     int8_t *qx = aligned_alloc(64, (B * KB * QB + 64) & ~63L);
     float *sx = malloc((B * KB + 1) * sizeof(float));
 #ifdef AQ8_VNNI
-    const long KP = (KB + 1) / 2;
-    float *sx16 = malloc((B * KP + 1) * 16 * sizeof(float));
+    const long NF = KB / 4, NT = (KB % 4 + 1) / 2, NV = 2 * NF + NT, NU = NF + NT;
+    int8_t *xt = aligned_alloc(64, B * NV * 64 + 64);
+    int32_t *corr = aligned_alloc(64, B * NU * 64 + 64);
+    float *s16 = aligned_alloc(64, B * NU * 64 + 64);
     quant_x(x, B, K, KB, qx, sx, 0);
-    for (long b = 0; b < B; b++)
-        for (long blk = 0; blk < KB; blk++) {
-            const long i = (b * KP + blk / 2) * 16 + 8 * (blk & 1);
-            for (int l = 0; l < 8; l++) sx16[i + l] = sx[b * KB + blk];
-        }
-    for (long b = 0; b < B; b++)
-        if (KB & 1)
-            for (int l = 8; l < 16; l++) sx16[(b * KP + KP - 1) * 16 + l] = 0.0f;
-    for (long i = 0; i < B * KB * QB; i++) qx[i] ^= (int8_t)0x80;  // x as the unsigned side (int8q_tile_vnni)
-#define T(R_, BT_) int8q_tile_vnni(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx16 + b0 * KP * 16, KB, \
-                                   x + b0 * K, K, y + b0 * N + n, N)
+    fold_x(qx, sx, B, KB, xt, corr, s16);
+#define T(R_, BT_) int8q_tile_vnni(R_, BT_, w + n * K, K, scale + n, xt + b0 * NV * 64, corr + b0 * NU * 16, \
+                                   s16 + b0 * NU * 16, NF, NT, x + b0 * K, K, y + b0 * N + n, N)
     FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
 #undef T
-    free(sx16);
+    free(xt);
+    free(corr);
+    free(s16);
 #else
     quant_x(x, B, K, KB, qx, sx, 0);
 #define T(R_, BT_) int8q_tile(R_, BT_, w + n * K, K, scale + n, qx + b0 * KB * QB, sx + b0 * KB, KB, \
