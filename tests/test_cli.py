@@ -1,4 +1,5 @@
 """The `tinyloop` command on the bundled model, run as a user would run it."""
+import json
 import subprocess
 import sys
 
@@ -51,3 +52,19 @@ def test_bench_quick_prints_ratios():
     out = tinyloop_cli("bench", "--quick", "--section", "decode", timeout=600)
     assert out.returncode == 0, out.stderr
     assert "naive" in out.stdout and out.stdout.count("x ") >= 9  # 3 loop counts x 3 cache modes
+
+
+def test_bench_depth_quick_gives_every_figure_with_the_same_tokens(tmp_path):
+    """`tinyloop bench --section depth`: every figure of issue 31 for both models, in the JSON too, and each early-exit
+    run's tokens equal with loop-iteration steps and with token steps."""
+    out = tinyloop_cli("bench", "--quick", "--section", "depth", "--json", str(tmp_path / "d.json"), timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("tokens equal: yes") == 8 and "tokens equal: NO" not in out.stdout
+    data = json.loads((tmp_path / "d.json").read_text())["sections"]["depth"]["data"]
+    for model in ("bundled", "forced"):
+        got = data[model]
+        for key in ("early_exit_b1_now", "early_exit_b16_now", "mixed_now"):
+            assert all(v > 0 for v in got[key].values()), (model, key, got[key])
+        for key in ("early_lane_iterations_now", "early_lane_iterations_same_depth_now", "shallow_now"):
+            assert got[key] > 0, (model, key)
+    assert data["served_shallow_now"] > 0

@@ -11,7 +11,11 @@ firing):
   mixed depth   half the requests at 4 loops, half at 16, through 16 lanes, against the same requests in
                 depth-homogeneous groups one after the other (one-line prompts)
   lane-iterations per second (a decoded token's core pass is one; the seconds of the run's steps less its
-                prompts' forwards) of the mixed and early-exit workloads over a uniform 16-lane batch at 16 loops
+                prompts' forwards) of the mixed and early-exit workloads over a uniform 16-lane batch at 16 loops,
+                and early exit's over a uniform 16-lane batch at its own mean depth (interpolated between the two
+                whole loop counts around it): a token's prelude, coda and head cost the same at every depth, so
+                tokens of fewer loops run fewer passes a second even in a uniform batch; this reference takes that
+                out and leaves what running lanes at different depths in one batch costs
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 """
@@ -68,7 +72,7 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]
     decode = wall - (max(s.t_prefilled for s in seqs) - t0)  # after the last prompt is in: decode alone
     prefill = sum(s.stats.prefill_ms for s in seqs) / 1000  # its prompts' forwards, within the run's steps
     return {"s": wall, "decode_s": decode, "passes_s": wall - prefill, "tokens": sum(s.count for s in seqs),
-            "passes": passes,
+            "passes": passes, "decoded": sum(len(s.loop_counts) - 1 for s in seqs),
             "out": [s.result().tokens for s in seqs],
             "ends": [ends[id(s)] for s in seqs],
             "loops": [sum(s.loop_counts[1:]) / max(1, len(s.loop_counts) - 1) for s in seqs]}
@@ -136,16 +140,26 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     apart = best_of_groups(model, [[shallow] * 8 * k, [deep] * 8 * k], 16, rounds, short)
     uniform = best(model, [deep] * 16 * k, 16, rounds, short)
     early16 = best(model, [early] * 16 * k, 16, rounds, short)
+    mean = early16[False]["passes"] / early16[False]["decoded"]
+    lo = int(mean)
+    at_mean = {loops: best(model, [replace(fixed, loops=loops)] * 16 * k, 16, rounds, short)
+               for loops in sorted({lo, min(lo + 1, L)})}
     for tokens, name in ((False, "now"), (True, "before")):
         ratio = apart[tokens]["s"] / together[tokens]["s"]
         urate = uniform[tokens]["passes"] / uniform[tokens]["passes_s"]
         rate = together[tokens]["passes"] / together[tokens]["passes_s"]
         erate = early16[tokens]["passes"] / early16[tokens]["passes_s"]
+        # seconds a decoded token takes in a uniform batch, linear in its loops between the two runs around `mean`
+        per_token = {loops: r[tokens]["passes_s"] / r[tokens]["decoded"] for loops, r in at_mean.items()}
+        (a, ta), (b, tb) = min(per_token.items()), max(per_token.items())
+        mrate = mean / (ta + (tb - ta) * (mean - a) / (b - a) if b > a else ta)
         lines.append(f"    mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
                      f"depth-homogeneous groups; lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform 16-lane "
-                     f"batch at {L} ({urate:.0f}); early exit's {erate:.0f} = {erate / urate:.2f}")
+                     f"batch at {L} ({urate:.0f}); early exit's {erate:.0f} = {erate / urate:.2f}, and "
+                     f"{erate / mrate:.2f} of a uniform 16-lane batch at its mean depth, {mean:.1f} loops ({mrate:.0f})")
         data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
         data[f"early_lane_iterations_{name}"] = erate / urate
+        data[f"early_lane_iterations_same_depth_{name}"] = erate / mrate
     two, m = GenerateConfig(max_tokens=SHALLOW_TOKENS, loops=2, ignore_eos=True), SHALLOW_TOKENS
     for tokens, name in ((False, "now"), (True, "before")):
         with token_steps(tokens):
