@@ -78,31 +78,31 @@ def run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]
             "loops": [sum(s.loop_counts[1:]) / max(1, len(s.loop_counts) - 1) for s in seqs]}
 
 
-def best_of(workload, rounds: int, key: str = "s") -> dict[bool, dict]:
-    """workload() (a run's figures) with loop-iteration steps and with token steps, alternating; the faster of each
-    by `key`."""
-    out: dict[bool, dict] = {}
+def best_of(workloads: dict, rounds: int, key: str = "s") -> dict[str, dict[bool, dict]]:
+    """Each workload() (a run's figures) with loop-iteration steps and with token steps; the faster of each by `key`.
+    A round runs every workload in both modes one after the other, so the workloads a figure compares are measured
+    side by side: this VM's speed drifts by 10-30 % over a minute, which would otherwise land on one side of a ratio."""
+    out: dict[str, dict[bool, dict]] = {name: {} for name in workloads}
     for _ in range(rounds):
-        for tokens in (False, True):
-            with token_steps(tokens):
-                r = workload()
-            if tokens not in out or r[key] < out[tokens][key]:
-                out[tokens] = r
+        for name, workload in workloads.items():
+            for tokens in (False, True):
+                with token_steps(tokens):
+                    r = workload()
+                if tokens not in out[name] or r[key] < out[name][tokens][key]:
+                    out[name][tokens] = r
     return out
 
 
-def best(model: Model, cfgs: list[GenerateConfig], lanes: int, rounds: int, prompts: list[str] = LONG_CODE_PROMPTS,
-         key: str = "s") -> dict[bool, dict]:
-    """run() of the requests, best_of the rounds."""
-    return best_of(lambda: run(model, cfgs, lanes, prompts), rounds, key)
+def runs(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str] = LONG_CODE_PROMPTS):
+    """A workload for best_of: run() of the requests."""
+    return lambda: run(model, cfgs, lanes, prompts)
 
 
-def best_of_groups(model: Model, groups: list[list[GenerateConfig]], lanes: int, rounds: int, prompts: list[str]
-                   ) -> dict[bool, dict]:
-    """The groups run one after the other as one workload: a round's seconds are the sum over the groups of that
-    round (the best of each group's rounds summed would pick every group's luckiest round, a bias of several percent
-    on this noisy a machine against the one workload it is compared with)."""
-    return best_of(lambda: {"s": sum(run(model, g, lanes, prompts)["s"] for g in groups)}, rounds)
+def groups_run(model: Model, groups: list[list[GenerateConfig]], lanes: int, prompts: list[str]):
+    """A workload for best_of: the groups one after the other, its seconds the sum of theirs (in one round: the best of
+    each group's rounds summed would pick every group's luckiest round, a bias of several percent on this noisy a
+    machine against the one workload it is compared with)."""
+    return lambda: {"s": sum(run(model, g, lanes, prompts)["s"] for g in groups)}
 
 
 L = 16  # the deepest loop count of every figure
@@ -122,28 +122,33 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     lines, data = [f"  {label}:"], {}
     for batch in (1, 16):
         # decode's time, after the prompts are in (a prompt's chunks run every loop under every rule)
-        f = best(model, [fixed] * batch, batch, rounds, SHORT_PROMPTS, "decode_s")
-        e = best(model, [early] * batch, batch, rounds, SHORT_PROMPTS, "decode_s")
+        got = best_of({"fixed": runs(model, [fixed] * batch, batch, SHORT_PROMPTS),
+                       "early": runs(model, [early] * batch, batch, SHORT_PROMPTS)}, rounds, "decode_s")
+        f, e = got["fixed"], got["early"]
         mean = sum(e[False]["loops"]) / batch
         ideal = L / mean
         for tokens, name in ((False, "now"), (True, "before")):
-            got = f[tokens]["decode_s"] / e[tokens]["decode_s"]
-            lines.append(f"    early exit vs fixed {L}, batch {batch:>2}, {name:<6}: {got:.2f}x faster (ideal {ideal:.2f}x: "
-                         f"{mean:.1f} loops per token) = {got / ideal:.0%} of ideal; tokens equal: "
+            speedup = f[tokens]["decode_s"] / e[tokens]["decode_s"]
+            lines.append(f"    early exit vs fixed {L}, batch {batch:>2}, {name:<6}: {speedup:.2f}x faster (ideal {ideal:.2f}x: "
+                         f"{mean:.1f} loops per token) = {speedup / ideal:.0%} of ideal; tokens equal: "
                          f"{'yes' if e[tokens]['out'] == e[not tokens]['out'] else 'NO'}")
-            data[f"early_exit_b{batch}_{name}"] = {"speedup": got, "ideal": ideal, "fraction": got / ideal}
+            data[f"early_exit_b{batch}_{name}"] = {"speedup": speedup, "ideal": ideal, "fraction": speedup / ideal}
     # one-line prompts here too: the figures are decode's loop iterations (long prompts' prefill, the same work in
     # every arm, would outweigh them at these token counts)
     shallow, deep, short = GenerateConfig(max_tokens=n, loops=4, ignore_eos=True), fixed, SHORT_PROMPTS
-    mixed = [shallow, deep] * (8 * k)
-    together = best(model, mixed, 16, rounds, short)
-    apart = best_of_groups(model, [[shallow] * 8 * k, [deep] * 8 * k], 16, rounds, short)
-    uniform = best(model, [deep] * 16 * k, 16, rounds, short)
-    early16 = best(model, [early] * 16 * k, 16, rounds, short)
-    mean = early16[False]["passes"] / early16[False]["decoded"]
+    # early exit's mean depth, for the uniform batches around it (its tokens are the same in every round and mode)
+    probe = run(model, [early] * 16 * k, 16, short)
+    mean = probe["passes"] / probe["decoded"]
     lo = int(mean)
-    at_mean = {loops: best(model, [replace(fixed, loops=loops)] * 16 * k, 16, rounds, short)
-               for loops in sorted({lo, min(lo + 1, L)})}
+    workloads = {"together": runs(model, [shallow, deep] * (8 * k), 16, short),
+                 "apart": groups_run(model, [[shallow] * 8 * k, [deep] * 8 * k], 16, short),
+                 "uniform": runs(model, [deep] * 16 * k, 16, short),
+                 "early16": runs(model, [early] * 16 * k, 16, short)}
+    for loops in sorted({lo, min(lo + 1, L)}):
+        workloads[loops] = runs(model, [replace(fixed, loops=loops)] * 16 * k, 16, short)
+    got = best_of(workloads, rounds)
+    together, apart, uniform, early16 = got["together"], got["apart"], got["uniform"], got["early16"]
+    at_mean = {loops: got[loops] for loops in workloads if isinstance(loops, int)}
     for tokens, name in ((False, "now"), (True, "before")):
         ratio = apart[tokens]["s"] / together[tokens]["s"]
         urate = uniform[tokens]["passes"] / uniform[tokens]["passes_s"]
@@ -161,12 +166,11 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         data[f"early_lane_iterations_{name}"] = erate / urate
         data[f"early_lane_iterations_same_depth_{name}"] = erate / mrate
     two, m = GenerateConfig(max_tokens=SHALLOW_TOKENS, loops=2, ignore_eos=True), SHALLOW_TOKENS
+    mates = [GenerateConfig(max_tokens=m, loops=8, ignore_eos=True), GenerateConfig(max_tokens=m, loops=L, ignore_eos=True)]
+    got = best_of({"solo": lambda: {"s": run(model, [two], 4)["ends"][0]},
+                   "beside": lambda: {"s": run(model, [two, *mates], 4)["ends"][0]}}, rounds)
     for tokens, name in ((False, "now"), (True, "before")):
-        with token_steps(tokens):
-            solo = min(run(model, [two], 4)["ends"][0] for _ in range(rounds))
-            beside = min(run(model, [two, GenerateConfig(max_tokens=m, loops=8, ignore_eos=True),
-                                     GenerateConfig(max_tokens=m, loops=L, ignore_eos=True)], 4)["ends"][0]
-                         for _ in range(rounds))
+        solo, beside = got["solo"][tokens]["s"], got["beside"][tokens]["s"]
         lines.append(f"    a 2-loop request beside 8- and 16-loop ones in one scheduler ({m} tokens each), {name:<6}: "
                      f"{beside * 1000:.0f} ms against {solo * 1000:.0f} ms alone = {beside / solo:.2f}x")
         data[f"shallow_{name}"] = beside / solo
@@ -194,8 +198,8 @@ def served_shallow(rounds: int, before: bool) -> float:
                 return took
 
             shallow_time(True)  # warm-up
-            solo = min(shallow_time(False) for _ in range(rounds))
-            beside = min(shallow_time(True) for _ in range(rounds))
+            solo, beside = zip(*((shallow_time(False), shallow_time(True)) for _ in range(rounds)))  # side by side
+            solo, beside = min(solo), min(beside)
     finally:
         if env is None:
             del os.environ["TINYLOOP_DEPTH_STEPS"]
