@@ -8,7 +8,7 @@ memory-bound regime: a loop streams 26 MB of core weights), whose early exit is 
 firing):
   early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16, one-line prompts: the achieved speedup of
                 decode (after the prompts are in) over its ideal (16 / the mean loops a decoded token ran)
-  mixed depth   half the requests at 4 loops, half at 16, through 16 lanes, against the same requests in
+  mixed depth   half of 64 requests at 4 loops, half at 16, through 16 lanes, against the same requests in
                 depth-homogeneous groups one after the other (one-line prompts)
   lane-iterations per second (a decoded token's core pass is one; the seconds of the run's steps less its
                 prompts' forwards) of the mixed and early-exit workloads over a uniform 16-lane batch at 16 loops,
@@ -225,7 +225,7 @@ def bench_depth(model_path: str | None, quick: bool) -> Report:
             params = LoopedLM(FORCED, max_seq_len=1).num_params()
         got, data["forced"] = figures(model, f"random {params / 1e6:.0f}M config, int8, forced exit pattern {SCHEDULE}",
                                       GenerateConfig(max_tokens=n, loops=L, exit_schedule=SCHEDULE, ignore_eos=True),
-                                      max(8, n // 3), 1 if quick else 2, 1 if quick else 2)
+                                      max(8, n // 3), 1 if quick else 2, k)
         lines += got
         free_model(model)
     for before in ((False,) if quick else (False, True)):
