@@ -172,8 +172,9 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     model.prefill_chunk = 8
     takes = {"schedule": 0, "execute": 0}
     phase = {"now": "schedule"}
-    take = model.pool.take
-    monkeypatch.setattr(model.pool, "take", lambda: (takes.__setitem__(phase["now"], takes[phase["now"]] + 1), take())[1])
+    take = model.pool.take_many
+    monkeypatch.setattr(model.pool, "take_many",
+                        lambda n: (takes.__setitem__(phase["now"], takes[phase["now"]] + n), take(n))[1])
     execute = Runner.execute
 
     def watched(self, plan):

@@ -274,12 +274,12 @@ class Runner:
                 todo.append((s, a, b, key))
         if not todo:
             return
-        for slot in [*range(cfg.n_prelude), *(cfg.coda_slot(j) for j in range(cfg.n_coda))]:
-            cache.prepare(slot, [s.place.lane for s, *_ in todo], [a for _, a, _, _ in todo], [b for *_, b, _ in todo])
+        every = ([s.place.lane for s, *_ in todo], [a for _, a, _, _ in todo], [b for *_, b, _ in todo])
+        jobs = [(slot, *every) for slot in [*range(cfg.n_prelude), *(cfg.coda_slot(j) for j in range(cfg.n_coda))]]
         for k in range(max(s.loops for s, *_ in todo)):  # a lane at L loops writes (and holds blocks for) loops < L
-            at = [(s.place.lane, a, b) for s, a, b, _ in todo if k < s.loops]
-            for j in range(cfg.n_core):
-                cache.prepare(cfg.core_slot(k, j), *map(list, zip(*at)))
+            at = tuple(map(list, zip(*[(s.place.lane, a, b) for s, a, b, _ in todo if k < s.loops])))
+            jobs += [(cfg.core_slot(k, j), *at) for j in range(cfg.n_core)]
+        cache.prepare_many(jobs)
         for s, *_, key in todo:
             self.reserved[s.place.lane] = key
         self.reserved_epoch = cache.pool.epoch
