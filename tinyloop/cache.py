@@ -308,14 +308,10 @@ class KVCache:
             pass
 
     # --- blocks ---------------------------------------------------------------------------------------
-    def _ensure(self, slot: int, lane: int, first: int, last: int) -> None:
-        """Blocks for cells first..last of (slot, lane) present and held by this lane alone (copy-on-write)."""
-        ids, pool, bt = self.held[slot][lane], self.pool, self.bt
-        for i in range(first // bt, last // bt + 1):
-            while len(ids) <= i:
-                b = pool.take()
-                ids.append(b)
-                self.table[slot, lane, len(ids) - 1] = b
+    def _unshare(self, slot: int, lane: int, first: int, last: int) -> None:
+        """Blocks first..last (held) of (slot, lane) held by this lane alone: a shared one is copied (copy-on-write)."""
+        ids, pool = self.held[slot][lane], self.pool
+        for i in range(first, last + 1):
             b = ids[i]
             if pool.refs[b] > 1:
                 fresh = pool.take()
@@ -343,9 +339,7 @@ class KVCache:
                 if last < len(ids) and refs[ids[last]] == 1 and (first == last or all(
                         refs[ids[i]] == 1 for i in range(first, last))):
                     continue  # the common case, checked inline: every block there and the lane's own
-                have = min(last + 1, len(ids))  # of the blocks first..last, those the lane holds
-                if first < have and any(refs[ids[i]] > 1 for i in range(first, have)):
-                    self._ensure(slot, lane, a, have * bt - 1)
+                self._unshare(slot, lane, first, min(last, len(ids) - 1))
                 if last >= len(ids):
                     grow.append((slot, lane, last + 1 - len(ids)))
         if not grow:
