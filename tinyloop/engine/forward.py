@@ -221,8 +221,8 @@ class Cached:
         room = min(nb + READ_AHEAD_GROWTH, -(-cache.cells // bt))  # blocks the buffer holds per lane and slot
         if len(slots) * B * room * cache.pool.block_bytes > READ_AHEAD_BYTES:
             return
-        for slot in slots:  # blocks for this step's cells exist (and are the lane's own) before the layers write
-            cache.prepare(slot, self.lanes, self.lo, self.hi)
+        # blocks for this step's cells exist (and are the lane's own) before the layers write
+        cache.prepare_many([(slot, self.lanes, self.lo, self.hi) for slot in slots])
         key = (tuple(slots), tuple(id(cache.held[slots[0]][b]) for b in range(B)))  # the lanes' own block lists
         kept = cache.shared["read_ahead"]
         if kept is not None and kept["key"] == key and kept["next"] == self.hi and self.end <= kept["cells"]:
@@ -549,8 +549,8 @@ class CudaGraphStep:
     def prepare(self) -> None:
         """Blocks for this step's cells in every slot it writes (host work, outside the graph)."""
         at = self.pos[:, 0].tolist()
-        for slot in self.slots:
-            self.cache.prepare(slot, list(range(len(at))), at, at)
+        lanes = list(range(len(at)))
+        self.cache.prepare_many([(slot, lanes, at, at) for slot in self.slots])
 
     def _context(self) -> Cached:
         """The step's shared part, built outside a capture: it reads positions on the host. Its device tensors

@@ -406,7 +406,7 @@ class DecodeStep:
                  coda: bool) -> None:
         """Blocks for the rows' cells in every slot the call writes (cache.prepare). Skipped while the rows stay in
         the blocks prepared last time for this range and the pool took, shared or freed no block since (its epoch):
-        then they are all there and the lanes' own. After a decode step's ~50 MB of weights, the 20 prepare calls
+        then they are all there and the lanes' own. After a decode step's ~50 MB of weights, the 20 slots' checks
         of a d768 step cost ~0.1-0.2 ms, where they take 13 us in a loop."""
         key, blocks = (first, last, prelude, coda), (lanes, [c // cache.bt for c in cells])
         held, pool = cache.held, cache.pool
@@ -421,8 +421,7 @@ class DecodeStep:
         slots = [*(self.prelude_slots if prelude else ()),
                  *(cfg.core_slot(k, j) for k in range(first, last) for j in range(cfg.n_core)),
                  *(self.coda_slots if coda else ())]
-        for slot in slots:
-            cache.prepare(slot, which, lo, hi)
+        cache.prepare_many([(slot, which, lo, hi) for slot in slots])
         self._prepared[key] = (held, pool.epoch, blocks)
 
     def _lanes(self, B: int, cache) -> "_Lanes":
