@@ -139,16 +139,15 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     # early exit's mean depth, for the uniform batches around it (its tokens are the same in every round and mode)
     probe = run(model, [early] * 16 * k, 16, short)
     mean = probe["passes"] / probe["decoded"]
-    lo = int(mean)
-    workloads = {"together": runs(model, [shallow, deep] * (8 * k), 16, short),
-                 "apart": groups_run(model, [[shallow] * 8 * k, [deep] * 8 * k], 16, short),
-                 "uniform": runs(model, [deep] * 16 * k, 16, short),
-                 "early16": runs(model, [early] * 16 * k, 16, short)}
-    for loops in sorted({lo, min(lo + 1, L)}):
-        workloads[loops] = runs(model, [replace(fixed, loops=loops)] * 16 * k, 16, short)
-    got = best_of(workloads, rounds)
+    around = sorted({int(mean), min(int(mean) + 1, L)})
+    got = best_of({"together": runs(model, [shallow, deep] * (8 * k), 16, short),
+                   "apart": groups_run(model, [[shallow] * 8 * k, [deep] * 8 * k], 16, short),
+                   "uniform": runs(model, [deep] * 16 * k, 16, short),
+                   "early16": runs(model, [early] * 16 * k, 16, short),
+                   **{f"at {loops}": runs(model, [replace(fixed, loops=loops)] * 16 * k, 16, short) for loops in around}},
+                  rounds)
     together, apart, uniform, early16 = got["together"], got["apart"], got["uniform"], got["early16"]
-    at_mean = {loops: got[loops] for loops in workloads if isinstance(loops, int)}
+    at_mean = {loops: got[f"at {loops}"] for loops in around}
     for tokens, name in ((False, "now"), (True, "before")):
         ratio = apart[tokens]["s"] / together[tokens]["s"]
         urate = uniform[tokens]["passes"] / uniform[tokens]["passes_s"]
