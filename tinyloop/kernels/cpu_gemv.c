@@ -387,10 +387,23 @@ static int zen4(void) {
 // 3072 and 768, one thread) and 1.03x at 1-2 rows, 1.15-1.30x at 3-32 from memory (Zen 4, 2 threads, 80 matrices
 // 3072 x 768 = 180 MiB, the two builds in turns, session 26). Without in_reg512i gcc folded the x and W loads into
 // the vpdpbusd and ran 0.7x.
+// How a row of KB blocks lies folded (fold_x): NF folds of 4 blocks as 2 vectors each, then NT vectors of the
+// KB % 4 blocks left (a pair each, the last odd block alone); NV vectors and NU units (a fold or a tail vector: one
+// -128 sum(q) vector and one scale vector each) in all.
+typedef struct {
+    long NF, NT, NV, NU;
+} fold_t;
+
+INLINE fold_t fold_layout(long KB) {
+    const long NF = KB / 4, NT = (KB % 4 + 1) / 2;
+    return (fold_t){NF, NT, 2 * NF + NT, NF + NT};
+}
+
 INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const float *scale, const int8_t *xt,
-                            const int32_t *corr, const float *s16, long NF, long NT, const float *x, long K,
-                            float *out, long ldy) {
-    const long NV = 2 * NF + NT, NU = NF + NT, KB = K / QB;
+                            const int32_t *corr, const float *s16, const float *x, long K, float *out, long ldy) {
+    const long KB = K / QB;
+    const fold_t L = fold_layout(KB);
+    const long NF = L.NF, NV = L.NV, NU = L.NU;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
@@ -459,7 +472,8 @@ INLINE void int8q_tile_vnni(int R, int BT, const int8_t *w, long ldw, const floa
 // the first, its last 16 in the same lanes of the second), then the tail's pairs as they lie (zeros past the last
 // block); per unit (fold or tail vector) -128 times each lane's sum of q, and each lane's block scale.
 static void fold_x(const int8_t *qx, const float *sx, long B, long KB, int8_t *xt, int32_t *corr, float *s16) {
-    const long NF = KB / 4, NT = (KB % 4 + 1) / 2, NV = 2 * NF + NT, NU = NF + NT;
+    const fold_t L = fold_layout(KB);
+    const long NF = L.NF, NV = L.NV, NU = L.NU;
     const __m512i ones = _mm512_set1_epi8(1);
     for (long b = 0; b < B; b++) {
         const int8_t *q = qx + b * KB * QB;
@@ -898,14 +912,15 @@ void tl_linear_int8(const float *x, const int8_t *w, const float *scale, float *
     int8_t *qx = aligned_alloc(64, (B * KB * QB + 64) & ~63L);
     float *sx = malloc((B * KB + 1) * sizeof(float));
 #ifdef AQ8_VNNI
-    const long NF = KB / 4, NT = (KB % 4 + 1) / 2, NV = 2 * NF + NT, NU = NF + NT;
+    const fold_t lay = fold_layout(KB);
+    const long NV = lay.NV, NU = lay.NU;
     int8_t *xt = aligned_alloc(64, B * NV * 64 + 64);
     int32_t *corr = aligned_alloc(64, B * NU * 64 + 64);
     float *s16 = aligned_alloc(64, B * NU * 64 + 64);
     quant_x(x, B, K, KB, qx, sx, 0);
     fold_x(qx, sx, B, KB, xt, corr, s16);
 #define T(R_, BT_) int8q_tile_vnni(R_, BT_, w + n * K, K, scale + n, xt + b0 * NV * 64, corr + b0 * NU * 16, \
-                                   s16 + b0 * NU * 16, NF, NT, x + b0 * K, K, y + b0 * N + n, N)
+                                   s16 + b0 * NU * 16, x + b0 * K, K, y + b0 * N + n, N)
     FOR_TILES(N, B, K, threads, TUNE_AQ8V, NO_WIDEN, T)
 #undef T
     free(xt);
