@@ -16,6 +16,9 @@ firing):
                 whole loop counts around it): a token's prelude, coda and head cost the same at every depth, so
                 tokens of fewer loops run fewer passes a second even in a uniform batch; this reference takes that
                 out and leaves what running lanes at different depths in one batch costs
+  at mean depth the same uniform batches: a decoded token's time at 16 loops over its time at early exit's mean
+                depth, against the ideal 16 / mean: what early exit at batch 16 reaches if its tokens cost what a
+                uniform batch's do
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 """
@@ -164,6 +167,13 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
         data[f"early_lane_iterations_{name}"] = erate / urate
         data[f"early_lane_iterations_same_depth_{name}"] = erate / mrate
+        if not tokens:  # a decoded token's seconds at 16 loops over those at the mean depth (uniform batches)
+            uniform_speedup = uniform[tokens]["passes_s"] / uniform[tokens]["decoded"] / (mean / mrate)
+    lines.append(f"    fixed depth at early exit's mean depth: a uniform 16-lane batch at {mean:.1f} loops decodes "
+                 f"{uniform_speedup:.2f}x faster than one at {L} = {uniform_speedup / (L / mean):.0%} of the ideal "
+                 f"{L / mean:.2f}x (a token's prelude, coda and head cost the same at every depth: what early exit at "
+                 f"batch 16 reaches if its tokens cost what a uniform batch's do)")
+    data["uniform_at_mean_depth"] = {"speedup": uniform_speedup, "fraction": uniform_speedup / (L / mean)}
     two, m = GenerateConfig(max_tokens=SHALLOW_TOKENS, loops=2, ignore_eos=True), SHALLOW_TOKENS
     mates = [GenerateConfig(max_tokens=m, loops=8, ignore_eos=True), GenerateConfig(max_tokens=m, loops=L, ignore_eos=True)]
     got = best_of({"solo": lambda: {"s": run(model, [two], 4)["ends"][0]},
