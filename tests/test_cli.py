@@ -55,11 +55,12 @@ def test_bench_quick_prints_ratios():
 
 
 def test_bench_depth_quick_gives_every_figure_with_the_same_tokens(tmp_path):
-    """`tinyloop bench --section depth`: every figure of issue 31 for both models, in the JSON too, and each early-exit
-    run's tokens equal with loop-iteration steps and with token steps."""
+    """`tinyloop bench --section depth`: every figure of issue 31 for both models, in the JSON too, each early-exit
+    run's tokens equal with loop-iteration steps and with token steps, and the mixed-depth requests' tokens equal
+    to the same requests run in depth-homogeneous groups."""
     out = tinyloop_cli("bench", "--quick", "--section", "depth", "--json", str(tmp_path / "d.json"), timeout=600)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("tokens equal: yes") == 8 and "tokens equal: NO" not in out.stdout
+    assert out.stdout.count("tokens equal: yes") == 12 and "tokens equal: NO" not in out.stdout
     data = json.loads((tmp_path / "d.json").read_text())["sections"]["depth"]["data"]
     for model in ("bundled", "forced"):
         got = data[model]

@@ -8,8 +8,8 @@ memory-bound regime: a loop streams 26 MB of core weights), whose early exit is 
 firing):
   early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16, one-line prompts: the achieved speedup of
                 decode (after the prompts are in) over its ideal (16 / the mean loops a decoded token ran)
-  mixed depth   half of 64 requests at 4 loops, half at 16, through 16 lanes, against the same requests in
-                depth-homogeneous groups one after the other (one-line prompts)
+  mixed depth   half of 64 requests at 4 loops, half at 16, through 16 lanes, against the same requests (each with
+                its own prompt) in depth-homogeneous groups one after the other (one-line prompts)
   lane-iterations per second (a decoded token's core pass is one; the seconds of the run's steps less its
                 prompts' forwards) of the mixed and early-exit workloads over a uniform 16-lane batch at 16 loops,
                 and early exit's over a uniform 16-lane batch at its own mean depth (interpolated between the two
@@ -101,11 +101,24 @@ def runs(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str
     return lambda: run(model, cfgs, lanes, prompts)
 
 
-def groups_run(model: Model, groups: list[list[GenerateConfig]], lanes: int, prompts: list[str]):
-    """A workload for best_of: the groups one after the other, its seconds the sum of theirs (in one round: the best of
-    each group's rounds summed would pick every group's luckiest round, a bias of several percent on this noisy a
-    machine against the one workload it is compared with)."""
-    return lambda: {"s": sum(run(model, g, lanes, prompts)["s"] for g in groups)}
+def groups_run(model: Model, cfgs: list[GenerateConfig], lanes: int, prompts: list[str]):
+    """A workload for best_of: the requests of run(model, cfgs, lanes, prompts), each with its own prompt, in groups of
+    one loop count run one after the other, its seconds the sum of theirs (in one round: the best of each group's
+    rounds summed would pick every group's luckiest round, a bias of several percent on this noisy a machine against
+    the one workload it is compared with)."""
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(cfgs):
+        groups.setdefault(c.loops, []).append(i)
+
+    def workload() -> dict:
+        seconds, out = 0.0, [None] * len(cfgs)
+        for g in groups.values():
+            r = run(model, [cfgs[i] for i in g], lanes, [prompts[i % len(prompts)] for i in g])
+            seconds += r["s"]
+            for i, tokens in zip(g, r["out"]):
+                out[i] = tokens
+        return {"s": seconds, "out": out}
+    return workload
 
 
 L = 16  # the deepest loop count of every figure
@@ -143,8 +156,8 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     probe = run(model, [early] * 16 * k, 16, short)
     mean = probe["passes"] / probe["decoded"]
     around = sorted({int(mean), min(int(mean) + 1, L)})
-    got = best_of({"together": runs(model, [shallow, deep] * (8 * k), 16, short),
-                   "apart": groups_run(model, [[shallow] * 8 * k, [deep] * 8 * k], 16, short),
+    mixed = [shallow, deep] * (8 * k)
+    got = best_of({"together": runs(model, mixed, 16, short), "apart": groups_run(model, mixed, 16, short),
                    "uniform": runs(model, [deep] * 16 * k, 16, short),
                    "early16": runs(model, [early] * 16 * k, 16, short),
                    **{f"at {loops}": runs(model, [replace(fixed, loops=loops)] * 16 * k, 16, short) for loops in around}},
@@ -160,8 +173,9 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         per_token = {loops: r[tokens]["passes_s"] / r[tokens]["decoded"] for loops, r in at_mean.items()}
         (a, ta), (b, tb) = min(per_token.items()), max(per_token.items())
         mrate = mean / (ta + (tb - ta) * (mean - a) / (b - a) if b > a else ta)
+        same = "yes" if together[tokens]["out"] == apart[tokens]["out"] else "NO"
         lines.append(f"    mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
-                     f"depth-homogeneous groups; lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform 16-lane "
+                     f"same requests in depth-homogeneous groups (tokens equal: {same}); lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform 16-lane "
                      f"batch at {L} ({urate:.0f}); early exit's {erate:.0f} = {erate / urate:.2f}, and "
                      f"{erate / mrate:.2f} of a uniform 16-lane batch at its mean depth, {mean:.1f} loops ({mrate:.0f})")
         data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
