@@ -259,8 +259,10 @@ def test_client_mistakes_never_move_readiness():
 
 
 def fails_at_step_4(monkeypatch, max_attempts: int) -> launcher.LocalService:
-    """A 1-worker service whose batch's 4th step breaks its forwards once (the test-only TINYLOOP_TEST_FAIL_STEP)."""
+    """A 1-worker service whose batch's 4th step breaks its forwards once (the test-only TINYLOOP_TEST_FAIL_STEP), each
+    step a token of every lane (TINYLOOP_RUN_AHEAD=0: greedy lanes would draw several in C)."""
     monkeypatch.setenv("TINYLOOP_TEST_FAIL_STEP", "4")
+    monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")
     return launcher.LocalService(1, ["--max-seq-len", "128", "--threads", "1", "--max-lanes", "4"],
                                  broker_args=["--max-attempts", str(max_attempts), "--metrics-port", "0"],
                                  heartbeat_interval=0.3)

@@ -33,7 +33,7 @@ def test_joins_and_leaves_keep_every_request_exact(make_artifact, mode):
     for step in range(200):
         if step % 3 == 0 and len(seqs) < len(cfgs):  # a newcomer every third step
             seqs.append(sched.submit(prompts[len(seqs)], cfgs[len(seqs)]))
-        if step == 10:
+        if step == 2:  # (after its first decode step: a greedy lane alone draws up to a block of tokens a step)
             seqs[0].cancel()
         depths.add(len({s.loops for s in sched.runner.admitted}))
         sched.step()
@@ -50,7 +50,7 @@ def test_joins_and_leaves_keep_every_request_exact(make_artifact, mode):
 
 
 def test_a_long_prompt_is_prefilled_between_decode_steps(make_artifact):
-    """A running stream gets a token every step while a 100-token prompt joins in 16-token pieces; the newcomer's
+    """A running stream gets a token or more every step while a 100-token prompt joins in 16-token pieces; the newcomer's
     prompt is cut at the same places as generate alone cuts it, so its output is the same."""
     model = tinyloop.load_model(make_artifact(eos_id=319), 256)
     model.prefill_chunk = 16
@@ -64,7 +64,8 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(make_artifact):
         before = running.count
         sched.step()
         steps += 1
-        assert running.count == before + 1  # the stream was not stalled by the long prefill
+        assert running.count >= before + 1  # the stream was not stalled by the long prefill (once the prompt is
+        # in, the greedy lane may draw several tokens in C in the same step)
     assert steps == 7  # ceil(100 / 16) pieces, one per step
     drain(sched)
     assert newcomer.result().tokens == tinyloop.generate(model, ids(100, 2), G(max_tokens=5)).tokens

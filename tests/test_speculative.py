@@ -98,6 +98,7 @@ def test_verification_has_the_bits_of_plain_decode(make_artifact, monkeypatch):
     """On the CPU drafts and verification run the C step of plain decode (engine/forward.py: forward_loops): the
     logits verification computes for each committed position are plain decode's, bit for bit."""
     from tinyloop.engine import forward as cached
+    monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")  # plain decode's logits come back to Python, a token a step
     model = tinyloop.load_model(make_artifact(state_init="normal"), 128)
     D, V = 2, 6
     plain_logits, verified = {}, {}

@@ -10,6 +10,9 @@ from workers.engine import ModelEngine
 
 SCAFFOLD = '"""Project conventions for every answer."""\nimport os\nimport sys\n\n\n'
 never = lambda: False  # noqa: E731
+# the long request the others run beside: sampled, so it takes one token a step (a greedy lane may draw up to a
+# block of tokens in one step, and would finish first)
+LONG = {"temperature": 0.8, "seed": 1}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def test_a_pool_request_runs_beside_a_long_one_and_equals_generate_with_pool(eng
     prompt = SCAFFOLD + "def fibonacci(n):\n"
     hits_before = pool.stats.hits
     answers, order = run_batch(engine, [
-        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120, **LONG}, None),
         ("pool", "generate_pool", {"prompt": prompt, "max_tokens": 16, "loops": 8}, None)])
     assert order == ["pool", "long"]  # it did not wait for the batch to drain
     alone = tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=16, loops=8))
@@ -54,7 +57,7 @@ def test_a_continued_stream_joins_the_batch_and_answers_the_whole_output(engine)
     whole = tinyloop.generate(model, prompt, cfg)
     delivered = whole.tokens[:9]
     answers, order = run_batch(engine, [
-        ("long", "generate", {"prompt": "import os\n", "max_tokens": 120}, None),
+        ("long", "generate", {"prompt": "import os\n", "max_tokens": 120, **LONG}, None),
         ("cont", "generate", {"prompt": prompt, "max_tokens": 24}, delivered)])
     assert order == ["cont", "long"]
     cont = answers["cont"]
@@ -80,7 +83,7 @@ def test_a_beam_request_holds_lanes_of_the_batch_and_equals_beam_search_alone(en
     model = engine.model
     prompt = "def add(a, b):\n    return"
     answers, order = run_batch(engine, [
-        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120, **LONG}, None),
         ("beam", "generate", {"prompt": prompt, "max_tokens": 12, "beam_size": 3}, None),
         ("short", "generate", {"prompt": "import os\n", "max_tokens": 8}, None)])
     assert order.index("beam") < order.index("long") and order.index("short") < order.index("long")
@@ -94,7 +97,7 @@ def test_windowed_requests_step_beside_the_batch_and_equal_generate(engine):
     plain, beam = {"prompt": "def main():\n", "max_tokens": 40, "cache_window": 24}, \
         {"prompt": "import os\n", "max_tokens": 12, "cache_window": 16, "beam_size": 2}
     answers, order = run_batch(engine, [
-        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120, **LONG}, None),
         ("window", "generate", plain, None), ("window-beam", "generate", beam, None)])
     assert order[-1] == "long"
     for key, params in (("window", plain), ("window-beam", beam)):
@@ -112,7 +115,7 @@ def test_speculative_requests_run_in_the_batch_and_equal_speculative_alone(engin
     sampled = {**chain, "prompt": "class Node:\n", "temperature": 0.8, "seed": 3, "max_tokens": 24}
     windowed = {**chain, "prompt": "def main():\n", "cache_window": 24, "max_tokens": 30}
     answers, order = run_batch(engine, [
-        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 160}, None),
+        ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 160, **LONG}, None),
         ("chain", "speculative", chain, None), ("tree", "speculative", tree, None),
         ("sampled", "speculative", sampled, None), ("window", "generate", windowed, None)])
     assert order[-1] == "long"  # none of them waited for the batch to drain
@@ -134,7 +137,7 @@ def test_resume_requests_run_in_the_batch_and_equal_resume_alone(engine):
         {"handle": built["handle"], "loops": 16, "max_tokens": 16, "temperature": 0.7, "seed": 5}
     for params in (refine, sampled):  # one at a time: a handle serves one call at a time
         answers, order = run_batch(engine, [
-            ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120}, None),
+            ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120, **LONG}, None),
             ("resume", "resume", params, None)])
         assert order == ["resume", "long"] and answers["resume"]["handle"] == built["handle"]
         cfg = tinyloop.GenerateConfig(**{k: v for k, v in params.items() if k not in ("handle", "loops")})
