@@ -50,8 +50,8 @@ def test_joins_and_leaves_keep_every_request_exact(make_artifact, mode):
 
 
 def test_a_long_prompt_is_prefilled_between_decode_steps(make_artifact):
-    """A running stream gets a token or more every step while a 100-token prompt joins in 16-token pieces; the newcomer's
-    prompt is cut at the same places as generate alone cuts it, so its output is the same."""
+    """A running stream gets a token or more every step while a 100-token prompt joins in 16-token pieces; the
+    newcomer's prompt is cut at the same places as generate alone cuts it, so its output is the same."""
     model = tinyloop.load_model(make_artifact(eos_id=319), 256)
     model.prefill_chunk = 16
     sched = tinyloop.Scheduler(model, lanes=4)

@@ -175,9 +175,10 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         mrate = mean / (ta + (tb - ta) * (mean - a) / (b - a) if b > a else ta)
         same = "yes" if together[tokens]["out"] == apart[tokens]["out"] else "NO"
         lines.append(f"    mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
-                     f"same requests in depth-homogeneous groups (tokens equal: {same}); lane-iterations/s {rate:.0f} = {rate / urate:.2f} of a uniform 16-lane "
-                     f"batch at {L} ({urate:.0f}); early exit's {erate:.0f} = {erate / urate:.2f}, and "
-                     f"{erate / mrate:.2f} of a uniform 16-lane batch at its mean depth, {mean:.1f} loops ({mrate:.0f})")
+                     f"same requests in depth-homogeneous groups (tokens equal: {same}); lane-iterations/s {rate:.0f} = "
+                     f"{rate / urate:.2f} of a uniform 16-lane batch at {L} ({urate:.0f}); early exit's {erate:.0f} = "
+                     f"{erate / urate:.2f}, and {erate / mrate:.2f} of a uniform 16-lane batch at its mean depth, "
+                     f"{mean:.1f} loops ({mrate:.0f})")
         data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
         data[f"early_lane_iterations_{name}"] = erate / urate
         data[f"early_lane_iterations_same_depth_{name}"] = erate / mrate
