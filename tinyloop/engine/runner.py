@@ -531,7 +531,7 @@ class Runner:
     def by_iteration(self, rows: list[Sequence]) -> bool:
         """Whether this step's rows advance by loop iterations: a token is in flight, or the rows' depths differ, or
         one may exit early, or every row draws its next tokens in C (one call then runs several tokens of each row,
-        where a token step runs one: greedy decoding at fixed depth 1.1-1.3x faster at batch 1). Otherwise, all at
+        where a token step runs one: greedy decoding at fixed depth 1.1-1.25x faster at batch 1). Otherwise, all at
         one fixed depth, one forward of every loop per step does the same work in fewer calls."""
         return any(s.place.token is not None for s in rows) or len({s.loops for s in rows}) > 1 \
             or any(self.is_adaptive(s.exit) for s in rows) \
