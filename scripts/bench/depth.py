@@ -7,18 +7,18 @@ memory-bound regime: a loop streams 26 MB of core weights), whose early exit is 
 (GenerateConfig.exit_schedule: token i stops after SCHEDULE[i % 8] loops, random weights having no rule worth
 firing):
   early exit    up to 16 loops against fixed 16 loops, at batch 1 and 16, one-line prompts: the achieved speedup of
-                decode (after the prompts are in) over its ideal (16 / the mean loops a decoded token ran)
+                decode (after the prompts are in) over its ideal (16 / the mean loops a decoded token ran), beside
+                what a fixed-depth batch at that mean depth (interpolated between the two whole loop counts around it)
+                reaches against the same ideal: a token's prelude, coda and head cost the same at every depth, so
+                this reference is the ceiling of early exit's figure, what it reaches if its tokens cost what fixed
+                depth's do
   mixed depth   half of 64 requests at 4 loops, half at 16, through 16 lanes, against the same requests (each with
                 its own prompt) in depth-homogeneous groups one after the other (one-line prompts)
   lane-iterations per second (a decoded token's core pass is one; the seconds of the run's steps less its
                 prompts' forwards) of the mixed and early-exit workloads over a uniform 16-lane batch at 16 loops,
-                and early exit's over a uniform 16-lane batch at its own mean depth (interpolated between the two
-                whole loop counts around it): a token's prelude, coda and head cost the same at every depth, so
-                tokens of fewer loops run fewer passes a second even in a uniform batch; this reference takes that
-                out and leaves what running lanes at different depths in one batch costs
-  at mean depth the same uniform batches: a decoded token's time at 16 loops over its time at early exit's mean
-                depth, against the ideal 16 / mean: what early exit at batch 16 reaches if its tokens cost what a
-                uniform batch's do
+                beside a uniform 16-lane batch's at early exit's mean depth: tokens of fewer loops run fewer passes a
+                second even in a uniform batch, so this reference is again the early-exit figure's ceiling, and
+                early exit's rate over it is what running lanes at different depths in one batch costs
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 """
@@ -130,6 +130,18 @@ FORCED = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn
                      n_coda=1, max_loops=L, default_loops=L, injection="adapter", bos_id=1, eos_id=2)
 
 
+def depths_around(mean: float) -> list[int]:
+    """The whole loop counts around a mean depth, for fixed-depth runs to interpolate between."""
+    return sorted({int(mean), min(int(mean) + 1, L)})
+
+
+def interpolate(at: dict[int, float], x: float) -> float:
+    """A figure at x loops, linear between the loop counts it was measured at (a token's prelude, coda and head cost
+    the same at every depth, its passes one each)."""
+    (a, ya), (b, yb) = min(at.items()), max(at.items())
+    return ya + (yb - ya) * (x - a) / (b - a) if b > a else ya
+
+
 def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int, k: int) -> tuple[list[str], dict]:
     """The early-exit, mixed-depth, lane-iteration and in-scheduler shallow figures of one model, `early` its early
     exit request (n tokens, as every request here); k requests per lane in the 16-lane workloads."""
@@ -137,58 +149,60 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     run(model, [early, fixed], 2)  # warm-up
     lines, data = [f"  {label}:"], {}
     for batch in (1, 16):
-        # decode's time, after the prompts are in (a prompt's chunks run every loop under every rule)
+        # decode's time, after the prompts are in (a prompt's chunks run every loop under every rule), and that of
+        # fixed-depth batches at the two whole loop counts around early exit's mean depth (its tokens are the same in
+        # every round and mode)
+        probe = run(model, [early] * batch, batch, SHORT_PROMPTS)
+        around = depths_around(sum(probe["loops"]) / batch)
         got = best_of({"fixed": runs(model, [fixed] * batch, batch, SHORT_PROMPTS),
-                       "early": runs(model, [early] * batch, batch, SHORT_PROMPTS)}, rounds, "decode_s")
+                       "early": runs(model, [early] * batch, batch, SHORT_PROMPTS),
+                       **{loops: runs(model, [replace(fixed, loops=loops)] * batch, batch, SHORT_PROMPTS)
+                          for loops in around}}, rounds, "decode_s")
         f, e = got["fixed"], got["early"]
         mean = sum(e[False]["loops"]) / batch
         ideal = L / mean
         for tokens, name in ((False, "now"), (True, "before")):
             speedup = f[tokens]["decode_s"] / e[tokens]["decode_s"]
+            at_mean = interpolate({loops: got[loops][tokens]["decode_s"] for loops in around}, mean)
+            reference = f[tokens]["decode_s"] / at_mean / ideal
             lines.append(f"    early exit vs fixed {L}, batch {batch:>2}, {name:<6}: {speedup:.2f}x faster (ideal {ideal:.2f}x: "
-                         f"{mean:.1f} loops per token) = {speedup / ideal:.0%} of ideal; tokens equal: "
+                         f"{mean:.1f} loops per token) = {speedup / ideal:.0%} of ideal, where fixed depth at {mean:.1f} "
+                         f"loops reaches {reference:.0%}; tokens equal: "
                          f"{'yes' if e[tokens]['out'] == e[not tokens]['out'] else 'NO'}")
-            data[f"early_exit_b{batch}_{name}"] = {"speedup": speedup, "ideal": ideal, "fraction": speedup / ideal}
+            data[f"early_exit_b{batch}_{name}"] = {"speedup": speedup, "ideal": ideal, "fraction": speedup / ideal,
+                                                   "fixed_at_mean_fraction": reference}
     # one-line prompts here too: the figures are decode's loop iterations (long prompts' prefill, the same work in
     # every arm, would outweigh them at these token counts)
     shallow, deep, short = GenerateConfig(max_tokens=n, loops=4, ignore_eos=True), fixed, SHORT_PROMPTS
     # early exit's mean depth, for the uniform batches around it (its tokens are the same in every round and mode)
     probe = run(model, [early] * 16 * k, 16, short)
     mean = probe["passes"] / probe["decoded"]
-    around = sorted({int(mean), min(int(mean) + 1, L)})
+    around = depths_around(mean)
     mixed = [shallow, deep] * (8 * k)
     got = best_of({"together": runs(model, mixed, 16, short), "apart": groups_run(model, mixed, 16, short),
                    "uniform": runs(model, [deep] * 16 * k, 16, short),
                    "early16": runs(model, [early] * 16 * k, 16, short),
-                   **{f"at {loops}": runs(model, [replace(fixed, loops=loops)] * 16 * k, 16, short) for loops in around}},
+                   **{loops: runs(model, [replace(fixed, loops=loops)] * 16 * k, 16, short) for loops in around}},
                   rounds)
     together, apart, uniform, early16 = got["together"], got["apart"], got["uniform"], got["early16"]
-    at_mean = {loops: got[f"at {loops}"] for loops in around}
     for tokens, name in ((False, "now"), (True, "before")):
         ratio = apart[tokens]["s"] / together[tokens]["s"]
         urate = uniform[tokens]["passes"] / uniform[tokens]["passes_s"]
         rate = together[tokens]["passes"] / together[tokens]["passes_s"]
         erate = early16[tokens]["passes"] / early16[tokens]["passes_s"]
-        # seconds a decoded token takes in a uniform batch, linear in its loops between the two runs around `mean`
-        per_token = {loops: r[tokens]["passes_s"] / r[tokens]["decoded"] for loops, r in at_mean.items()}
-        (a, ta), (b, tb) = min(per_token.items()), max(per_token.items())
-        mrate = mean / (ta + (tb - ta) * (mean - a) / (b - a) if b > a else ta)
+        # a uniform batch at the mean depth: its decoded token's seconds, linear in its loops between the runs around
+        mrate = mean / interpolate({loops: got[loops][tokens]["passes_s"] / got[loops][tokens]["decoded"]
+                                    for loops in around}, mean)
         same = "yes" if together[tokens]["out"] == apart[tokens]["out"] else "NO"
         lines.append(f"    mixed depth (4 and 16 loops, {16 * k} requests through 16 lanes), {name:<6}: {ratio:.2f}x the "
                      f"same requests in depth-homogeneous groups (tokens equal: {same}); lane-iterations/s {rate:.0f} = "
                      f"{rate / urate:.2f} of a uniform 16-lane batch at {L} ({urate:.0f}); early exit's {erate:.0f} = "
-                     f"{erate / urate:.2f}, and {erate / mrate:.2f} of a uniform 16-lane batch at its mean depth, "
-                     f"{mean:.1f} loops ({mrate:.0f})")
+                     f"{erate / urate:.2f}, where a uniform 16-lane batch at its mean depth, {mean:.1f} loops, reaches "
+                     f"{mrate / urate:.2f} ({mrate:.0f}): {erate / mrate:.2f} of it")
         data[f"mixed_{name}"] = {"vs_homogeneous": ratio, "lane_iterations_vs_uniform": rate / urate}
         data[f"early_lane_iterations_{name}"] = erate / urate
+        data[f"uniform_at_mean_lane_iterations_{name}"] = mrate / urate
         data[f"early_lane_iterations_same_depth_{name}"] = erate / mrate
-        if not tokens:  # a decoded token's seconds at 16 loops over those at the mean depth (uniform batches)
-            uniform_speedup = uniform[tokens]["passes_s"] / uniform[tokens]["decoded"] / (mean / mrate)
-    lines.append(f"    fixed depth at early exit's mean depth: a uniform 16-lane batch at {mean:.1f} loops decodes "
-                 f"{uniform_speedup:.2f}x faster than one at {L} = {uniform_speedup / (L / mean):.0%} of the ideal "
-                 f"{L / mean:.2f}x (a token's prelude, coda and head cost the same at every depth: what early exit at "
-                 f"batch 16 reaches if its tokens cost what a uniform batch's do)")
-    data["uniform_at_mean_depth"] = {"speedup": uniform_speedup, "fraction": uniform_speedup / (L / mean)}
     two, m = GenerateConfig(max_tokens=SHALLOW_TOKENS, loops=2, ignore_eos=True), SHALLOW_TOKENS
     mates = [GenerateConfig(max_tokens=m, loops=8, ignore_eos=True), GenerateConfig(max_tokens=m, loops=L, ignore_eos=True)]
     got = best_of({"solo": lambda: {"s": run(model, [two], 4)["ends"][0]},
