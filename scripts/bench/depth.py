@@ -147,7 +147,7 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     exit request (n tokens, as every request here); k requests per lane in the 16-lane workloads."""
     fixed, early = GenerateConfig(max_tokens=n, loops=L, ignore_eos=True), replace(early, max_tokens=n)
     run(model, [early, fixed], 2)  # warm-up
-    lines, data = [f"  {label}:"], {}
+    lines, data = [f"  {label} (best of {rounds} rounds, the early-exit lines of {2 * rounds + 1}):"], {}
     for batch in (1, 16):
         # decode's time, after the prompts are in (a prompt's chunks run every loop under every rule), and that of
         # fixed-depth batches at the two whole loop counts around early exit's mean depth (its tokens are the same in
@@ -157,7 +157,7 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         got = best_of({"fixed": runs(model, [fixed] * batch, batch, SHORT_PROMPTS),
                        "early": runs(model, [early] * batch, batch, SHORT_PROMPTS),
                        **{loops: runs(model, [replace(fixed, loops=loops)] * batch, batch, SHORT_PROMPTS)
-                          for loops in around}}, rounds, "decode_s")
+                          for loops in around}}, 2 * rounds + 1, "decode_s")  # (short runs: more rounds)
         f, e = got["fixed"], got["early"]
         mean = sum(e[False]["loops"]) / batch
         ideal = L / mean
@@ -248,7 +248,7 @@ def served_shallow(rounds: int, before: bool) -> float:
 
 def bench_depth(model_path: str | None, quick: bool) -> Report:
     n, rounds, k = (16, 1, 1) if quick else (48, 3, 4)
-    lines = [f"continuous-depth batching, {n} tokens per request, best of {rounds}; 'now' steps loop iterations, "
+    lines = [f"continuous-depth batching, {n} tokens per request; 'now' steps loop iterations, "
              f"'before' whole tokens (TINYLOOP_DEPTH_STEPS=0), alternating"]
     data: dict = {}
     model = load_model(model_path, 1024)
@@ -270,6 +270,6 @@ def bench_depth(model_path: str | None, quick: bool) -> Report:
         ratio = served_shallow(rounds, before)
         name = "before" if before else "now"
         lines.append(f"  a 2-loop request sent after an 8- and a 16-loop one to a 1-worker service "
-                     f"({SHALLOW_TOKENS} tokens each), {name:<6}: {ratio:.2f}x its time alone")
+                     f"({SHALLOW_TOKENS} tokens each, best of {rounds}), {name:<6}: {ratio:.2f}x its time alone")
         data[f"served_shallow_{name}"] = ratio
     return Report(lines, data)
