@@ -165,10 +165,10 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
             speedup = f[tokens]["decode_s"] / e[tokens]["decode_s"]
             at_mean = interpolate({loops: got[loops][tokens]["decode_s"] for loops in around}, mean)
             reference = f[tokens]["decode_s"] / at_mean / ideal
-            lines.append(f"    early exit vs fixed {L}, batch {batch:>2}, {name:<6}: {speedup:.2f}x faster ("
-                         f"{e[tokens]['decode_s'] * 1000:.0f} against {f[tokens]['decode_s'] * 1000:.0f} ms; ideal {ideal:.2f}x: "
-                         f"{mean:.1f} loops per token) = {speedup / ideal:.0%} of ideal, where fixed depth at {mean:.1f} "
-                         f"loops reaches {reference:.0%}; tokens equal: "
+            ms = e[tokens]["decode_s"] * 1000, f[tokens]["decode_s"] * 1000
+            lines.append(f"    early exit vs fixed {L}, batch {batch:>2}, {name:<6}: {speedup:.2f}x faster ({ms[0]:.0f} "
+                         f"against {ms[1]:.0f} ms; ideal {ideal:.2f}x: {mean:.1f} loops per token) = {speedup / ideal:.0%} "
+                         f"of ideal, where fixed depth at {mean:.1f} loops reaches {reference:.0%}; tokens equal: "
                          f"{'yes' if e[tokens]['out'] == e[not tokens]['out'] else 'NO'}")
             data[f"early_exit_b{batch}_{name}"] = {"speedup": speedup, "ideal": ideal, "fraction": speedup / ideal,
                                                    "fixed_at_mean_fraction": reference}
