@@ -55,7 +55,7 @@ def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool | str, mo
         prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
         tokens = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen)
         lanes = list(range(len(lengths))) if lanes is None else lanes
-        cache = KVCache(cfg, len(lengths), 128, "fp16")
+        cache = KVCache(cfg, len(lengths), 128, "fp16").reserve_all()
         took, out = [], []
         real_context, real_run = cached.context, cpu_block.DecodeStep.run
         m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
@@ -133,20 +133,26 @@ def test_the_whole_step_follows_the_models_tables(monkeypatch):
 
 
 def test_the_whole_step_copies_a_shared_block_before_writing_it():
-    """DecodeStep skips preparing blocks while its lanes stay in the blocks it prepared and the pool changed nothing
-    (its epoch). A block shared meanwhile (a handle or the prefix cache retains it) changes the epoch: the next step
-    copies it before writing, so what the sharer holds stays as it was."""
+    """DecodeStep skips checking blocks while its lanes stay in the blocks it checked and the pool changed nothing
+    (its epoch). A block shared meanwhile (a handle or the prefix cache retains it) changes the epoch: a forward into
+    it raises (forwards take and copy no block), and once the blocks are taken again the lane writes its own copy, so
+    what the sharer holds stays as it was."""
+    from tinyloop.cache import UnreservedBlock
     cfg = ModelConfig(**BASE)
     net = make_net(cfg)
     cache = KVCache(cfg, 1, 128, "fp16")
     tok = torch.tensor([[7]])
     with torch.inference_mode():
         for p in range(3):  # cells 0..2 of the first block of 16
+            cache.reserve([0], [p], [p], 2)
             cached.forward(net, tok, 2, net.make_step(torch.tensor([[p]]), p + 1), cache)
         written = [s for s in range(len(cache.held)) if cache.held[s][0]]
         assert len(written) == cfg.n_prelude + 2 * cfg.n_core + cfg.n_coda
         span = cache.share(written, 3)
         before = {s: cache.pool.store["k"][ids[0]].clone() for s, ids in span.blocks.items()}
+        with pytest.raises(UnreservedBlock, match="cells 3..3 of lane 0"):
+            cached.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
+        cache.reserve([0], [3], [3], 2)  # copy-on-write: what a step's schedule does
         cached.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
     for s, ids in span.blocks.items():
         assert torch.equal(cache.pool.store["k"][ids[0]], before[s])  # the shared block: untouched
@@ -163,7 +169,7 @@ def test_decode_rows_is_forward_of_those_rows(monkeypatch):
         with monkeypatch.context() as m:
             if not native:
                 m.setattr(cpu_block, "supported", lambda *a: False)
-            caches = [KVCache(cfg, 2, 128, "fp16") for _ in range(2)]
+            caches = [KVCache(cfg, 2, 128, "fp16").reserve_all() for _ in range(2)]
             with torch.inference_mode():
                 for p in range(3):
                     tokens, positions = [5 + p, 60 - p], [p, p]
@@ -178,7 +184,7 @@ def test_the_whole_step_refuses_what_it_cannot_index():
     an IndexError naming them, as torch's embedding would raise, not a read outside the tables."""
     cfg = ModelConfig(**BASE)
     net = make_net(cfg)
-    cache = KVCache(cfg, 1, 128, "fp16")
+    cache = KVCache(cfg, 1, 128, "fp16").reserve_all()
     with torch.inference_mode():
         for ids, pos, what in (([[96]], [[3]], "token id 96"), ([[-1]], [[3]], "token id -1"),
                                ([[5]], [[128]], "position 128")):
@@ -191,7 +197,7 @@ def test_an_iteration_step_refuses_what_it_cannot_index():
     positions, loop indices, the latent rows it writes."""
     cfg = ModelConfig(**BASE)
     net = make_net(cfg)
-    step, cache = cpu_block.decode_step(net, fused_weights(net)), KVCache(cfg, 2, 128, "fp16")
+    step, cache = cpu_block.decode_step(net, fused_weights(net)), KVCache(cfg, 2, 128, "fp16").reserve_all()
     e, s = torch.zeros(2, cfg.d_model), torch.zeros(2, cfg.d_model)
     with torch.inference_mode():
         for cells, loop, tokens, err, what in (([0, 0], [0, 0], [96, 1], IndexError, "token id 96"),
@@ -282,7 +288,7 @@ def test_int4_widths_the_group_does_not_divide(monkeypatch):
 
 # --- the forward over a loop range (engine/forward.py: forward_loops), the speculative rounds' one driver ----------
 def prefilled(net: LoopedLM, n: int, lanes: int = 1) -> KVCache:
-    cache = KVCache(net.cfg, lanes, 128, "fp16")
+    cache = KVCache(net.cfg, lanes, 128, "fp16").reserve_all()
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():
         for lane in range(lanes):
@@ -360,7 +366,7 @@ def prefill_chunks(net: LoopedLM, sizes: list[int], starts: list[int], c_chunks:
     chunk through torch), and whether each chunk ran as C blocks."""
     cfg, gen = net.cfg, torch.Generator().manual_seed(4)
     B = len(starts)
-    cache = KVCache(cfg, B, 256, "fp16")
+    cache = KVCache(cfg, B, 256, "fp16").reserve_all()
     out, took, at = [], [], torch.tensor(starts).unsqueeze(1)
     with monkeypatch.context() as m, torch.inference_mode():
         for b, s in enumerate(starts):

@@ -138,6 +138,7 @@ def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
         with torch.inference_mode():
             for j, i in enumerate(lanes):  # prefill each lane at its own depth, then one adaptive row per lane
                 p = prompts[i][:-1]
+                cache.lane_view(j).reserve([0], [0], [len(p)], loops[i])  # the prompt and the row, as a step takes
                 cached.forward(net, torch.tensor([p]), loops[i], net.make_step(torch.arange(len(p)).unsqueeze(0)),
                                cache.lane_view(j))
             tok = torch.tensor([[prompts[i][-1]] for i in lanes])

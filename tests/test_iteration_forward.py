@@ -38,7 +38,7 @@ def small_net(**over) -> LoopedLM:
 
 def prefilled(net: LoopedLM, depths: list[int], prompt: list[int], mode: str, window: int = 0) -> KVCache:
     """A cache whose lane i holds a prompt of prompt[i] tokens prefilled at depths[i] loops."""
-    cache = KVCache(net.cfg, len(depths), 128, mode, window=window, dtype=net.embed.weight.dtype)
+    cache = KVCache(net.cfg, len(depths), 128, mode, window=window, dtype=net.embed.weight.dtype).reserve_all()
     gen = torch.Generator().manual_seed(5)
     for lane, (loops, n) in enumerate(zip(depths, prompt)):
         ids = torch.randint(0, net.cfg.vocab_size, (1, n), generator=gen)
@@ -162,8 +162,8 @@ def test_a_sliding_window_runs_the_torch_step():
 
 @pytest.mark.parametrize("c_step", [True, False])
 def test_a_step_copies_a_shared_block_before_writing_it(c_step, monkeypatch):
-    """Lane 1 shares lane 0's blocks (a beam's fork): a step of lane 1 at loops 0 and then 1 writes its own copies,
-    and lane 0 keeps what it held."""
+    """Lane 1 shares lane 0's blocks (a beam's fork): taking lane 1's blocks for its next cell (a step's schedule)
+    copies the shared ones, its passes at loops 0 and then 1 write those copies, and lane 0 keeps what it held."""
     if not c_step:
         monkeypatch.setattr(cpu_block, "supported", lambda *a: False)
     net = small_net()
@@ -172,6 +172,7 @@ def test_a_step_copies_a_shared_block_before_writing_it(c_step, monkeypatch):
         cache.assign_lanes([1], [0])
         before = cache.dense("k")[:, 0].clone()
         latent = cached.Latent.empty(1, 1, net)
+        cache.reserve([1], [10], [10], 2)
         for k, token in ((0, 5), (1, None)):
             iterate(net, cache, [10], [k], [token], [k == 1], latent, lanes=[1])
         after = cache.dense("k")
@@ -183,7 +184,7 @@ def test_a_step_copies_a_shared_block_before_writing_it(c_step, monkeypatch):
 
 def test_a_bad_step_is_a_clear_error():
     net = small_net()
-    cache = KVCache(net.cfg, 2, 128, "fp16")
+    cache = KVCache(net.cfg, 2, 128, "fp16").reserve_all()
     lat = cached.Latent.empty(2, 1, net)
     with torch.inference_mode():
         for args, what in ((([0, 0], [0], [1, 2], [False, False]), "one or more rows"),

@@ -55,6 +55,7 @@ def filled_cache(mode: str, n_heads: int, n_kv: int, d: int, window: int, ring: 
     attn = net.prelude[0].attn
     cache = KVCache(cfg, len(LENGTHS), 32, mode, device=DEV, window=window, ring=ring)
     cache.reset()
+    cache.reserve_all()
     with torch.no_grad():
         for lane, n in enumerate(LENGTHS):
             view = cache.lane_view(lane)
@@ -107,6 +108,7 @@ def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
     def put(lane: int, lo: int, hi: int) -> None:  # positions lo..hi-1 in one write
         h, pos = torch.randn(1, hi - lo, 64, device=DEV), torch.arange(lo, hi, device=DEV).unsqueeze(0)
         step = net.make_step(pos)
+        cache.lane_view(lane).take_blocks([(1, [0], [lo], [hi - 1])])  # (copying a shared block: copy-on-write)
         write_tokens(cache.lane_view(lane), 1, pos, h, *project_kv(attn, h, step.cos, step.sin))
         written[lane].append(h)
 
@@ -174,7 +176,7 @@ def test_quantise_on_write_writes_the_same_bytes(mode, window, monkeypatch):
     torch.manual_seed(1)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=32, n_prelude=1, n_core=1,
                       n_coda=0, max_loops=1, default_loops=1)
-    caches = [KVCache(cfg, 3, 16, mode, device=DEV, window=window) for _ in range(2)]
+    caches = [KVCache(cfg, 3, 16, mode, device=DEV, window=window).reserve_all() for _ in range(2)]
     B, T = 3, 3 if window else 5
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [2, 3, 4, 5, 6]], device=DEV)[:, :T]
     h = torch.randn(B, T, 64, device=DEV) * 3
@@ -266,7 +268,7 @@ def cached_decode(cfg: ModelConfig, mode: str, window: int, lengths: list[int], 
     from tinyloop.engine import forward as step
     net = small_net(cfg)
     quantize_weights(net, weights, 32)
-    cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window)
+    cache = KVCache(cfg, len(lengths), 64, mode, device=DEV, window=window).reserve_all()
     gen = torch.Generator().manual_seed(1)
     seqs = []
     with torch.inference_mode():
@@ -308,7 +310,7 @@ def test_cached_decode_equals_one_chunk_over_the_whole_sequence(mode, arch, monk
             for lane, (n, seq) in enumerate(zip(lengths, seqs)):
                 T, x = len(seq), torch.tensor([seq], device=DEV)
                 step = net.make_step(torch.arange(T, device=DEV).unsqueeze(0), T)
-                chunk = cached.forward(net, x, 3, step, KVCache(cfg, 1, 64, mode, device=DEV, window=window))[0]
+                chunk = cached.forward(net, x, 3, step, KVCache(cfg, 1, 64, mode, device=DEV, window=window).reserve_all())[0]
                 torch.testing.assert_close(logits[:, lane, 0], chunk[n:n + steps], **tol)
                 if mode == "fp16":
                     full = net(x, 3, net.make_step(step.pos, T, window))[0]
@@ -373,10 +375,10 @@ def test_cached_step_follows_weight_updates(monkeypatch):
     net = small_net(cfg)
     ids, pos = torch.tensor([[5]]), torch.tensor([[0]])
     with torch.inference_mode():
-        step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+        step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16).reserve_all())
         net.core[0].mlp.w_up.weight.mul_(3.0)
         want = net(ids, 2, net.make_step(pos, 1))  # the cache-free forward reads the parameters as they are now
-        got = step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16))
+        got = step.forward(net, ids, 2, net.make_step(pos, 1), KVCache(cfg, 1, 16).reserve_all())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
@@ -388,7 +390,7 @@ def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
     plain, _ = cached_decode(cfg, "int8", 0, [6, 2], steps=1, loops=2)
     net = small_net(cfg)
-    cache = KVCache(cfg, 2, 64, "int8", device=DEV)
+    cache = KVCache(cfg, 2, 64, "int8", device=DEV).reserve_all()
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for lane, n in enumerate([6, 2]):
@@ -399,6 +401,6 @@ def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):
         graph_step = step.CudaGraphStep(net, cache, 2, 2)
         graph_step.ids.copy_(tok)
         graph_step.pos.copy_(torch.tensor([[6], [2]]))
-        graph_step.prepare()
+        graph_step.require()
         got = net(graph_step.ids, 2, ctx=graph_step._context())
     torch.testing.assert_close(got, plain[0], atol=1e-5, rtol=1e-5)

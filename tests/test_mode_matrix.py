@@ -92,7 +92,7 @@ def exact_logits(model, ids: list[int], window: int = 0) -> torch.Tensor:
 
 @torch.inference_mode()
 def quantised_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = tinyloop.KVCache(model.cfg, 1, len(ids), model.cache_mode, device=model.device, dtype=model.dtype)
+    cache = tinyloop.KVCache(model.cfg, 1, len(ids), model.cache_mode, device=model.device, dtype=model.dtype).reserve_all()
     step = model.net.make_step(torch.arange(len(ids)).unsqueeze(0), len(ids))
     return cached.forward(model.net, torch.tensor([ids]), LOOPS, step, cache)[0].float()
 

@@ -86,7 +86,7 @@ def prefill(net: LoopedLM, chunks: list[torch.Tensor], starts: list[int], monkey
     chunk's), with the C attention or SDPA."""
     monkeypatch.setenv("TINYLOOP_CPU_ATTENTION", "1" if kernel else "0")
     B = chunks[0].shape[0]
-    cache = KVCache(net.cfg, B, 512, "fp16")
+    cache = KVCache(net.cfg, B, 512, "fp16").reserve_all()
     out, at = [], torch.tensor(starts).unsqueeze(1)
     with torch.inference_mode():
         head = torch.randint(0, net.cfg.vocab_size, (1, max(starts)), generator=torch.Generator().manual_seed(2))

@@ -165,17 +165,20 @@ def test_speculative_and_resume_lanes_join_a_running_batch_exactly(make_artifact
 
 
 def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeypatch):
-    """The step is schedule -> execute -> postprocess: every block the forwards write (prefill pieces, decode rows at
-    several depths, early exit, a speculative lane's rounds) is taken while scheduling, none inside a forward."""
-    from tinyloop.engine.runner import Runner
+    """The step is schedule -> execute -> postprocess: every block the forwards write is taken while scheduling (a
+    forward that finds one missing raises), none inside execute: prefill pieces, decode rows at several depths, early
+    exit, a speculative lane's rounds, a beam request, a prompt whose prefix the prefix cache lends, a resume handle
+    that lends its blocks and runs the loops it lacks, a windowed lane, and a preempted request recomputed."""
+    from tinyloop.cache import BlockPool
 
-    model = tinyloop.load_model(make_artifact(), 128)
+    art = make_artifact()
+    model = tinyloop.load_model(art, 128, prefix_caching=True)
     model.prefill_chunk = 8
     takes = {"schedule": 0, "execute": 0}
     phase = {"now": "schedule"}
-    take = model.pool.take_many
-    monkeypatch.setattr(model.pool, "take_many",
-                        lambda n: (takes.__setitem__(phase["now"], takes[phase["now"]] + n), take(n))[1])
+    take = BlockPool.take_many
+    monkeypatch.setattr(BlockPool, "take_many",
+                        lambda pool, n: (takes.__setitem__(phase["now"], takes[phase["now"]] + n), take(pool, n))[1])
     execute = Runner.execute
 
     def watched(self, plan):
@@ -186,14 +189,28 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
             phase["now"] = "schedule"
 
     monkeypatch.setattr(Runner, "execute", watched)
+    handle = tinyloop.build_resume_handle(model, ids(9, 40), 2)
     sched = tinyloop.Scheduler(model, lanes=4)
     seqs = [sched.submit(ids(20, 1), G(max_tokens=40, loops=4)), sched.submit(ids(3, 2), G(max_tokens=30, loops=8)),
             sched.submit(ids(11, 3), G(max_tokens=25, early_exit_threshold=0.3))]
     drain(sched)
-    spec = sched.submit(ids(6, 4), G(max_tokens=30, loops=6), speculative=tinyloop.SpeculativeConfig(2, 6, 3, fallback=False))
+    seqs += [sched.submit(ids(6, 4), G(max_tokens=30, loops=6), speculative=tinyloop.SpeculativeConfig(2, 6, 3, fallback=False)),
+             sched.submit(ids(5, 5), G(max_tokens=8, loops=3, beam_size=2)),
+             sched.submit(ids(20, 1) + ids(5, 6), G(max_tokens=8, loops=4)),  # the first prompt's blocks, lent
+             sched.resume(handle, G(max_tokens=8, loops=4)),
+             sched.submit(ids(12, 7), G(max_tokens=8, loops=2, cache_window=8))]
     drain(sched)
-    assert spec.stats.verify_steps > 0 and all(s.count for s in seqs)
-    assert takes["execute"] == 0 and takes["schedule"] > 20, takes
+    assert seqs[3].stats.verify_steps > 0 and seqs[5].stats.prefix_hit_tokens >= 16, seqs[5].stats
+    assert all(s.error is None for s in seqs), [s.error for s in seqs]
+    assert seqs[6].stats.skipped_loops > 0 and all(s.result().tokens for s in seqs)
+    before = takes["schedule"]
+    small = tinyloop.load_model(art, 96, memory_budget=tinyloop.plan_memory(model, lanes=2, loops=4).total_bytes)
+    crowded = tinyloop.Scheduler(small, lanes=8)
+    many = [crowded.submit(ids(6 + 3 * i, 40 + i), G(max_tokens=30 + i, loops=4)) for i in range(8)]
+    drain(crowded)
+    assert sum(s.stats.preempted for s in many) > 0 and all(s.result().tokens for s in many)
+    assert takes["execute"] == 0 and takes["schedule"] > before > 20, takes
+    tinyloop.free_handle(handle)
 
 
 def test_a_preempted_beam_request_is_recomputed_exactly(make_artifact):
@@ -240,10 +257,10 @@ def test_prompts_that_come_together_are_prefilled_in_shared_calls_each_as_alone(
     runner.postprocess()
     drain(sched)
     for p, c, seq, first in zip(prompts, cfgs, seqs, together):
-        alone = Runner(model, model.new_cache(1, 128), c.loops)  # the one-piece prefill, over a cache of its own
+        alone = Runner(model, model.new_cache(1, 128).reserve_all(), c.loops)  # the one-piece prefill, over a cache of its own
         assert torch.equal(alone.prefill(p, 0), first[None]), len(p)
         assert seq.result().tokens == tinyloop.generate(model, p, c).tokens
-    one = Runner(model, model.new_cache(1, 128), 4)
+    one = Runner(model, model.new_cache(1, 128).reserve_all(), 4)
     for i, token in enumerate(prompts[0]):
         row, _ = one.decode([token], [i], loops=4)
     assert torch.equal(row[0], together[0])

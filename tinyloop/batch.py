@@ -115,9 +115,7 @@ class Scheduler:
         lends its blocks to the lane and runs only the loops it lacks; then it decodes beside the batch."""
         cfg = check_resume(handle, cfg)
         self.check_fits(cfg, len(handle.ids), cfg.resolved_loops(self.model))
-        runner = self.runner if not cfg.cache_window else None
-        lane_of = lambda seq: (runner or self.windowed[id(seq)]).lane(seq.place.lane)  # noqa: E731
-        seq, cached, first = refine_sequence(handle, cfg, on_token, lane_of)
+        seq, cached, first = refine_sequence(handle, cfg, on_token)
         self.queue(seq, cached=cached, first=first)
         return seq
 

@@ -118,6 +118,11 @@ def decode_entries(mode: str, data: dict[str, torch.Tensor], dtype: torch.dtype,
     return project_kv(dequant_int4(data["h"], data["h_scale"], dtype))
 
 
+class UnreservedBlock(RuntimeError):
+    """A forward found a cell it writes without a block of its lane's own: the engine's bug (its scheduler did not
+    take the block), never the request's."""
+
+
 # --- the pool --------------------------------------------------------------------------------------------
 class BlockPool:
     """`num_blocks` blocks of `block_tokens` entries, one tensor per stored name: [num_blocks + 1, block_tokens, ...].
@@ -320,15 +325,12 @@ class KVCache:
                 ids[i] = fresh
                 self.table[slot, lane, i] = fresh
 
-    def prepare(self, slot: int, lanes: list[int], lo: list[int], hi: list[int]) -> None:
-        """Make the cells lane lanes[i] will write in `slot` (lo[i]..hi[i], positions) writable."""
-        self.prepare_many([(slot, lanes, lo, hi)])
-
-    def prepare_many(self, jobs: list[tuple[int, list[int], list[int], list[int]]]) -> None:
-        """`prepare` of each (slot, lanes, lo, hi): shared blocks are copied first (copy-on-write), then every block
-        missing at a lane's end, in all the jobs' slots, is taken in one `take_many` and entered in one table write: a
-        16-loop lane crossing into a new block takes one in each of its ~34 slots (Runner.reserve), and one at a
-        time cost ~12 us of Python a block (64 early-exit requests through 16 lanes: 8704 blocks)."""
+    def take_blocks(self, jobs: list[tuple[int, list[int], list[int], list[int]]]) -> None:
+        """Make the cells of each job (slot, lanes, lo, hi: lane lanes[i] writes positions lo[i]..hi[i] of `slot`)
+        writable: shared blocks are copied first (copy-on-write), then every block missing at a lane's end, in all the
+        jobs' slots, is taken in one `take_many` and entered in one table write (a 16-loop lane crossing into a new
+        block takes one in each of its ~34 slots at once). Only the scheduler calls this for an engine's cache
+        (`Runner.reserve`); a forward finds its blocks there (`require`). BudgetError when the pool is out."""
         bt, refs, grow = self.bt, self.pool.refs, []
         for slot, lanes, lo, hi in jobs:
             row = self.held[slot]
@@ -358,6 +360,38 @@ class KVCache:
         else:
             *index, blocks = (torch.tensor(w, device=self.table.device) for w in where)
             self.table[tuple(index)] = blocks
+
+    def reserve(self, lanes: list[int], lo: list[int], hi: list[int], loops: int) -> None:
+        """Take the blocks lane lanes[i] needs for positions lo[i]..hi[i] in every slot a forward of `loops` loops
+        writes (the prelude's, loops 0..loops-1 of the core's, the coda's): what a forward outside an engine step (a
+        handle being built, a bench, a test) asks before it runs."""
+        self.take_blocks([(slot, lanes, lo, hi) for slot in self.cfg.slots_written(loops)])
+
+    def reserve_all(self) -> "KVCache":
+        """Take every lane's blocks for every cell of every slot (a cache made on its own, as in tests and benches,
+        before forwards outside an engine step); returns the cache."""
+        every = list(range(self.lanes))
+        self.take_blocks([(slot, every, [0] * self.lanes, [self.cells - 1] * self.lanes)
+                          for slot in range(self.cfg.n_slots())])
+        return self
+
+    def require(self, jobs: list[tuple[int, list[int], list[int], list[int]]]) -> None:
+        """Check that each job's cells (as in `take_blocks`) have their blocks, held by their lane alone: a forward
+        writes only into blocks its step took (UnreservedBlock otherwise). The check runs on the host per step."""
+        bt, refs = self.bt, self.pool.refs
+        for slot, lanes, lo, hi in jobs:
+            row = self.held[slot]
+            for lane, a, b in zip(lanes, lo, hi):
+                if self.window:
+                    a, b = 0, self.ring - 1
+                ids, first, last = row[lane], a // bt, b // bt
+                if last < len(ids) and refs[ids[last]] == 1 and (first == last or all(
+                        refs[ids[i]] == 1 for i in range(first, last))):
+                    continue
+                raise UnreservedBlock(
+                        f"a forward writes cells {a}..{b} of lane {lane} in slot {slot}, whose blocks were not taken "
+                        f"for it ({len(ids)} held{', shared' if last < len(ids) else ''}): blocks are taken before "
+                        f"the forward (Runner.reserve in an engine step, KVCache.reserve outside one)")
 
     def locate(self, slot: int, lane: torch.Tensor, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of cells [B, T] of lanes [B, 1] in `slot`."""
@@ -390,7 +424,7 @@ class KVCache:
         lo, hi = pos.min(1).values.tolist(), pos.max(1).values.tolist()
         if not self.window:
             lo, hi = cells.min(1).values.tolist(), cells.max(1).values.tolist()
-        self.prepare(slot, lane_list, lo, hi)
+        self.require([(slot, lane_list, lo, hi)])
         blk, row = self.locate(slot, lane, cells)
         for name, t in new.items():
             self.pool.store[name][blk, row] = t
@@ -410,8 +444,7 @@ class KVCache:
         """Copy one cell (position pos) of `lane` from slots src[i] to slots dst[i], in one indexed copy per stored
         tensor (an early-exited token's skipped loops get its last loop's entries)."""
         cell = pos % self.ring if self.window else pos
-        for slot in dst:
-            self.prepare(slot, [lane], [cell if not self.window else pos], [cell if not self.window else pos])
+        self.require([(slot, [lane], [cell], [cell]) for slot in dst])
         self.changed()
         at, row = cell // self.bt, cell % self.bt
         src_blocks = self.table[torch.tensor(src, device=self.device), lane, at]

@@ -79,6 +79,11 @@ class ModelConfig:
         loops = self.max_loops if loops is None else loops
         return self.n_prelude + self.n_core * loops + self.n_coda
 
+    def slots_written(self, loops: int) -> list[int]:
+        """The slots a token's forward of `loops` loops writes: the prelude's, loops 0..loops-1 of the core's, the
+        coda's."""
+        return [*range(self.n_prelude + self.n_core * loops), *(self.coda_slot(j) for j in range(self.n_coda))]
+
     def core_slot(self, loop: int, layer: int) -> int:
         """Slot of core layer `layer` at loop `loop` (0-based). Coda slots follow all core slots."""
         return self.n_prelude + loop * self.n_core + layer

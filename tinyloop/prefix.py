@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import BLOCK_TOKENS, Span
+from .cache import BLOCK_TOKENS, KVCache, Span
 from .engine.calls import checked, lanes
 from .engine.runner import Runner
-from .engine.sequence import Sequence
+from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
 from .engine import forward as cached
 from .handles import Handle, encode_tokens, tensor_bytes
@@ -55,6 +55,7 @@ def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable) -> torc
     try:
         x = torch.tensor([ids], device=model.device)
         step = model.net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
+        cache.reserve([0], [0], [T - 1], n_loops)
         logits = cached.forward(model.net, x, n_loops, step, cache, last_only=True)[0].clone()
         keep(cache)
         return logits
@@ -124,12 +125,15 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
             # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
             return runner.run([seq])[0]
 
-        def first(seq: Sequence) -> torch.Tensor:
-            pc.restore(cache, hit)  # here, so lending the blocks counts in stats.prefill_ms
+        def lend(lane: KVCache) -> Writes | None:
+            pc.restore(lane, hit)
+            return None if hit == len(ids) else (model.cfg.slots_written(seq.loops), hit, len(ids) - 1)
+
+        def rest(seq: Sequence, lane: KVCache) -> torch.Tensor:
             return pc.logits[-1] if hit == len(ids) else runner.prefill(ids[hit:], hit)[-1]  # all loops, as generate's
 
         seq.stats.prefix_hit_tokens = hit
-        return runner.run([seq], cached=hit, first=first)[0]
+        return runner.run([seq], cached=hit, first=Start(lend, rest))[0]
 
 
 def _check_call(model: Model, cfg: GenerateConfig | None, n_loops: int | None) -> GenerateConfig:
@@ -206,8 +210,8 @@ class LookupOnly:
     def __init__(self, tree):
         self.tree = tree
 
-    def reuse(self, runner, seq, lane):
-        return self.tree.reuse(runner, seq, lane)
+    def restore(self, ids: list[int], loops: int, lane: KVCache) -> int:
+        return self.tree.restore(ids, loops, lane)
 
     def keep(self, *args, **kwargs) -> None:
         pass

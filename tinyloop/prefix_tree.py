@@ -115,16 +115,6 @@ class PrefixTree:
         self.hit_tokens += m
         return m
 
-    def reuse(self, runner, seq, lane: int):
-        """The runner's `first` for a prompt whose prefix the tree holds: its blocks are lent to the lane now, and
-        `first` prefills the rest at every loop as one chunk (what generate's prefill does at those positions).
-        None on a miss (a plain prefill follows)."""
-        m = self.restore(seq.prompt, seq.loops, runner.lane(lane))
-        if not m:
-            return None
-        seq.stats.prefix_hit_tokens = m
-        return lambda seq: runner.prefill(seq.prompt[m:], m, lane, seq.loops, seq.exit)[-1].clone()
-
     # --- insertion --------------------------------------------------------------------------------------------
     def keep(self, ids: list[int], loops: int, lane: KVCache, *, tail: bool = False, pin: bool = False) -> list[Node]:
         """Keep the blocks of lane 0 holding the entries of ids (every slot of `loops` loops written at positions

@@ -28,8 +28,8 @@ import torch
 
 from .cache import KVCache, Span
 from .engine.calls import checked, lanes
-from .engine.runner import Prefill, Runner
-from .engine.sequence import Sequence
+from .engine.runner import Runner
+from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
 from .handles import Handle, encode_tokens, tensor_bytes
 from .engine import forward as cached
@@ -110,24 +110,33 @@ class ResumeHandle(Handle):
         cache = self.work_cache()
         try:
             latent = cached.Latent.empty(1, len(self.ids), self.model.net)
+            cache.take_blocks([(slot, [0], [0], [len(self.ids) - 1]) for slot in self.slots(self.depth)])
             self.run_loops(cache, 0, self.depth, latent, from_ids=True)
             self.e, self.s = latent.e, latent.s
             self.span = cache.share(self.slots(self.depth), len(self.ids))
         finally:
             cache.reset()
 
-    @torch.inference_mode()
-    def prefill(self, cache: KVCache, loops: int, stats: GenerateStats) -> torch.Tensor:
-        """Lend the kept blocks to `cache`, run the loops the handle lacks over the prompt, and the coda.
-
-        Returns the logits [T, V] of the prompt's last piece; deepens the handle when `loops` > depth.
-        """
+    def lend(self, cache: KVCache, loops: int) -> Writes:
+        """Lend the kept blocks to `cache` for a run at `loops` loops (`prefill`); returns what that run writes: the
+        slots of the loops the handle lacks and the coda's, over the prompt's cells."""
         start = self.depth if loops >= self.depth else 0
         # Only loops < start are lent: the recomputed ones must not find stale ring entries beside them.
         held = self.span if start == self.depth else self.span.only(self.slots(0))
         cache.adopt(held)
         if held is not self.span:
             held.release()
+        cfg = self.model.cfg
+        slots = [*range(self.slots(start).stop, self.slots(loops).stop), *(cfg.coda_slot(j) for j in range(cfg.n_coda))]
+        return slots, 0, len(self.ids) - 1
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, loops: int, stats: GenerateStats) -> torch.Tensor:
+        """Run the loops the handle lacks over the prompt, and the coda, in `cache` (its blocks lent by `lend`).
+
+        Returns the logits [T, V] of the prompt's last piece; deepens the handle when `loops` > depth.
+        """
+        start = self.depth if loops >= self.depth else 0
         latent = cached.Latent(self.e, self.s.clone() if start else torch.empty_like(self.s))
         logits = self.run_loops(cache, start, loops, latent, head=True)
         stats.skipped_loops = start * len(self.ids)
@@ -187,12 +196,11 @@ class GuessFollower:
         self.seq.stats.draft_reused_tokens = self.reused
 
 
-def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken | None,
-                    lane_of: Callable[[Sequence], KVCache], held: bool = False
-                    ) -> tuple[Sequence, int, Prefill | None]:
+def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken | None, held: bool = False
+                    ) -> tuple[Sequence, int, Start | None]:
     """A resume from `handle` at cfg's loops as a sequence for a runner: (sequence, prompt tokens its `first`
-    provides, first). `lane_of(seq)`: the lane's cache once it has one; `held`: the caller holds the handle for the
-    whole call (else its prefill holds it, in the scheduler's step). The handle lends its blocks at the first
+    provides, first). `held`: the caller holds the handle for the whole call (else its lend and prefill hold it, in
+    the scheduler's step). The handle lends its blocks at the first
     step and runs only the loops it lacks (ResumeHandle.prefill); the answer follows the handle's last one as far as
     it agrees (a greedy refine deeper than the handle: self-speculation from the handle's depth; otherwise
     GuessFollower)."""
@@ -219,12 +227,16 @@ def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken
             res.stats.draft_reused_tokens = res.stats.accepted
         handle.draft = res.tokens
 
-    def first(seq: Sequence) -> torch.Tensor:
+    def lend(lane: KVCache) -> Writes:
         with nullcontext() if held else handle.held(model):  # freed meanwhile: HandleError, for this request alone
-            return handle.prefill(lane_of(seq), L, seq.stats)[-1]
+            return handle.lend(lane, L)
+
+    def run(seq: Sequence, lane: KVCache) -> torch.Tensor:
+        with nullcontext() if held else handle.held(model):
+            return handle.prefill(lane, L, seq.stats)[-1]
 
     seq.on_result, seq.cacheable = done, False  # its cells came from the handle's prefill, not generate's
-    return seq, len(ids), first
+    return seq, len(ids), Start(lend, run)
 
 
 def _window_default() -> int:
@@ -274,5 +286,5 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
     cfg = check_resume(handle, dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops})))
     model = handle.model
     with handle.using(model), lanes(model, [handle.ids], [cfg]) as cache:
-        seq, cached_tokens, first = refine_sequence(handle, cfg, on_token, lambda seq: cache, held=True)
+        seq, cached_tokens, first = refine_sequence(handle, cfg, on_token, held=True)
         return Runner(model, cache).run([seq], cached=cached_tokens, first=first)[0]

@@ -44,7 +44,7 @@ def model(d_model: int) -> LoopedLM:
 
 def lanes_at(net: LoopedLM, lanes: int, loops: int, prompt: int) -> tuple[KVCache, list[int]]:
     """A cache of `lanes` lanes, each holding a prompt of `prompt` tokens at `loops` loops, and its next positions."""
-    cache = KVCache(net.cfg, lanes, prompt + 512, "fp16")
+    cache = KVCache(net.cfg, lanes, prompt + 512, "fp16").reserve_all()
     gen = torch.Generator().manual_seed(0)
     for lane in range(lanes):
         ids = torch.randint(0, net.cfg.vocab_size, (1, prompt), generator=gen)

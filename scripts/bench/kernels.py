@@ -53,6 +53,7 @@ def prefill(net: LoopedLM, cache: KVCache, prompt: torch.Tensor, loops: int) -> 
     write positions >= T, so one prefill serves every timed run."""
     B, T = prompt.shape
     cache.reset()
+    cache.reserve_all()  # (the forwards take no block: a standalone cache holds every cell's before them)
     return cached.forward(net, prompt, loops, net.make_step(torch.arange(T, device=prompt.device).expand(B, T), T),
                           cache, last_only=True)
 

@@ -122,10 +122,10 @@ class Cached:
         if self.triton:
             from ..kernels.attention import decode_attend
             # blocks from the host-side span of the context: no device read, so a CUDA graph captures the step
-            # (CudaGraphStep prepares before each replay; during capture the blocks exist and this changes nothing)
-            cache.prepare(slot, self.lanes, self.lo, self.hi)
+            # (the step's blocks were taken before it, so a CUDA graph captures it)
+            cache.require([(slot, self.lanes, self.lo, self.hi)])
             cache.changed()
-            return decode_attend(cache, _KVProxy(w), slot, self.step, q, h, k, v, prepare=False)
+            return decode_attend(cache, _KVProxy(w), slot, self.step, q, h, k, v, check=False)
         new = encode_entries(cache.mode, h, k, v)
         row = self.buf_row.get(slot) if self.buf_row is not None else None
         mask = self.mask
@@ -167,18 +167,18 @@ class Cached:
         return decode_entries(self.cache.mode, data, self.cache.dtype, project)
 
     def write(self, slot: int, new: dict[str, torch.Tensor]) -> None:
-        """Store the chunk's entries (each [B, T, ...]) in `slot`, taking or copying blocks first."""
+        """Store the chunk's entries (each [B, T, ...]) in `slot`, in the blocks its step took."""
         cache, store = self.cache, self.cache.store
         cache.changed()
         if self.one is not None:  # one token of one lane: integer indexing, and the host check inline
             ids, i = cache.held[slot][0], self.one // cache.bt
             if i >= len(ids) or cache.pool.refs[ids[i]] > 1:
-                cache.prepare(slot, self.lanes, self.lo, self.hi)
+                cache.require([(slot, self.lanes, self.lo, self.hi)])  # (raises: the step took no block there)
             b, r = ids[i], self.one % cache.bt
             for name, t in new.items():
                 store[name][b, r].copy_(t[0, 0])
         else:
-            cache.prepare(slot, self.lanes, self.lo, self.hi)
+            cache.require([(slot, self.lanes, self.lo, self.hi)])
             keep = self.keep
             blk = cache.table[slot, self.lane, self.blk[:, keep]]
             for name, t in new.items():
@@ -222,7 +222,7 @@ class Cached:
         if len(slots) * B * room * cache.pool.block_bytes > READ_AHEAD_BYTES:
             return
         # blocks for this step's cells exist (and are the lane's own) before the layers write
-        cache.prepare_many([(slot, self.lanes, self.lo, self.hi) for slot in slots])
+        cache.require([(slot, self.lanes, self.lo, self.hi) for slot in slots])
         key = (tuple(slots), tuple(id(cache.held[slots[0]][b]) for b in range(B)))  # the lanes' own block lists
         kept = cache.shared["read_ahead"]
         if kept is not None and kept["key"] == key and kept["next"] == self.hi and self.end <= kept["cells"]:
@@ -531,9 +531,9 @@ class CudaGraphStep:
     max_len, or the ring's cells): the Triton attention skips cells past each lane's own length, which it
     reads from the positions on the device, so the work still follows the real lengths. Tokens and positions
     are copied into static buffers before each replay; the logits buffer is overwritten by the next replay.
-    Blocks are taken and copied on the host, which a graph cannot do: before each replay every slot the step
-    writes gets its blocks for the lanes' positions (cache.prepare), and the graph reads the block table, which
-    prepare updates in place.
+    Blocks are taken and copied on the host, which a graph cannot do: the scheduler takes them before the step
+    (every slot it writes, the lanes' positions), the replay checks them (cache.require), and the graph reads the
+    block table, which the takes update in place.
     """
 
     def __init__(self, net: LoopedLM, cache: KVCache, lanes: int, loops: int):
@@ -546,11 +546,12 @@ class CudaGraphStep:
         self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
                       *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
 
-    def prepare(self) -> None:
-        """Blocks for this step's cells in every slot it writes (host work, outside the graph)."""
+    def require(self) -> None:
+        """Check that this step's cells have their blocks in every slot it writes (host work, outside the graph):
+        the graph reads the block table, which the scheduler's takes update in place."""
         at = self.pos[:, 0].tolist()
         lanes = list(range(len(at)))
-        self.cache.prepare_many([(slot, lanes, at, at) for slot in self.slots])
+        self.cache.require([(slot, lanes, at, at) for slot in self.slots])
 
     def _context(self) -> Cached:
         """The step's shared part, built outside a capture: it reads positions on the host. Its device tensors
@@ -561,7 +562,7 @@ class CudaGraphStep:
     def run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)
         self.pos.copy_(pos)
-        self.prepare()
+        self.require()
         if self.graph is None:
             # Warm-up (compiles the Triton kernels) runs the real token: its cache writes are the ones the
             # replay below makes again, so running it twice is harmless.

@@ -44,11 +44,7 @@ from . import forward as cached
 from .beam import BeamGroup
 from ..kernels import cpu_block
 from . import iteration
-from .sequence import InFlight, Place, Sequence
-
-# first(sequence) -> logits [V] of the prompt's last position, the prompt's cache already in the lane: how prefix
-# reuse and warm starts replace the prefill
-Prefill = Callable[[Sequence], torch.Tensor]
+from .sequence import InFlight, Place, Sequence, Start
 
 # the exit rules Runner.iterate_in_c decides in C, as cpu_block.c's tl_exit_t numbers them
 C_RULES = {"latent": 1, "schedule": 2, "cdf": 3}
@@ -165,7 +161,7 @@ class Runner:
         t, at = time.perf_counter(), seq.place
         prefixes = seq.prefixes or self.prefixes  # a pool request reuses scaffolds even with prefix caching off
         if at.first is None and not at.cached and prefixes is not None:
-            at.first = prefixes.reuse(self, seq, at.lane)  # the longest cached prefix's blocks; None on a miss
+            at.first = self.reuse(prefixes, seq)  # the longest cached prefix's blocks; None on a miss
             if at.first is not None and seq.stats.prefix_hit_tokens == len(seq.prompt) - 1 \
                     and not self.is_adaptive(seq.exit):
                 # Only the prompt's last token is left: it goes in as a row of this step's decode forward (the same
@@ -177,18 +173,35 @@ class Runner:
                 seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
                 return 0
         n = self.piece_len(seq)
-        if n:  # (a handle's `first`, n == 0, lends its blocks and runs the loops it lacks itself)
-            lo = seq.stats.prefix_hit_tokens if at.first is not None else at.cached  # after a cached prefix
-            self.reserve([seq], [lo], [at.cached + n - 1])
+        if at.first is not None:  # a handle lends its blocks now; the cells the rest writes are taken with them
+            lane = self.lane(at.lane)
+            writes = at.first.lend(lane)
+            if writes is not None:
+                slots, lo, hi = writes
+                lane.take_blocks([(slot, [0], [lo], [hi]) for slot in slots])
+        elif n:
+            self.reserve([seq], [at.cached], [at.cached + n - 1])
         seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
         return n
+
+    def reuse(self, prefixes, seq: Sequence) -> Start | None:
+        """Lend the longest prefix of seq's prompt the prefix cache holds to its lane; the rest is prefilled at every
+        loop as one chunk (what generate's prefill does at those positions). None on a miss (a plain prefill follows)."""
+        lane = seq.place.lane
+        m = prefixes.restore(seq.prompt, seq.loops, self.lane(lane))
+        if not m:
+            return None
+        seq.stats.prefix_hit_tokens = m
+        rest = (self.model.cfg.slots_written(seq.loops), m, len(seq.prompt) - 1)
+        return Start(lambda _: rest,
+                     lambda seq, _: self.prefill(seq.prompt[m:], m, lane, seq.loops, seq.exit)[-1].clone())
 
     def prefill_piece(self, seq: Sequence, n: int) -> None:
         """Run seq's scheduled piece of n prompt tokens (or its `first`); sets its fresh logits once the prompt is in.
         A one-token prompt with early exit decodes adaptively, as any one-token forward."""
         t, at = time.perf_counter(), seq.place
         if at.first is not None:
-            logits, at.first = at.first(seq), None
+            logits, at.first = at.first.run(seq, self.lane(at.lane)), None
             seq.loop_counts.append(seq.loops)
         elif len(seq.prompt) == 1 and self.is_adaptive(seq.exit):
             row, used = self.decode([seq.prompt[-1]], [0], self.lane(at.lane), seq.loops, seq.exit)
@@ -279,13 +292,13 @@ class Runner:
         for k in range(max(s.loops for s, *_ in todo)):  # a lane at L loops writes (and holds blocks for) loops < L
             at = tuple(map(list, zip(*[(s.place.lane, a, b) for s, a, b, _ in todo if k < s.loops])))
             jobs += [(cfg.core_slot(k, j), *at) for j in range(cfg.n_core)]
-        cache.prepare_many(jobs)
+        cache.take_blocks(jobs)
         for s, *_, key in todo:
             self.reserved[s.place.lane] = key
         self.reserved_epoch = cache.pool.epoch
 
     # --- scheduling -----------------------------------------------------------------------------------------
-    def add(self, seq: Sequence, cached: int = 0, first: Prefill | None = None) -> None:
+    def add(self, seq: Sequence, cached: int = 0, first: Start | None = None) -> None:
         """Queue a sequence; it joins the running batch at a step boundary. `first`: the prompt's first `cached`
         tokens come from a handle instead of a prefill."""
         # the runner's state of it
@@ -843,6 +856,7 @@ class Runner:
         """Rebuild a preempted sequence's cache with the forwards that first built it: the prompt's chunks, then
         each token it has fed one at a time; the token it was about to feed (seq.token) comes next."""
         cache = self.lane(seq.place.lane)
+        self.reserve([seq], [0], [len(seq.history) - 2])  # the prompt and every token it fed
         for start in range(0, len(seq.prompt), self.chunk or len(seq.prompt)):
             self.prefill(seq.prompt[start:start + (self.chunk or len(seq.prompt))], start, seq.place.lane, seq.loops,
                          seq.exit)
@@ -864,10 +878,13 @@ class Runner:
         """Rebuild a preempted beam request's lanes: its prompt's chunks once, shared by every hypothesis's lane
         (copy-on-write), then each hypothesis's own tokens one at a time, as they were first fed."""
         first, P = members[0], len(members[0].prompt)
+        self.reserve([first], [0], [P - 1])
         for start in range(0, P, self.chunk or P):
             self.prefill(first.prompt[start:start + (self.chunk or P)], start, first.place.lane, first.loops,
                          first.exit)
         self.cache.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
+        fed = [m for m in members if len(m.history) - 2 >= P]
+        self.reserve(fed, [P] * len(fed), [len(m.history) - 2 for m in fed])  # (copy-on-write of a shared block)
         for m in members:
             m.place.cached = P
             for j, token in enumerate(m.history[P:-1]):
@@ -914,7 +931,7 @@ class Runner:
         seq.place.lane = None
 
     # --- in-process calls -------------------------------------------------------------------------------------
-    def run(self, seqs: list[Sequence], cached: int = 0, first: Prefill | None = None) -> list:
+    def run(self, seqs: list[Sequence], cached: int = 0, first: Start | None = None) -> list:
         """Take every sequence from its prompt to its result: add them all, then step until none is left."""
         for seq in seqs:
             self.add(seq, cached, first)

@@ -14,10 +14,26 @@ from collections.abc import Callable
 
 import torch
 
+from ..cache import KVCache
 from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..exits import ExitRule, Track
 from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+
+
+# the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
+Writes = tuple[list[int], int, int]
+
+
+@dataclasses.dataclass
+class Start:
+    """What replaces a prompt's prefill when a handle holds its first tokens (a prefix cache, a resume handle). In the
+    step that schedules it, `lend(lane)` gives the handle's blocks to the lane (no forward) and returns the cells the
+    rest of the prompt writes (None: none), so the scheduler takes their blocks with the step's others; the step's
+    execute then calls `run(seq, lane)`, which runs the rest and returns the logits [V] of the prompt's last
+    position."""
+    lend: Callable[[KVCache], Writes | None]
+    run: Callable[["Sequence", KVCache], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -26,7 +42,7 @@ class Place:
     Reset when the sequence is preempted; a beam hypothesis gets its own copy."""
     lane: int | None = None  # the cache lane it holds while admitted
     cached: int = 0  # prompt tokens in the lane's cache
-    first: Callable | None = None  # what replaces its prefill (a handle's, the prefix cache's): first(seq) -> logits
+    first: Start | None = None  # what replaces its prefill (a handle's, the prefix cache's)
     logits: torch.Tensor | None = None  # fresh logits to sample from
     prompt_row: bool = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
@@ -42,7 +58,7 @@ class InFlight:
     rows (the prelude's output e and the state s, [1, 1, d] each), and, for a lane that may exit early, what the
     model's ExitState keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
     used, what its rule remembers between loops (exits.Track, one row), and the logits of its exit loop where its
-    rule read them; while its passes run in C, e, s and out are its lane's rows of Runner.lane_latent."""
+    rule read them; while its passes run in C, e, s and out are its lane's rows of CBackend.latent."""
     done: int
     e: torch.Tensor
     s: torch.Tensor

@@ -240,17 +240,17 @@ def decode_attention(q: torch.Tensor, store: dict[str, torch.Tensor], table: tor
 
 
 def decode_attend(cache, attn, slot: int, step, q: torch.Tensor, h: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, *, prepare: bool = True) -> torch.Tensor:
+                  v: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """KVCache.attend's fused path for one token per lane: write the token, attend over the slot.
 
     q, k, v: [B, 1, heads, hd] (q and k rotated), h: [B, 1, d]. Returns [B, H, 1, hd] like SDPA.
     Writing first is exact for the ring too: the cell the token lands in held position pos - ring <= pos - window,
-    which the window already excludes. prepare=False: the caller has made the token's blocks writable
-    (cache.prepare) from host-side positions, so nothing here reads the device (a CUDA graph can capture it).
+    which the window already excludes. check=False: the caller has checked the token's blocks (cache.require)
+    from host-side positions, so nothing here reads the device (a CUDA graph can capture it).
     """
     B = q.shape[0]
     pos = step.pos[:, 0]
-    write_tokens(cache, slot, step.pos, h, k, v, prepare=prepare)
+    write_tokens(cache, slot, step.pos, h, k, v, check=check)
     n_cells = cache.ring if cache.window else step.end
     out = decode_attention(q[:, 0], cache.store, cache.table, slot, pos, n_cells, mode=cache.mode,
                            window=cache.window, cell_pos=cache.cell_pos, wk=attn.wk.weight, wv=attn.wv.weight,

@@ -34,7 +34,7 @@ MAX_LANES = 32
 RUN_AHEAD = 15  # the most tokens a row draws in one iterate_until call (one block of cells: cache.BLOCK_TOKENS - 1)
 RUN_AHEAD_S = 0.02  # and for how long: a streaming client gets its tokens at least every ~20 ms
 # the most passes a greedy row whose token ended waits for its batch-mates' to end too, to share their head and
-# prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (Runner.coalesce): 0, none
+# prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (EngineOptions.coalesce): 0, none
 COALESCE = 2
 # and only in calls of this many rows or more: with few rows a head is shared by few, while the wait costs the row
 # up to 2 passes of a token that may be 2 passes long (a 2-loop request beside an 8- and a 16-loop one, bundled
@@ -115,7 +115,7 @@ class Rows:
         self.cache = cache
         self.cells = cells.reshape(B).contiguous()
         self.lanes = list(range(B))
-        self.lo = self.hi = self.cells.tolist()  # the cells each lane writes (cache.prepare's spans)
+        self.lo = self.hi = self.cells.tolist()  # the cells each lane writes (cache.require's spans)
         self.cos2, self.sin2 = cos2.reshape(B, -1).contiguous(), sin2.reshape(B, -1).contiguous()
         lib = cpu._lib
         self.scratch = torch.empty(lib.tl_block_scratch(ctypes.byref(shape), B))
@@ -133,8 +133,7 @@ class Rows:
         cache, n = self.cache, len(ws)
         if n == 0:
             return x
-        for slot in slots:
-            cache.prepare(slot, self.lanes, self.lo, self.hi)
+        cache.require([(slot, self.lanes, self.lo, self.hi) for slot in slots])
         x = x.contiguous()
         out, tmp = torch.empty_like(x), torch.empty_like(x) if n > 1 else x
         base = self.table.data_ptr()
@@ -222,7 +221,7 @@ class DecodeStep:
                             ctypes.addressof(self._blocks), ctypes.addressof(self._slots))
         self.ref = ctypes.byref(self.struct)
         self._kept: dict[tuple, _Lanes] = {}
-        self._prepared: dict[tuple, tuple] = {}  # per range: (cache.held, pool epoch, rows' blocks) of the last prepare
+        self._prepared: dict[tuple, tuple] = {}  # per range: (cache.held, pool epoch, rows' blocks) of the last check
 
     @staticmethod
     def fits(net, weights) -> bool:
@@ -262,7 +261,7 @@ class DecodeStep:
             raise ValueError(f"loops {first}..{last} (from tokens: {tokens is not None}) outside 0..{cfg.max_loops}")
         lanes = list(range(B)) if lanes is None else lanes
         cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
-        self._prepare(cache, lanes, cells, first, last, tokens is not None, head)
+        self._require(cache, lanes, cells, first, last, tokens is not None, head)
         lane = self._lanes(B, cache)
         e, s = (lane.e, lane.s) if e is None else (_rows(e, B, cfg.d_model), _rows(s, B, cfg.d_model))
         lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B] = tokens or [0] * B, cells, lanes, pos
@@ -313,7 +312,7 @@ class DecodeStep:
                              f"(0..{cache.lanes - 1})")
         e, s = _rows(e, B, cfg.d_model), _rows(s, B, cfg.d_model)
         cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
-        self._prepare_rows(cache, lanes, cells, loop, tokens, finish)
+        self._require_rows(cache, lanes, cells, loop, tokens, finish)
         lane = self._lanes(B, cache)
         lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B], lane.loop[:B] = ids, cells, lanes, pos, loop
         lane.start[:B] = [t is not None for t in tokens]
@@ -385,12 +384,12 @@ class DecodeStep:
         return Until(lane.loop[:B], finished, logits[:len(finished)], drawn, [bool(lane.start[b]) for b in range(B)],
                      lane.heads.value)
 
-    def _prepare_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
+    def _require_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
                       finish: list[bool]) -> None:
-        """Blocks for every cell an iteration step writes: each row's core slots at its own loop, the prelude's slots
-        for the rows that start, the coda's for the rows that finish. A block already there and the lane's own is
-        checked inline (cache.prepare's own test), the rest go to cache.prepare: the rows' slots differ every step,
-        so DecodeStep._prepare's skip does not apply, and a call per slot cost ~2x this."""
+        """Check the blocks of every cell an iteration step writes (taken by the scheduler): each row's core slots at
+        its own loop, the prelude's slots for the rows that start, the coda's for the rows that finish. The common
+        case is checked inline (cache.require raises on the rest): the rows' slots differ every step, so
+        DecodeStep._require's skip does not apply."""
         cfg, held, refs, bt = self.cfg, cache.held, cache.pool.refs, cache.bt
         for lane, cell, k, token, done in zip(lanes, cells, loop, tokens, finish):
             i = cell // bt
@@ -400,13 +399,13 @@ class DecodeStep:
             for slot in slots:
                 ids = held[slot][lane]
                 if i >= len(ids) or refs[ids[i]] != 1:
-                    cache.prepare(slot, [lane], [cell], [cell])
+                    cache.require([(slot, [lane], [cell], [cell])])
 
-    def _prepare(self, cache, lanes: list[int], cells: list[int], first: int, last: int, prelude: bool,
+    def _require(self, cache, lanes: list[int], cells: list[int], first: int, last: int, prelude: bool,
                  coda: bool) -> None:
-        """Blocks for the rows' cells in every slot the call writes (cache.prepare). Skipped while the rows stay in
-        the blocks prepared last time for this range and the pool took, shared or freed no block since (its epoch):
-        then they are all there and the lanes' own. After a decode step's ~50 MB of weights, the 20 slots' checks
+        """Check the blocks of the rows' cells in every slot the call writes (cache.require). Skipped while the rows
+        stay in the blocks checked last time for this range and the pool took, shared or freed no block since (its
+        epoch): then they are all there and the lanes' own. After a decode step's ~50 MB of weights, the 20 slots' checks
         of a d768 step cost ~0.1-0.2 ms, where they take 13 us in a loop."""
         key, blocks = (first, last, prelude, coda), (lanes, [c // cache.bt for c in cells])
         held, pool = cache.held, cache.pool
@@ -421,7 +420,7 @@ class DecodeStep:
         slots = [*(self.prelude_slots if prelude else ()),
                  *(cfg.core_slot(k, j) for k in range(first, last) for j in range(cfg.n_core)),
                  *(self.coda_slots if coda else ())]
-        cache.prepare_many([(slot, which, lo, hi) for slot in slots])
+        cache.require([(slot, which, lo, hi) for slot in slots])
         self._prepared[key] = (held, pool.epoch, blocks)
 
     def _lanes(self, B: int, cache) -> "_Lanes":

@@ -99,17 +99,17 @@ def write_int4_triton(h: torch.Tensor, h_out: torch.Tensor, s_out: torch.Tensor,
     _launch(_write_int4_kernel, h, h_out, s_out, table, slot, pos, ring, D // 32, D=D)
 
 
-def prepare_cells(cache, slot: int, pos: torch.Tensor) -> None:
-    """Make the cells lanes 0..B-1 write at positions pos [B, T] writable (blocks taken, shared ones copied):
-    host work, one read of pos from the device."""
-    cache.prepare(slot, list(range(pos.shape[0])), pos.min(1).values.tolist(), pos.max(1).values.tolist())
+def require_cells(cache, slot: int, pos: torch.Tensor) -> None:
+    """Check that the cells lanes 0..B-1 write at positions pos [B, T] have their blocks (taken by the step's
+    scheduler): host work, one read of pos from the device."""
+    cache.require([(slot, list(range(pos.shape[0])), pos.min(1).values.tolist(), pos.max(1).values.tolist())])
 
 
 def write_tokens_ref(cache, slot: int, pos: torch.Tensor, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                     prepare: bool = True) -> None:
+                     check: bool = True) -> None:
     """The cache's own encode-and-store, for a chunk whose positions map to distinct cells."""
-    if prepare:
-        prepare_cells(cache, slot, pos)
+    if check:
+        require_cells(cache, slot, pos)
     lane = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1)
     cells = pos % cache.ring if cache.window else pos
     blk, row = cache.locate(slot, lane, cells)
@@ -120,16 +120,16 @@ def write_tokens_ref(cache, slot: int, pos: torch.Tensor, h: torch.Tensor, k: to
 
 
 def write_tokens(cache, slot: int, pos: torch.Tensor, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 prepare: bool = True) -> None:
+                 check: bool = True) -> None:
     """Store a chunk (pos [B, T], h [B, T, d], k/v [B, T, n_kv, hd]) in `slot` in the cache's mode.
 
     Positions of one lane must land in distinct cells (with a window: T <= the ring's cells), as in decode.
-    prepare=False: the caller already ran cache.prepare for these cells (no device read here: CUDA graphs).
+    check=False: the caller already checked these cells' blocks (cache.require; no device read here: CUDA graphs).
     """
     if not use_triton(pos.device) or cache.mode == "fp16":
-        return write_tokens_ref(cache, slot, pos, h, k, v, prepare=prepare)
-    if prepare:
-        prepare_cells(cache, slot, pos)
+        return write_tokens_ref(cache, slot, pos, h, k, v, check=check)
+    if check:
+        require_cells(cache, slot, pos)
     st, tab, W = cache.store, cache.table, (cache.ring if cache.window else 0)
     if cache.mode == "int8":
         write_int8_triton(k, st["k"], st["k_scale"], tab, slot, pos, W)
