@@ -3,6 +3,8 @@ one loop iteration per step, so a shallow lane's tokens do not wait for the deep
 output equals the same request alone, whatever its batch-mates' depths, for every exit rule and cache mode."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,7 +147,8 @@ def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypat
         monkeypatch.setattr(tinyloop.engine.sequence.Sequence, "sample_all", staticmethod(recording))
         sched = tinyloop.Scheduler(model, lanes=3)
         sched.runner.iterative = iterative
-        sched.runner.run_ahead = False  # every lane's logits reach the sampler (test_greedy_draws_in_c_... below)
+        # every lane's logits reach the sampler (test_greedy_draws_in_c_... below)
+        sched.runner.options = dataclasses.replace(sched.runner.options, run_ahead=False)
         for p, c in zip(prompts, cfgs):
             sched.submit(p, c)
         drain(sched)

@@ -36,18 +36,15 @@ import torch
 
 from ..cache import KVCache
 from ..errors import BudgetError, ForwardError, TinyLoopError
-from ..env import env_choice
 from ..memory import blocks_for, release_freed_memory
 from ..exits import TRACKED, ExitRule, Track, exit_stops
 from ..sampling import MIN_TEMPERATURE
 from . import forward as cached
 from .beam import BeamGroup
-from ..kernels import cpu_block
 from . import iteration
+from .c_backend import CBackend
+from .options import EngineOptions
 from .sequence import InFlight, Place, Sequence, Start
-
-# the exit rules Runner.iterate_in_c decides in C, as cpu_block.c's tl_exit_t numbers them
-C_RULES = {"latent": 1, "schedule": 2, "cdf": 3}
 
 
 @dataclass
@@ -73,7 +70,7 @@ log = logging.getLogger("tinyloop.scheduler")
 
 class Runner:
     def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: "ExitRule | float" = 0.0,
-                 chunk: int | None = None):
+                 chunk: int | None = None, options: EngineOptions | None = None):
         self.model, self.net, self.cache = model, model.net, cache
         # defaults for callers that feed the forwards themselves (beam search, resume); sequences bring their own
         self.loops, self.early_exit = loops or model.cfg.default_loops, ExitRule.of(early_exit, model.cfg.exit_rule)
@@ -88,17 +85,13 @@ class Runner:
         self.views: dict[int, KVCache] = {}
         self.reserved: dict[int, tuple] = {}  # lane -> what `reserve` took for it last
         self.reserved_epoch = -1  # the pool's epoch after that
+        self.options = options = options or EngineOptions.from_env()
         # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
-        # step (`iterate`); off for cores that need token ids (value embeddings) and with TINYLOOP_DEPTH_STEPS=0
-        self.iterative = not model.cfg.value_embeds and env_choice("TINYLOOP_DEPTH_STEPS", ("1", "0"), "1") == "1"
-        self.latent: torch.Tensor | None = None  # [3, lanes, d]: tokens in flight between C passes (lane_latent)
-        self.latent_views: list[tuple] = []
-        # greedy rows draw their next tokens inside the C passes (`ahead`); TINYLOOP_RUN_AHEAD=0: every token returns
-        self.run_ahead = env_choice("TINYLOOP_RUN_AHEAD", ("1", "0"), "1") == "1"
-        # and a greedy row whose token ended may wait a pass or two to share its head with batch-mates' (the C call's
-        # `wait`, in calls of cpu_block.COALESCE_FROM_ROWS rows or more); TINYLOOP_COALESCE=0: every head runs in the
-        # pass its token ends
-        self.coalesce = cpu_block.COALESCE if env_choice("TINYLOOP_COALESCE", ("1", "0"), "1") == "1" else 0
+        # step (`iterate`); off for cores that need token ids (value embeddings)
+        self.iterative = not model.cfg.value_embeds and options.depth_steps
+        # the C calls (passes with their exit decisions, prefill rows) and the latent rows they keep between calls;
+        # a greedy row whose token ended may wait a pass or two there to share its head with batch-mates'
+        self.c = CBackend(model, cache, options.coalesce)
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
 
     def is_adaptive(self, rule: ExitRule) -> bool:
@@ -223,38 +216,17 @@ class Runner:
         """Whether seq's scheduled piece runs as C rows (forward.c_chunk: up to MAX_LANES tokens), so that pieces of
         several prompts can share a call (prefill_rows)."""
         return n > 0 and seq.place.first is None and not (len(seq.prompt) == 1 and self.is_adaptive(seq.exit)) \
-            and cached.c_chunk(self.net, self.cache, n, seq.exit) is not None
+            and self.c.chunk_rows(n, seq.exit)
 
     def prefill_rows(self, pieces: list[tuple[Sequence, int]]) -> None:
-        """The pieces (each in_rows) as the C step's rows, those at the same loop count sharing calls of up to
-        MAX_LANES rows: each weight streams once per call instead of once per prompt. A row has the bits of its token
-        decoded alone, so each piece's logits are those of its prompt prefilled alone (`prefill`), however the
-        pieces are packed; a piece may span two calls (the first call's cells are written before the second reads
-        them)."""
-        plan = cached.c_step(self.net, self.cache)
-        by_loops: dict[int, list[tuple[Sequence, int]]] = {}
+        """The pieces (each in_rows) as rows of shared C calls (CBackend.prefill_rows): each piece's logits are those of
+        its prompt prefilled alone, however the pieces are packed."""
         for seq, n in pieces:
-            by_loops.setdefault(seq.loops, []).append((seq, n))
             self.log_piece(seq, n)
-        for loops, group in by_loops.items():
-            rows = [(seq, at) for seq, n in group for at in range(seq.place.cached, seq.place.cached + n)]
-            last: dict[int, torch.Tensor] = {}  # id(seq) -> the logits of its piece's last row
-            took: dict[int, float] = {}  # id(seq) -> its rows' share of the calls' seconds
-            for i in range(0, len(rows), cpu_block.MAX_LANES):
-                call = rows[i:i + cpu_block.MAX_LANES]
-                t = time.perf_counter()
-                logits = plan.run(self.cache, [at for _, at in call], 0, loops, lanes=[s.place.lane for s, _ in call],
-                                  tokens=[s.prompt[at] for s, at in call])
-                share = (time.perf_counter() - t) / len(call)
-                for r, (seq, at) in enumerate(call):
-                    took[id(seq)] = took.get(id(seq), 0.0) + share
-                    last[id(seq)] = logits[r]
-            log.debug("step %d: %d piece(s) at %d loops ran as %d rows in %d call(s)", self.steps, len(group), loops,
-                      len(rows), -(-len(rows) // cpu_block.MAX_LANES))
-            for seq, n in group:
-                if seq.place.cached + n == len(seq.prompt):
-                    seq.loop_counts.append(seq.loops)
-                self.piece_done(seq, n, last[id(seq)].clone(), took[id(seq)])
+        for seq, n, logits, seconds in self.c.prefill_rows(pieces, self.steps):
+            if seq.place.cached + n == len(seq.prompt):
+                seq.loop_counts.append(seq.loops)
+            self.piece_done(seq, n, logits.clone(), seconds)
 
     def piece_done(self, seq: Sequence, n: int, logits: torch.Tensor, seconds: float) -> None:
         """seq's piece of n prompt tokens ran, `logits` its last position's: once the prompt is in they are its fresh
@@ -548,7 +520,7 @@ class Runner:
         one fixed depth, one forward of every loop per step does the same work in fewer calls."""
         return any(s.place.token is not None for s in rows) or len({s.loops for s in rows}) > 1 \
             or any(self.is_adaptive(s.exit) for s in rows) \
-            or self.may_run_ahead() and all(map(self.draws_plainly, rows)) and self.c_passes(len(rows)) is not None
+            or self.may_run_ahead() and all(map(self.draws_plainly, rows)) and self.c.passes(len(rows)) is not None
 
     def iterate(self, rows: list[Sequence]) -> list[Sequence]:
         """Loop iterations of every row until some row's token is done: that lane samples at this step's
@@ -563,81 +535,21 @@ class Runner:
         return []
 
     def iterate_in_c(self, rows: list[Sequence]) -> bool:
-        """The passes of `iterate` as one C call (cpu_block.DecodeStep.iterate_until) where the C step runs the
-        model over this cache and C decides every row's exit rule: a loop count, the latent rule (with the exit
-        gate), a forced depth, or Ouro's cdf. A token in flight keeps its latent in the runner's lane rows
-        (`lane_latent`) and its rule's state on its InFlight (`c_exit`); one that comes from a pass through Python
-        brings its rows and Track along. False (nothing run) where the rows need `one_pass`."""
-        cache, cfg = self.cache, self.model.cfg
-        c = self.c_passes(len(rows))
-        if c is None:
+        """The passes of `iterate` as one C call (CBackend.iterate) where the C step runs the model over this cache and
+        C decides every row's exit rule (a loop count, the latent rule with the exit gate, a forced depth, Ouro's
+        cdf), the greedy rows drawing up to `ahead` tokens inside it. False (nothing run) where the rows need
+        `one_pass`."""
+        ended = self.c.iterate(rows, [self.is_adaptive(seq.exit) for seq in rows], self.ahead)
+        if ended is None:
             return False
-        step, gate = c
-        exits = []
-        for seq in rows:
-            rule, flight = seq.exit, seq.place.token
-            if not self.is_adaptive(rule):
-                exits.append([0, seq.loops, 1, 0.0, 0, seq.loops, 0.0, 1.0])
-            elif rule.rule not in C_RULES:
-                return False
-            elif flight is not None and flight.c_exit is not None:
-                exits.append(flight.c_exit)
-            else:
-                track = flight.track if flight is not None else None
-                exits.append([C_RULES[rule.rule], seq.loops, rule.min_loops, rule.threshold,
-                              int(flight is not None and flight.chosen), seq.loops if flight is None else flight.used,
-                              0.0 if track is None else float(track.cdf), 1.0 if track is None else float(track.rest)])
-        latent, views = self.lane_latent()
-        e, s, out = latent
-        tokens, done, lanes = [], [], [seq.place.lane for seq in rows]
-        for seq, lane in zip(rows, lanes):
-            flight = seq.place.token
-            tokens.append(seq.token if flight is None else None)
-            done.append(0 if flight is None else flight.done)
-            if flight is not None and flight.s is not views[lane][1]:  # its last pass ran in Python
-                e[lane], s[lane] = flight.e.reshape(-1), flight.s.reshape(-1)
-                if flight.out is not None:
-                    out[lane] = flight.out.reshape(-1)
-        positions = [seq.pos - seq.place.prompt_row for seq in rows]
-        ahead = self.ahead(rows, positions, step.positions)
-        eos = -1 if any(s.cfg.ignore_eos for s, a in zip(rows, ahead) if a) else self.model.eos_id
-        with cached.torch_threads(cached.decode_threads(len(rows), cfg, c_blocks=True)):
-            got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
-                                     compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
-                                     wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0)
-        for b, seq in enumerate(rows):
-            for token, used in got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
-                seq.place.token, seq.pos = None, seq.pos + 1
-                seq.loop_counts.append(used)
-                seq.place.drawn.append(token)
-            if b not in got.finished and not got.starts[b]:
-                flight, lane, x = seq.place.token, lanes[b], exits[b]
-                if flight is None:
-                    flight = seq.place.token = InFlight(0, None, None, x[0] != 0)
-                flight.done, (flight.e, flight.s, kept) = got.done[b], views[lane]
-                flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
-                flight.out, flight.c_exit = (kept if x[0] else None), x
-        for b, row in zip(got.finished, got.logits):
-            self.token_done(rows[b], row, exits[b][5])
+        for seq, logits, used in ended:
+            self.token_done(seq, logits, used)
         return True
-
-    def c_passes(self, B: int) -> tuple | None:
-        """The C step and exit gate (weight, bias; None without one) that run B rows' passes in one call
-        (`iterate_in_c`), or None where the C step does not run this model over this cache."""
-        net, cache = self.net, self.cache
-        if cache.device.type != "cpu" or not cpu_block.supported(self.model.cfg, cache, B, net.embed.weight.dtype):
-            return None
-        step, gate = cached.c_step(net, cache), net.exit_gate
-        if gate is not None:
-            gate = gate.weight.detach().reshape(-1), float(gate.bias) if gate.bias is not None else 0.0
-        if step is None or gate is not None and (gate[0].dtype != torch.float32 or not gate[0].is_contiguous()):
-            return None
-        return step, gate
 
     def may_run_ahead(self) -> bool:
         """Whether rows may draw tokens inside a C call now: not while other work waits for a lane or a prefill (a
         call that runs ahead would hold it back)."""
-        return self.run_ahead and not any(self.prefilling(s) for s in self.admitted) \
+        return self.options.run_ahead and not any(self.prefilling(s) for s in self.admitted) \
             and not (self.waiting and self.free_lanes)
 
     @staticmethod
@@ -661,21 +573,12 @@ class Runner:
         bt, ahead = self.cache.bt, []
         for seq, cell in zip(rows, cells):
             c = seq.cfg
-            n = min(cpu_block.RUN_AHEAD, bt - 1 - cell % bt, c.max_tokens - seq.count - 1,
+            n = min(self.c.max_draws, bt - 1 - cell % bt, c.max_tokens - seq.count - 1,
                     min(self.cache.cells, positions) - 1 - cell) if self.draws_plainly(seq) else 0
             schedule = c.exit_schedule
             ahead.append([float(schedule[(seq.count + 1 + i) % len(schedule)]) if schedule else 0.0
                           for i in range(max(0, n))])
         return ahead
-
-    def lane_latent(self) -> tuple[torch.Tensor, list[tuple]]:
-        """The rows e, s and the exit state [3, lanes, d] where `iterate_in_c` keeps each lane's token in flight, and
-        each lane's three rows as [1, 1, d] views (an InFlight's e, s and out while its passes run in C)."""
-        if self.latent is None:
-            self.latent = torch.zeros(3, self.cache.lanes, self.model.cfg.d_model)
-            self.latent_views = [tuple(self.latent[i, lane].view(1, 1, -1) for i in range(3))
-                                 for lane in range(self.cache.lanes)]
-        return self.latent, self.latent_views
 
     def one_pass(self, rows: list[Sequence]) -> bool:
         """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight
@@ -691,11 +594,7 @@ class Runner:
                 seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops)
         flights = [s.place.token for s in rows]
         for f in flights:
-            if f.c_exit is not None:  # its last passes ran in C (iterate_in_c): the cdf rule's sums as a Track
-                if f.c_exit[0] == C_RULES["cdf"]:
-                    f.track = Track.start(1, 1, net.cfg.vocab_size, dev)
-                    f.track.cdf[:], f.track.rest[:] = f.c_exit[6], f.c_exit[7]
-                f.c_exit = None
+            self.c.track_of(f)  # its last passes ran in C (iterate_in_c): its rule's state as a Track
         latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
         adaptive = [b for b, f in enumerate(flights) if f.adaptive]
         before = latent.s[adaptive].clone() if adaptive else None
