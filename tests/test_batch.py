@@ -168,3 +168,36 @@ def test_beam_requests_run_beside_plain_lanes_and_equal_beam_search_alone(tiny_m
         assert (res.tokens, res.text, res.stats.stop_reason) == (alone.tokens, alone.text, alone.stats.stop_reason)
         if cfg.beam_size > 1:
             assert [(h.tokens, h.logprob) for h in res.n_best] == [(h.tokens, h.logprob) for h in alone.n_best]
+
+
+def test_logprobs_come_from_the_logits_each_token_was_chosen_from(bundled_model):
+    """GenerateConfig.logprobs: each token's log-probability and its most likely alternatives come from the step that
+    chose it (no second forward). They equal scoring prompt + output afterwards, for greedy, sampled, early-exit and
+    speculative lanes batched beside a lane that asks none, and asking changes no token."""
+    from tinyloop.scoring import token_logprobs
+
+    model, G = bundled_model, GenerateConfig
+    prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "    for i in range(n):\n"]
+    cfgs = [G(max_tokens=12, loops=4, logprobs=3), G(max_tokens=12, loops=6, temperature=0.8, seed=3, logprobs=0),
+            G(max_tokens=12, loops=8, early_exit_threshold=0.05, logprobs=2), G(max_tokens=12, loops=5)]
+    plain = generate_batch(model, prompts, [G(**{**c.__dict__, "logprobs": None}) for c in cfgs])
+    asked = generate_batch(model, prompts, cfgs)
+    for p, c, a, b in zip(prompts, cfgs, asked, plain):
+        assert a.tokens == b.tokens and a.loops_used == b.loops_used
+        if c.logprobs is None:
+            assert a.logprobs is None and a.top_logprobs is None
+            continue
+        assert len(a.logprobs) == len(a.tokens) == len(a.top_logprobs) and all(len(t) == c.logprobs for t in a.top_logprobs)
+        if not c.early_exit_threshold:  # (an early-exit token's logits are at the depth it stopped at)
+            ref = token_logprobs(model, model.encode_prompt(p), a.tokens, c.loops, c.logprobs)
+            assert a.logprobs == pytest.approx(ref["logprobs"], abs=1e-4)
+            assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, *_ in top] for top in ref["top"]]
+        if c.temperature == 0:  # the chosen token is the most likely one
+            assert [top[0] for top in a.top_logprobs] == [pytest.approx((t, lp)) for t, lp in zip(a.tokens, a.logprobs)]
+    sc = tinyloop.SpeculativeConfig(2, 6, 3, fallback=False)
+    spec = tinyloop.generate_speculative(model, prompts[0], sc, G(max_tokens=12, loops=6, logprobs=1))
+    assert spec.stats.verify_steps > 0
+    ref = token_logprobs(model, model.encode_prompt(prompts[0]), spec.tokens, 6, 1)
+    assert spec.logprobs == pytest.approx(ref["logprobs"], abs=1e-4)
+    with pytest.raises(ConfigError, match="GenerateConfig.logprobs"):
+        generate(model, "x", G(logprobs=21))

@@ -188,6 +188,11 @@ GENERATE_FIELDS: dict[str, Check] = {
     "stop_token_ids": list_of(int_in(0, 2**31 - 1), 64),
 }
 
+# GenerateConfig.logprobs (in process; the wire asks with `logprobs` and `top_logprobs`, broker/protocol.py): None, or
+# how many of the most likely tokens each generated token's log-probability comes with
+MAX_TOP_LOGPROBS = 20
+LOGPROBS = optional(int_in(0, MAX_TOP_LOGPROBS))
+
 # SpeculativeConfig's settings (verify_loops None: the request's loops).
 SPECULATIVE_FIELDS: dict[str, Check] = {
     "draft_loops": int_in(1, MAX_LOOPS),

@@ -21,7 +21,6 @@ tokens taken from drafts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch

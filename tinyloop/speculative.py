@@ -209,6 +209,7 @@ class Speculator:
         self.coda_slots = [model.cfg.coda_slot(i) for i in range(model.cfg.n_coda)]
         self.cache: KVCache | None = None  # the lane's cache, bound at each round (a preempted lane may move)
         self.fallback = sc.fallback
+        self.chosen_from: torch.Tensor | None = None  # [len(out), V] of the last round (Sequence.score_all)
         self.pays, self.plain_s, self.rounds_s, self.rounds_tokens, self.rounds = True, None, 0.0, 0, 0
 
     def bind(self, cache: KVCache) -> None:
@@ -456,6 +457,7 @@ class Speculator:
                              torch.arange(p + 1, p + 1 + a, device=dev))
         for j, i in enumerate([0] + accepted):
             self.used_at[p + j] = used[i]
+        self.chosen_from = logits[[0] + accepted]  # the verified logits each token of `out` was chosen from
         cache.rollback(p + a + 1)
         if w == 1 and not guessed:
             self.count_tests(doubtful, a)

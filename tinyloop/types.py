@@ -10,7 +10,7 @@ import torch
 
 from .env import env_number
 from .errors import ConfigError
-from .fields import DEFAULT_MAX_TOKENS, GENERATE_FIELDS
+from .fields import DEFAULT_MAX_TOKENS, GENERATE_FIELDS, LOGPROBS
 
 OnToken = Callable[[int, int], bool]
 
@@ -42,6 +42,9 @@ class GenerateConfig:
     ignore_eos: bool = False  # EOS is a token like any other: generate max_tokens
     min_tokens: int = 0  # EOS, stop_token_ids and stop sequences end nothing before this many tokens
     stop_token_ids: Sequence = ()  # tokens that end the output like EOS (not part of it)
+    # each generated token's log-probability under the logits it was chosen from (the model's, before any sampling
+    # adjustment), with the `logprobs` most likely tokens' beside it (GenerateResult.logprobs); None: none
+    logprobs: int | None = None
 
     def validate(self, model=None) -> "GenerateConfig":
         """Every setting against its rule in tinyloop/fields.py, then the rules that need the model; ConfigError names
@@ -52,6 +55,9 @@ class GenerateConfig:
             error = check(getattr(self, name))
             if error:
                 raise ConfigError(f"GenerateConfig.{name} {error}")
+        error = LOGPROBS(self.logprobs)
+        if error:
+            raise ConfigError(f"GenerateConfig.logprobs {error}")
         if model is not None and self.loops is not None and self.loops > model.cfg.max_loops:
             raise ConfigError(f"GenerateConfig.loops must be an integer in 1..{model.cfg.max_loops}, got {self.loops!r}")
         if model is not None:
@@ -124,6 +130,10 @@ class GenerateResult:
     stats: GenerateStats
     n_best: list | None = None  # beam search: decoding.Hypothesis list, best first
     loops_used: list[int] | None = None  # loops run by each forward that produced a token (early exit's choices)
+    # with GenerateConfig.logprobs: per token its log-probability, and the most likely tokens as (id, log-probability),
+    # best first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def make_generator(seed: int | None) -> torch.Generator:

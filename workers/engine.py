@@ -228,10 +228,11 @@ class ModelEngine:
             return job.key, engine_error(seq.error)
         try:
             with runtime_errors():
-                result = self.result(seq.result(), **job.extra)
+                res = seq.result()
+                result = self.result(res, **job.extra)
                 if job.continued is not None:
-                    result = job.continued.result(self.model.codec, result)
-                result = self.scored(params, result)
+                    result, res = job.continued.result(self.model.codec, result), None  # (rescored whole)
+                result = self.scored(params, result, res)
         except EngineError as err:
             return job.key, err
         return job.key, {**result, "prompt_text": params["prompt_text"]} if "messages" in params else result
@@ -242,6 +243,8 @@ class ModelEngine:
 
     def config(self, params: dict) -> "tinyloop.GenerateConfig":
         fields = {k: params[k] for k in GENERATE_FIELDS if k in params}
+        if params.get("logprobs"):  # the wire's flag and count: the step notes each token's (GenerateConfig.logprobs)
+            fields["logprobs"] = params.get("top_logprobs", 0)
         return tinyloop.GenerateConfig(**fields)
 
     def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool], text: Detokenizer | None = None,
@@ -278,9 +281,11 @@ class ModelEngine:
         return chat_prompt(self.model, params["messages"], params.get("add_generation_prompt", True),
                            **params.get("chat_template_kwargs", {}))
 
-    def scored(self, params: dict, result: dict) -> dict:
-        """Add the log-probabilities (and echoed prompt) a request asked for, by scoring prompt + output
-        at the loop count the output was decided at (tinyloop.score; docs/gateway.md)."""
+    def scored(self, params: dict, result: dict, res: Any = None) -> dict:
+        '''Add the log-probabilities (and echoed prompt) a request asked for (docs/gateway.md). The output's come from
+        the logits each token was chosen from (`res`, the runtime's result, GenerateConfig.logprobs); the prompt's
+        (echo) from scoring the prompt at the request's loop count, as does a continued stream's output, part of
+        which another worker chose (tinyloop.score).'''
         if not (params.get("logprobs") or params.get("echo")):
             return result
         prompt = params["prompt"]
@@ -289,8 +294,15 @@ class ModelEngine:
             result["prompt_text"] = prompt if isinstance(prompt, str) else self.model.codec.decode(ids)
         if params.get("logprobs") and result["stats"].get("stop_reason") != "cancelled":
             loops = params.get("verify_loops") or params.get("loops") or self.config(params).loops
-            scores = token_logprobs(self.model, ids, result["tokens"], loops, params.get("top_logprobs", 0),
-                                    score_context=bool(params.get("echo")))
+            top, echo = params.get("top_logprobs", 0), bool(params.get("echo"))
+            if res is not None and res.logprobs is not None and len(res.logprobs) == len(result["tokens"]):
+                scores = token_logprobs(self.model, ids, [], loops, top, score_context=True) if echo else {}
+                piece = self.model.codec.decode
+                scores.update(tokens=result["tokens"], text=[piece([t]) for t in result["tokens"]],
+                              logprobs=res.logprobs, top=[[[t, piece([t]), v] for t, v in alts]
+                                                          for alts in res.top_logprobs])
+            else:
+                scores = token_logprobs(self.model, ids, result["tokens"], loops, top, score_context=echo)
             if "context" in scores:
                 result["prompt_logprobs"] = scores.pop("context")
             result["logprobs"] = scores

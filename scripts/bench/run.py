@@ -19,6 +19,7 @@ from scripts.bench.engine import bench_engine
 from scripts.bench.peers import Report, bench_peers
 from tinyloop.generation import GenerateConfig, generate
 from scripts.bench.kernels import bench_kernels
+from scripts.bench.logprobs import bench_logprobs
 from tinyloop.runtime import Model, load_model
 from scripts.bench.timing import timed
 from scripts.bench.speculative import bench_speculative
@@ -109,6 +110,7 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "speculative": bench_speculative,
     "detokenize": bench_detokenize,
     "engine": bench_engine,
+    "logprobs": bench_logprobs,
     "depth": bench_depth,
     "service": bench_service,
     "peers": bench_peers,

@@ -430,6 +430,8 @@ class Runner:
             tokens: list = Sequence.sample_all(fresh, [s.place.logits for s in fresh]) if fresh else []
         except Exception:  # noqa: BLE001 (a lane's own fault broke the shared pass: draw each alone to find it)
             tokens = [self.guarded(s.sample, s.place.logits) for s in fresh]
+        drawn = [(s, t) for s, t in zip(fresh, tokens) if not isinstance(t, Exception)]
+        Sequence.score_all([s for s, _ in drawn], [s.place.logits for s, _ in drawn], [t for _, t in drawn])
         for seq, token in zip(fresh, tokens):
             seq.place.logits = None
             ended = self.ended(seq, token if isinstance(token, Exception) else self.guarded(seq.take, token))
@@ -437,6 +439,8 @@ class Runner:
                 finished.append(ended)
         for seq in [s for s in self.admitted if s.place.decided]:  # a driver's round decided these: take them in turn
             decided, seq.place.decided = seq.place.decided, []
+            if seq.cfg.logprobs is not None:  # each under the verified logits it was chosen from
+                Sequence.score_all([seq] * len(decided), list(seq.driver.chosen_from), decided)
             for token in decided:
                 ended = self.ended(seq, self.guarded(seq.take, token))
                 if ended is not None:
@@ -555,11 +559,12 @@ class Runner:
     @staticmethod
     def draws_plainly(seq: Sequence) -> bool:
         """Whether seq's next token is a plain argmax that C can draw: a plain decode row (no beam, speculative
-        driver, grammar or prompt row), greedy, with no penalty, bias or banned token, past min_tokens."""
+        driver, grammar or prompt row), greedy, with no penalty, bias or banned token, past min_tokens, asking no
+        log-probabilities (a token drawn in C brings no logits back)."""
         c = seq.cfg
         return seq.beam is None and seq.driver is None and seq.grammar is None and not seq.place.prompt_row \
-            and c.temperature < MIN_TEMPERATURE and c.repetition_penalty == 1.0 and seq.count >= c.min_tokens \
-            and not seq.sampling().adjusts
+            and c.logprobs is None and c.temperature < MIN_TEMPERATURE and c.repetition_penalty == 1.0 \
+            and seq.count >= c.min_tokens and not seq.sampling().adjusts
 
     def ahead(self, rows: list[Sequence], cells: list[int], positions: int) -> list[list[float]]:
         """How many tokens each row may draw inside the C call (`iterate_in_c`), as the forced depths of those tokens

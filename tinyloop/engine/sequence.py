@@ -94,6 +94,8 @@ class Sequence:
         self.emitted = 0            # tokens streamed
         self.done, self.stop_reason = False, "max_tokens"
         self.loop_counts: list[int] = []  # loops run per forward that produced a sampled token
+        # with cfg.logprobs: per token taken, its log-probability and the most likely (token, log-probability) pairs
+        self.scores: list[tuple[float, list[tuple[int, float]]]] = []
         self.t_prefilled = self.t_end = self.t_call
         self.place = Place()  # where it stands in a runner (engine/runner.py): the runner's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
@@ -138,6 +140,21 @@ class Sequence:
 
     def sample(self, logits: torch.Tensor) -> int:
         return Sequence.sample_all([self], [logits])[0]
+
+    @staticmethod
+    def score_all(seqs: list["Sequence"], logits: list[torch.Tensor], tokens: list[int]) -> None:
+        """Note the log-probability of each chosen token under the logits [V] it was chosen from, and the cfg.logprobs
+        most likely tokens', for the sequences that ask (cfg.logprobs not None): one log-softmax for all of them."""
+        asking = [i for i, seq in enumerate(seqs) if seq.cfg.logprobs is not None]
+        if not asking:
+            return
+        logp = torch.log_softmax(torch.stack([logits[i] for i in asking]).float(), dim=-1)
+        chosen = logp[torch.arange(len(asking)), torch.tensor([tokens[i] for i in asking])].tolist()
+        k = max(seqs[i].cfg.logprobs for i in asking)
+        top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        for r, i in enumerate(asking):
+            n = seqs[i].cfg.logprobs
+            seqs[i].scores.append((chosen[r], list(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist()))))
 
     # --- bookkeeping of one chosen token --------------------------------------------------------------------
     def take(self, token: int) -> bool:
@@ -214,6 +231,9 @@ class Sequence:
         counts = self.loop_counts
         st.loops_mean = sum(counts) / len(counts) if counts else float(self.loops)
         res = GenerateResult(tokens, self.text, st, loops_used=list(counts[:len(tokens)]))
+        if self.cfg.logprobs is not None:  # (the output is a prefix of the tokens taken: EOS and stops come last)
+            res.logprobs = [lp for lp, _ in self.scores[:len(tokens)]]
+            res.top_logprobs = [top for _, top in self.scores[:len(tokens)]]
         if self.on_result is not None:
             self.on_result(res)
         return res
@@ -223,6 +243,6 @@ class Sequence:
         child = copy.copy(self)
         child.matcher = self.matcher.fork()
         child.grammar = self.grammar.fork() if self.grammar is not None else None
-        child.history, child.loop_counts = list(self.history), list(self.loop_counts)
+        child.history, child.loop_counts, child.scores = list(self.history), list(self.loop_counts), list(self.scores)
         child.place = dataclasses.replace(self.place, decided=[], token=None)
         return child
