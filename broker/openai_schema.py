@@ -434,9 +434,9 @@ def completion_logprobs(result: dict, plan: Plan, prompt: Any) -> dict:
     # Offsets into choice.text (which starts with the prompt when echoing), token by token.
     offset = 0 if plan.echo else len(result.get("prompt_text", prompt if isinstance(prompt, str) else ""))
     offsets = []
-    for text in tokens:
+    for piece in tokens:
         offsets.append(offset)
-        offset += len(text)
+        offset += len(piece)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -428,7 +428,7 @@ def decode(
     try:
         # strict_map_key keeps keys hashable str/bytes; raw=False gives str for msgpack str.
         data = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises many types for garbage input
+    except Exception as exc:  # noqa: BLE001 (msgpack raises many types for garbage input)
         raise ProtocolError(Codes.BAD_MESSAGE, f"body is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(data, dict):
         raise ProtocolError(Codes.BAD_MESSAGE, f"body must be a msgpack map, got {type(data).__name__}")

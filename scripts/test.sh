@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what the tests need (first run only), then run the whole test suite.
+# Install what the tests need (first run only), lint the runtime and the service (ruff), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+.venv/bin/ruff check tinyloop broker workers
 exec .venv/bin/python -m pytest tests "$@"

@@ -104,7 +104,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for every kind of malformed file
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for every kind of malformed file)
         raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
 
     if meta.get("format") != FORMAT:
@@ -123,7 +123,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
         raise ArtifactError(f"{path}: bad model config: {e}") from None
     try:
         codec = TextCodec.from_json(meta["tokenizer"], json.loads(meta.get("chat") or "{}"), cfg.eos_id)
-    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed JSON)
         raise ArtifactError(f"{path}: bad tokenizer: {e}") from None
     if codec.vocab_size > cfg.vocab_size:
         raise ArtifactError(f"{path}: tokenizer has {codec.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
@@ -196,7 +196,7 @@ def read_config(path: str | Path) -> ModelConfig:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error types for every kind of malformed file
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for every kind of malformed file)
         raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
     if meta.get("format") != FORMAT or "config" not in meta:
         raise ArtifactError(f"{path}: not a TinyLoop artifact (metadata 'format' is {meta.get('format')!r})")

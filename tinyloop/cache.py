@@ -309,7 +309,7 @@ class KVCache:
         try:
             if getattr(self, "_view_of", None) is None:
                 self.reset()
-        except Exception:  # interpreter shutdown: the pool may be gone already
+        except Exception:  # noqa: BLE001 (interpreter shutdown: the pool may be gone already)
             pass
 
     # --- blocks ---------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def compile_grammar(codec, vocab_size: int, grammar) -> xgr.CompiledGrammar:
         return compiler.compile_regex(source) if kind == "regex" else compiler.compile_grammar(source)
     except ConfigError:
         raise
-    except Exception as exc:  # xgrammar reports bad input as RuntimeError / ValueError subclasses
+    except Exception as exc:  # noqa: BLE001 (xgrammar reports bad input as RuntimeError / ValueError subclasses)
         how = f" ({how_read(grammar)})" if isinstance(grammar, str) and kind == "regex" else ""
         raise ConfigError(f"GenerateConfig.grammar: invalid {kind}: {library_message(exc)}{how}") from None
 

@@ -100,7 +100,7 @@ def _special_ids(path: Path, raw: dict, vocab: int, family) -> tuple[int, int]:
         try:
             tok = Tokenizer.from_file(str(path / "tokenizer.json"))
             vocab_ids = {name: tok.token_to_id(text) for name, text in _special_tokens(path, family).items() if text}
-        except Exception:  # a broken tokenizer is reported by read_hf_tokenizer with its own message
+        except Exception:  # noqa: BLE001 (a broken tokenizer is reported by read_hf_tokenizer with its own message)
             pass
 
     def pick(name: str, key: str) -> int:
@@ -129,7 +129,7 @@ def read_hf_tokenizer(path, cfg: ModelConfig) -> TextCodec:
     from tokenizers import Tokenizer, processors
     try:
         tok = Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed files)
         raise ArtifactError(f"{file}: not a readable tokenizers file ({e})") from None
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ArtifactError(f"{file}: tokenizer has {tok.get_vocab_size()} tokens but config.json's vocabulary is "
@@ -189,7 +189,7 @@ class _Pickle:
                 data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
                 data = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle's and torch's own errors for a malformed or unsafe file
+        except Exception as e:  # noqa: BLE001 (pickle's and torch's own errors for a malformed or unsafe file)
             raise ArtifactError(f"{file}: not a loadable torch pickle of tensors ({e})") from None
         if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
             raise ArtifactError(f"{file}: a torch pickle that is not a dict of tensors")
@@ -214,7 +214,7 @@ def _open_weights(file: Path):
         return _Pickle(file)
     try:
         return safe_open(str(file), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for malformed files
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for malformed files)
         raise ArtifactError(f"{file}: not a readable safetensors file ({e})") from None
 
 

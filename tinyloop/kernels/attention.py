@@ -179,11 +179,11 @@ def _combine_splits_kernel(ACC, ML, OUT, n_split, HD: tl.constexpr, HD_P: tl.con
     r = tl.arange(0, HD_P)
     smask = sidx < n_split
     m = tl.load(ML + (row * n_split + sidx) * 2, mask=smask, other=float("-inf"))
-    l = tl.load(ML + (row * n_split + sidx) * 2 + 1, mask=smask, other=0.0)
+    denom = tl.load(ML + (row * n_split + sidx) * 2 + 1, mask=smask, other=0.0)
     big = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))
     acc = tl.load(ACC + (row * n_split + sidx)[:, None] * HD_P + r[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
     tl.store(OUT + row * HD + r, out.to(OUT.dtype.element_ty), mask=r < HD)
 
 

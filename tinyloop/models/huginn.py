@@ -67,7 +67,7 @@ def tensors(name: str, cfg: ModelConfig) -> Targets | None:
     if parts[0] != "transformer" or group is None:
         return None
     base, rest = f"{group}.{parts[2]}", ".".join(parts[3:])
-    H, hd, I, d, kv = cfg.n_heads, cfg.head_dim, cfg.ffn_hidden, cfg.d_model, cfg.kv_dim
+    H, hd, ffn, d, kv = cfg.n_heads, cfg.head_dim, cfg.ffn_hidden, cfg.d_model, cfg.kv_dim
     if rest in NORMS:
         return [(f"{base}.{NORMS[rest]}.weight", same)]
     if rest == "attn.Wqkv.weight":  # rows: q (H*hd), k, v; q and k permuted for the half-split RoPE
@@ -80,7 +80,7 @@ def tensors(name: str, cfg: ModelConfig) -> Targets | None:
     if rest == "attn.proj.weight":
         return [(f"{base}.attn.wo.weight", same)]
     if rest == "mlp.fc.weight":  # one fused matrix: the first half gates (SiLU), the second is the up projection
-        return [(f"{base}.mlp.w_gate.weight", lambda t: t[:I]), (f"{base}.mlp.w_up.weight", lambda t: t[I:])]
+        return [(f"{base}.mlp.w_gate.weight", lambda t: t[:ffn]), (f"{base}.mlp.w_up.weight", lambda t: t[ffn:])]
     if rest == "mlp.proj.weight":
         return [(f"{base}.mlp.w_down.weight", same)]
     return None
