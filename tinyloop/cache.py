@@ -431,15 +431,6 @@ class KVCache:
         if self.cell_pos is not None:
             self.cell_pos[slot, lane, cells] = pos
 
-    def copy_slot(self, src: int, dst: int, pos: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
-        """Copy the entries at positions pos [B, T] from slot src to slot dst (early exit fills skipped loops)."""
-        B = pos.shape[0]
-        lane = (torch.arange(B, device=self.device) if lanes is None else lanes).view(B, 1)
-        cells = pos % self.ring if self.window else pos
-        blk, row = self.locate(src, lane, cells)
-        data = {name: t[blk, row] for name, t in self.pool.store.items()}
-        self.write(dst, pos, cells, data, lane)
-
     def copy_cell(self, src: list[int], dst: list[int], pos: int, lane: int) -> None:
         """Copy one cell (position pos) of `lane` from slots src[i] to slots dst[i], in one indexed copy per stored
         tensor (an early-exited token's skipped loops get its last loop's entries)."""
@@ -453,6 +444,15 @@ class KVCache:
             t[dst_blocks, row] = t[src_blocks, row]
         if self.cell_pos is not None:
             self.cell_pos[torch.tensor(dst, device=self.device), lane, cell] = pos
+
+    def fill_skipped(self, lane: int, pos: int, used: int, loops: int) -> None:
+        """A token at position `pos` of `lane` that stopped after `used` of its `loops` loops (early exit): each core
+        layer's entries of its last loop copied into the loops it skipped, so later tokens find keys at every depth.
+        The one place the engine's torch paths fill skipped loops (the C step does it in kernels/cpu_block.c)."""
+        cfg = self.cfg
+        pairs = [(cfg.core_slot(used - 1, j), cfg.core_slot(k, j)) for k in range(used, loops) for j in range(cfg.n_core)]
+        if pairs:
+            self.copy_cell([a for a, _ in pairs], [b for _, b in pairs], pos, lane)
 
     # --- speculative decode ---------------------------------------------------------------------------
     def rollback(self, length: int, slots: list[int] | None = None) -> None:

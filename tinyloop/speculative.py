@@ -338,7 +338,7 @@ class Speculator:
                 used[i] = k + 1
                 if st:
                     done[i] = True
-                    self.fill_skipped(cells[i], k)
+                    self.cache.fill_skipped(0, cells[i], k + 1, self.V)  # (a chain's cell: its position)
         return self.loops(lat, pos, cells, tree, k1, k1) if head else None, steps
 
     def draft(self, lat: cached.Latent, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None,
@@ -355,12 +355,6 @@ class Speculator:
             logits, steps = self.advance(lat, pos, cells, tree, 0, self.D, head, used, done)
         self.draft_s += time.perf_counter() - t0
         return logits, used, done, steps
-
-    def fill_skipped(self, cell: int, last: int) -> None:
-        at = torch.tensor([[cell]], device=self.model.device)
-        for k in range(last + 1, self.V):
-            for j in range(self.model.cfg.n_core):
-                self.cache.copy_slot(self.model.cfg.core_slot(last, j), self.model.cfg.core_slot(k, j), at)
 
     # -- one round -----------------------------------------------------------------------------------
     def round(self, pending: int, p: int, n: int, w: int, guessed: list[int]) -> tuple[list[int], int, int]:

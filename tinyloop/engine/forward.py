@@ -199,11 +199,8 @@ class Cached:
     def fill_skipped(self, lane: int, used: int, loops: int) -> None:
         """A lane that stopped after `used` of its `loops` loops: copy its last loop's entries into the slots of the
         loops it skipped, so later tokens find keys at every depth."""
-        cfg = self.net.cfg
-        at, lanes = self.pos[lane:lane + 1], torch.tensor([lane], device=self.pos.device)
-        for k in range(used, loops):
-            for j in range(cfg.n_core):
-                self.cache.copy_slot(cfg.core_slot(used - 1, j), cfg.core_slot(k, j), at, lanes)
+        for pos in self.pos[lane].tolist():
+            self.cache.fill_skipped(lane, pos, used, loops)
 
     # --- read-ahead (decode rows) -----------------------------------------------------------------------
     def read_ahead(self, slots: list[int]) -> None:

@@ -674,14 +674,9 @@ class Runner:
         """Early-exit tokens whose loops are done take their logits: from the state they exited with, by one coda and
         head forward (or the logits their rule read at that loop); their skipped loops' K/V are copied from the last
         loop they ran."""
-        cfg = self.model.cfg
-        for seq in rows:
-            used, want = seq.place.token.used, seq.loops
-            if cfg.exit_kv == "copy" and used < want:
-                skipped = [(j, k) for k in range(used, want) for j in range(cfg.n_core)]
-                self.cache.copy_cell([cfg.core_slot(used - 1, j) for j, _ in skipped],
-                                     [cfg.core_slot(k, j) for j, k in skipped], seq.pos - seq.place.prompt_row,
-                                     seq.place.lane)
+        if self.model.cfg.exit_kv == "copy":
+            for seq in rows:
+                self.cache.fill_skipped(seq.place.lane, seq.pos - seq.place.prompt_row, seq.place.token.used, seq.loops)
         unread = [s for s in rows if s.place.token.logits is None]
         logits = iter(self.heads(unread, torch.cat([s.place.token.out for s in unread])) if unread else [])
         for seq in rows:
