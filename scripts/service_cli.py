@@ -132,6 +132,9 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
               help="/readyz fails while this share of recent requests failed on the service's side.")
 @click.option("--ready-window", default=60.0, show_default=True, type=SECONDS,
               help="Seconds of requests the error rate looks at.")
+@click.option("--ready-min-deadline", default=30.0, show_default=True, type=SECONDS,
+              help="A timeout counts against /readyz only when the request was given at least this many seconds "
+                   "(a shorter deadline that passes is the client's own).")
 @click.option("--curve-dir", default=None, type=DIRECTORY,
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--affinity/--no-affinity", default=True, show_default=True,
@@ -141,13 +144,14 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @log_level_option
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
                    max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
-                   ready_max_error_rate,
-                   ready_window, curve_dir, affinity, affinity_wait, log_level) -> None:
+                   ready_max_error_rate, ready_window, ready_min_deadline, curve_dir, affinity, affinity_wait,
+                   log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     import zmq
 
     from broker.broker import Broker
     from broker.metrics import serve_http
+    from broker.security import KeyDirectoryError
 
     setup_logging(log_level)
     try:
@@ -155,14 +159,22 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
                         default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
                         max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
                         max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate,
-                        ready_window_s=ready_window, curve_dir=curve_dir, affinity=affinity,
-                        affinity_wait_s=affinity_wait)
+                        ready_window_s=ready_window, ready_min_deadline_s=ready_min_deadline, curve_dir=curve_dir,
+                        affinity=affinity, affinity_wait_s=affinity_wait)
     except zmq.ZMQError as exc:  # an endpoint in use or malformed: one line, not a traceback (serve names it)
         click.echo(f"error: the broker cannot listen on {frontend} / {backend}: {exc}", err=True)
         sys.exit(1)
+    except KeyDirectoryError as exc:
+        click.echo(f"error: --curve-dir: {exc}", err=True)
+        sys.exit(2)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
-        server = serve_http(broker.metrics, metrics_host, metrics_port)
+        try:
+            server = serve_http(broker.metrics, metrics_host, metrics_port)
+        except OSError as exc:  # the port is taken (or the host is not ours): one line, not a traceback
+            click.echo(f"error: --metrics-port {metrics_port}: cannot listen on {metrics_host}:{metrics_port}: "
+                       f"{exc.strerror or exc}", err=True)
+            sys.exit(2)
         info["metrics"] = f"http://{metrics_host}:{server.server_address[1]}"
     broker.install_signal_handlers()
     if ready_file:  # the process that started it announces the endpoints (`serve` does, once)
@@ -521,12 +533,13 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
 @click.command("keys")
 @click.argument("directory", type=click.Path(file_okay=False))
 def keys_command(directory) -> None:
-    """Create CURVE keys for the broker and its clients/workers in DIRECTORY."""
+    """Create CURVE keys in DIRECTORY: the broker's, one pair for clients and gateways, one for workers."""
     from broker.security import create_keys
 
     path = create_keys(directory)
-    click.echo(f"keys written to {path}: give the broker --curve-dir {path}; clients and workers need "
-               f"broker.key and client.key_secret from it (--curve-dir with those two files)")
+    click.echo(f"keys written to {path}: give the broker --curve-dir {path}; clients and gateways need broker.key "
+               f"and client.key_secret, workers broker.key and worker.key_secret (--curve-dir with those two files; "
+               f"a client key is refused on the workers' socket and a worker key on the clients')")
 
 
 SERVICE_COMMANDS = (serve_command, broker_command, worker_command, submit_command, status_command, loadtest_command,
