@@ -172,10 +172,10 @@ def _check_fields(body: dict, known: set[str]) -> None:
 def _prompts(body: dict) -> list[Any]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     p = body.get("prompt")
-    if isinstance(p, str):
+    if isinstance(p, str) and p:  # an empty prompt has nothing to continue from (the runtime refuses it too)
         return [p]
     if isinstance(p, list) and p:
-        if all(isinstance(x, str) for x in p):
+        if all(isinstance(x, str) and x for x in p):
             return p
         if all(is_int(x) and 0 <= x < 2**31 for x in p):
             return [p]

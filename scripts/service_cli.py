@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
 import click
 
-from tinyloop.fields import EXIT_RULES
+from tinyloop.fields import EXIT_RULES, GENERATE_FIELDS
 
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
@@ -333,7 +334,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
     prints nothing there); the stats line and errors go to stderr."""
-    from broker.client import Client, InvalidRequest, ServiceError, build_request, generate_params
+    from broker.client import BadEndpoint, Client, InvalidRequest, ServiceError, build_request, generate_params
 
     config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
@@ -375,8 +376,25 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
         hint = ""
         if exc.code == "config_error" and "max_seq_len" in str(exc):  # the runtime's wording names load_model
             hint = " (for the service: lower --max-tokens, or start `tinyloop serve` with a larger --max-seq-len)"
-        click.echo(f"error: {exc}{hint}", err=True)
+        if isinstance(exc, BadEndpoint):  # a bad option, said as click says it (exit 2)
+            raise click.BadParameter(str(exc), param_hint=exc.option) from None
+        click.echo(f"error: {in_option_words(str(exc))}{hint}", err=True)
         sys.exit(2 if isinstance(exc, InvalidRequest) else 1)  # 2: the request itself is wrong, as for `generate`
+
+
+# The request fields whose command-line option is not --<the field's name, with dashes>.
+OPTION_FOR_FIELD = {"stop_sequences": "--stop", "early_exit_threshold": "--early-exit"}
+REFUSED_FIELD = re.compile(r"^(?:op '\w+': )?(?:field '(\w+)'|GenerateConfig\.(\w+))")
+
+
+def in_option_words(message: str) -> str:
+    """An error the wire or the runtime gave, said with the option the value came from: "op 'generate': field
+    'loops' must be ..." and "GenerateConfig.loops must be ..." both become "--loops must be ..."."""
+    found = REFUSED_FIELD.match(message)
+    name = found and (found.group(1) or found.group(2))
+    if not name or name not in GENERATE_FIELDS:
+        return message
+    return OPTION_FOR_FIELD.get(name, "--" + name.replace("_", "-")) + message[found.end():]
 
 
 def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, imported lazily (no zmq at import)
@@ -402,11 +420,13 @@ def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, impo
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def status_command(connect, as_json, timeout, curve_dir) -> None:
     """Show the service's workers, queue and handles."""
-    from broker.client import Client, ServiceError
+    from broker.client import BadEndpoint, Client, ServiceError
 
     try:
         with Client(connect, curve_dir=curve_dir) as client:
             status = client.status(timeout=timeout)
+    except BadEndpoint as exc:  # a bad option, said as click says it (exit 2)
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
     except ServiceError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -35,7 +35,7 @@ def test_generate_with_grammar_and_beam():
 
 def test_generate_reports_bad_input_clearly():
     out = tinyloop_cli("generate", "x", "--loops", "99")
-    assert out.returncode == 2 and "GenerateConfig.loops must be an integer in 1..16" in out.stderr
+    assert out.returncode == 2 and "--loops must be in [1, 16] (this model's max_loops), got 99" in out.stderr
     assert "Traceback" not in out.stderr
 
 
