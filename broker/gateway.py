@@ -103,6 +103,13 @@ def context_length_error(message: str, kind: str) -> APIError | None:
                     param=where, code="context_length_exceeded")
 
 
+# How the wire ("op 'generate': field 'loops' ...") and the runtime ("GenerateConfig.loops ...", "prompt is empty")
+# name the field they refuse.
+NAMED_FIELD = re.compile(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)|"
+                         r"(?:^|^op '\w+': )(chat_template_kwargs|prompt)\b")
+OP_PREFIX = re.compile(r"(?:op '\w+': )?")
+
+
 def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
     status = STATUS_FOR_CODE.get(err.code, 500)
     message = err.message.split(": ", 1)[1] if ": " in err.message else err.message
@@ -112,10 +119,9 @@ def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
             return too_long
     # Name the field when the wire schema or the runtime did ("field 'loops'", "GenerateConfig.loops", "prompt is
     # empty"), and say it in the gateway's own words ("'loops' must be ..."): one dialect, whoever refused it.
-    found = re.search(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)|^(chat_template_kwargs|prompt)\b",
-                      message)
+    found = NAMED_FIELD.search(message)
     param = next((g for g in found.groups() if g), None) if found else None
-    if found and found.start() == 0:
+    if found and found.start() == len(OP_PREFIX.match(message).group()):  # the message starts with the field's name
         message = f"'{param}'{message[found.end():]}"
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return APIError(status, message, param=param, code=err.code, headers=headers)

@@ -69,6 +69,15 @@ def gateway_command(connect, host, port, api_keys, api_key_file, model_name, max
     keys = load_api_keys(api_keys, api_key_file)
     if (api_keys or api_key_file) and not keys:
         raise click.BadParameter("no API key found in --api-key / --api-key-file")
+    if metrics_port is not None:  # taken? say so now, in one line, before anything is announced
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, metrics_port))
+        except OSError as exc:
+            click.echo(f"error: --metrics-port {metrics_port}: cannot listen on {host}:{metrics_port}: "
+                       f"{exc.strerror or exc}", err=True)
+            sys.exit(2)
     try:
         sock = listen(host, port)
     except OSError as exc:
@@ -77,17 +86,8 @@ def gateway_command(connect, host, port, api_keys, api_key_file, model_name, max
     if not ready_file:  # else the process that started it announces it (`serve` does, once)
         click.echo(f"gateway: http://{host}:{sock.getsockname()[1]}/v1 -> broker {connect}"
                    + (" (API key required)" if keys else ""), err=True)
-    if metrics_port is not None:  # taken? say so now, in one line, before anything is announced
-        try:
-            with socket.socket(sock.family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((host, metrics_port))
-        except OSError as exc:
-            click.echo(f"error: --metrics-port {metrics_port}: cannot listen on {host}:{metrics_port}: "
-                       f"{exc.strerror or exc}", err=True)
-            sys.exit(2)
-    run_gateway(connect, sock, ready_file, metrics_port=metrics_port, api_keys=keys, model_name=model_name, max_body_bytes=max_body_bytes,
-                timeout=timeout, curve_dir=curve_dir,
+    run_gateway(connect, sock, ready_file, metrics_port=metrics_port, api_keys=keys, model_name=model_name,
+                max_body_bytes=max_body_bytes, timeout=timeout, curve_dir=curve_dir,
                 limits=WorkLimits(max_requests=max_fanout, max_tokens=max_work_tokens, max_prompt=max_prompt_size))
 
 

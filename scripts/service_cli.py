@@ -384,12 +384,12 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 
 # The request fields whose command-line option is not --<the field's name, with dashes>.
 OPTION_FOR_FIELD = {"stop_sequences": "--stop", "early_exit_threshold": "--early-exit"}
-REFUSED_FIELD = re.compile(r"^(?:op '\w+': )?(?:field '(\w+)'|GenerateConfig\.(\w+))")
+REFUSED_FIELD = re.compile(r"^(?:[a-z_]+: )?(?:op '\w+': )?(?:field '(\w+)'|GenerateConfig\.(\w+))")  # [code: ]
 
 
 def in_option_words(message: str) -> str:
-    """An error the wire or the runtime gave, said with the option the value came from: "op 'generate': field
-    'loops' must be ..." and "GenerateConfig.loops must be ..." both become "--loops must be ..."."""
+    """An error the wire or the runtime gave, said with the option the value came from: "invalid_field: op 'generate':
+    field 'loops' must be ..." and "GenerateConfig.loops must be ..." both become "--loops must be ..."."""
     found = REFUSED_FIELD.match(message)
     name = found and (found.group(1) or found.group(2))
     if not name or name not in GENERATE_FIELDS:

@@ -326,7 +326,8 @@ def test_serve_reads_relative_paths_from_the_callers_directory_and_fails_fast_on
 
 @pytest.mark.parametrize("scaffolds,extra,needle", [
     (["def f():", "class A:"], ["--max-handles", "1"], "holds 2 scaffolds but --max-handles is 1"),
-    ([{"prefix": "def f():", "loops": 99}], [], "loops"),
+    ([{"prefix": "def f():", "loops": 99}], [], "scaffolds.json, entry 0: 'loops' must be in [1, 16] (this model's "
+                                                "max_loops), got 99"),
 ])
 def test_serve_fails_fast_when_a_worker_cannot_start_as_configured(tmp, scaffolds, extra, needle):
     (tmp / "scaffolds.json").write_text(json.dumps(scaffolds))
