@@ -229,7 +229,7 @@ class Broker:
         self.refresh_gauges()
 
     def _router(self, endpoint: str, role: str) -> zmq.Socket:
-        """A ROUTER bound to `endpoint` for peers of `role` ("client" or "worker": with CURVE, only that role's keys)."""
+        """A ROUTER on `endpoint` for peers of `role` ("client" or "worker"; with CURVE only that role's keys)."""
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         # A hard cap far above the protocol limit: the protocol limit gets a polite

@@ -165,13 +165,15 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
         self.loop_tick = time.monotonic()  # when the loop's ticker last ran (/livez)
-        endpoints = [("/v1/completions", self.completions, "POST"), ("/v1/chat/completions", self.chat_completions, "POST"),
-                     ("/v1/models", self.models, "GET"), ("/health", self.health, "GET"), ("/livez", self.livez, "GET")]
+        endpoints = [("/v1/completions", self.completions, "POST"),
+                     ("/v1/chat/completions", self.chat_completions, "POST"), ("/v1/models", self.models, "GET"),
+                     ("/health", self.health, "GET"), ("/livez", self.livez, "GET")]
         if metrics_on_api_port:  # else served on --metrics-port only (run_gateway), off the public port
             endpoints.append(("/metrics", self.prometheus, "GET"))
         # "/v1/completions/" is served as "/v1/completions": Starlette would answer a 307 with an empty body, which
         # an HTTP client posting JSON does not follow. (/v1/models/{name:path} takes any tail already.)
-        routes = [Route(path + tail, handler, methods=[method]) for path, handler, method in endpoints for tail in ("", "/")]
+        routes = [Route(path + tail, handler, methods=[method])
+                  for path, handler, method in endpoints for tail in ("", "/")]
         self.app = Starlette(routes=[
             *routes, Route("/v1/models/{name:path}", self.model, methods=["GET"]),
         ], lifespan=self.lifespan, exception_handlers={APIError: self.on_api_error, ClientDisconnect: self.on_gone,

@@ -57,8 +57,9 @@ def start_authenticator(context: zmq.Context, directory: str | Path) -> ThreadAu
     directory = Path(directory)
     for role, folder in AUTHORIZED.items():
         if not (directory / folder).is_dir():
-            raise KeyDirectoryError(f"CURVE key directory {directory} has no {folder}/ (the {role} keys the broker admits): "
-                            f"it predates key roles or is incomplete; make a new one with `tinyloop keys DIR`")
+            raise KeyDirectoryError(f"CURVE key directory {directory} has no {folder}/ (the {role} keys the broker "
+                                    f"admits): it predates key roles or is incomplete; make a new one with "
+                                    f"`tinyloop keys DIR`")
     auth = ThreadAuthenticator(context)
     auth.start()
     for role, folder in AUTHORIZED.items():

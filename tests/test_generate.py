@@ -86,7 +86,8 @@ def test_stats_have_real_timings(tiny_model):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("max_tokens", 0, "max_tokens"), ("loops", 0, "loops"), ("loops", 17, r"GenerateConfig\.loops must be in \[1, 16\] \(this model's max_loops\), got 17"),
+    ("max_tokens", 0, "max_tokens"), ("loops", 0, "loops"),
+    ("loops", 17, r"GenerateConfig\.loops must be in \[1, 16\] \(this model's max_loops\), got 17"),
     ("temperature", -0.5, "temperature"), ("top_k", -1, "top_k"), ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
     ("repetition_penalty", 0, "repetition_penalty"), ("seed", -3, "seed"), ("beam_size", 0, "beam_size"),
     ("cache_window", -1, "cache_window"), ("early_exit_threshold", -0.1, "early_exit_threshold"),
