@@ -736,7 +736,6 @@ class Broker:
 
     def answer_done(self, req: Request, result: dict) -> None:
         self.finish(req, "done", {"id": req.client_id, "result": result})
-        self.send_client(req.client, "done", id=req.client_id, result=result)
         stats = result.get("stats") if isinstance(result.get("stats"), dict) else {}
         self.metrics.requests.labels(req.op, "done").inc()
         now = time.monotonic()
@@ -752,13 +751,15 @@ class Broker:
                 self.metrics.ttft.observe(req.dispatched_at - req.arrived + stats["first_token_ms"] / 1000)
             if generated > 1 and stats.get("decode_ms") is not None:
                 self.metrics.tpot.observe(stats["decode_ms"] / 1000 / (generated - 1))
+        # counted before the reply goes out: a client that reads /metrics on its answer finds its request there
+        self.send_client(req.client, "done", id=req.client_id, result=result)
         self.log_request(req, "done", result.get("worker"), stats=stats)
 
     def answer_error(self, req: Request, code: str, message: str) -> None:
         self.finish(req, "error", {"id": req.client_id, "code": code, "message": message})
-        self.send_client(req.client, "error", id=req.client_id, code=code, message=message)
         self.metrics.requests.labels(req.op, "error").inc()
         self.metrics.errors.labels(code).inc()
+        self.send_client(req.client, "error", id=req.client_id, code=code, message=message)  # after counting it
         worker = self.workers.get(req.worker) if req.worker else None
         self.log_request(req, "error", worker.name if worker else None, code=code, message=message)
 
