@@ -68,8 +68,12 @@ CONTINUABLE_OPS = frozenset({"generate", "generate_pool", "speculative"})
 # Final replies kept for Lazy Pirate re-sends whose first reply was lost in transit.
 ANSWERED_KEEP = 1024
 ANSWERED_TTL_S = 60.0
-# Readiness: error codes that mean the service failed a request (not the client's mistakes).
+# Readiness: error codes that mean the service failed a request. The client's own mistakes (invalid fields, its
+# template variables, its grammar, sizes past a limit) are other codes and never count. A timeout counts only when
+# the client gave the request at least DEFAULT_READY_MIN_DEADLINE_S (--ready-min-deadline): a shorter deadline is the
+# client's own bet, and a client must not be able to turn /readyz red by asking for the impossible.
 SERVICE_FAULT_CODES = frozenset({Codes.RUNTIME_ERROR, Codes.WORKER_LOST, Codes.TIMEOUT, Codes.FORWARD_FAILED})
+DEFAULT_READY_MIN_DEADLINE_S = 30.0
 DEFAULT_READY_WINDOW_S = 60.0
 DEFAULT_READY_MAX_ERROR_RATE = 0.5
 READY_MIN_SAMPLES = 5  # fewer finished requests than this in the window say nothing about the error rate
@@ -168,6 +172,7 @@ class Broker:
         drain_timeout_s: float = 30.0,
         ready_window_s: float = DEFAULT_READY_WINDOW_S,
         ready_max_error_rate: float = DEFAULT_READY_MAX_ERROR_RATE,
+        ready_min_deadline_s: float = DEFAULT_READY_MIN_DEADLINE_S,
         curve_dir: str | None = None,
         affinity: bool = True,
         affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
@@ -188,6 +193,7 @@ class Broker:
         self.drain_timeout_s = drain_timeout_s
         self.ready_window_s = ready_window_s
         self.ready_max_error_rate = ready_max_error_rate
+        self.ready_min_deadline_s = ready_min_deadline_s  # shorter deadlines that pass are the client's, not a fault
         # Finished requests in the readiness window, one bucket per second: [second, finished, {fault code: n}].
         # Buckets, not one entry per request, so the memory stays bounded at any request rate.
         self.outcomes: deque[list] = deque()
@@ -203,8 +209,8 @@ class Broker:
             from broker.security import start_authenticator
 
             self.authenticator = start_authenticator(self.ctx, curve_dir)  # before bind: no peer slips in
-        self.frontend = self._router(frontend)
-        self.backend = self._router(backend)
+        self.frontend = self._router(frontend, "client")
+        self.backend = self._router(backend, "worker")
         # The endpoints actually bound (a tcp port of 0 or "*" becomes a real port).
         self.frontend_endpoint = self.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.backend_endpoint = self.backend.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -222,7 +228,8 @@ class Broker:
         self.stop_requested = threading.Event()
         self.refresh_gauges()
 
-    def _router(self, endpoint: str) -> zmq.Socket:
+    def _router(self, endpoint: str, role: str) -> zmq.Socket:
+        """A ROUTER on `endpoint` for peers of `role` ("client" or "worker"; with CURVE only that role's keys)."""
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         # A hard cap far above the protocol limit: the protocol limit gets a polite
@@ -238,7 +245,7 @@ class Broker:
         if self.curve_dir is not None:
             from broker.security import make_server
 
-            make_server(sock, self.curve_dir)
+            make_server(sock, self.curve_dir, role)
         sock.bind(endpoint)
         return sock
 
@@ -729,7 +736,6 @@ class Broker:
 
     def answer_done(self, req: Request, result: dict) -> None:
         self.finish(req, "done", {"id": req.client_id, "result": result})
-        self.send_client(req.client, "done", id=req.client_id, result=result)
         stats = result.get("stats") if isinstance(result.get("stats"), dict) else {}
         self.metrics.requests.labels(req.op, "done").inc()
         now = time.monotonic()
@@ -745,13 +751,15 @@ class Broker:
                 self.metrics.ttft.observe(req.dispatched_at - req.arrived + stats["first_token_ms"] / 1000)
             if generated > 1 and stats.get("decode_ms") is not None:
                 self.metrics.tpot.observe(stats["decode_ms"] / 1000 / (generated - 1))
+        # counted before the reply goes out: a client that reads /metrics on its answer finds its request there
+        self.send_client(req.client, "done", id=req.client_id, result=result)
         self.log_request(req, "done", result.get("worker"), stats=stats)
 
     def answer_error(self, req: Request, code: str, message: str) -> None:
         self.finish(req, "error", {"id": req.client_id, "code": code, "message": message})
-        self.send_client(req.client, "error", id=req.client_id, code=code, message=message)
         self.metrics.requests.labels(req.op, "error").inc()
         self.metrics.errors.labels(code).inc()
+        self.send_client(req.client, "error", id=req.client_id, code=code, message=message)  # after counting it
         worker = self.workers.get(req.worker) if req.worker else None
         self.log_request(req, "error", worker.name if worker else None, code=code, message=message)
 
@@ -772,8 +780,14 @@ class Broker:
             self.outcomes.append([int(now), 0, {}])
         bucket = self.outcomes[-1]
         bucket[1] += 1
-        if fields.get("code") in SERVICE_FAULT_CODES:
+        if self.is_service_fault(req, fields.get("code")):
             bucket[2][fields["code"]] = bucket[2].get(fields["code"], 0) + 1
+
+    def is_service_fault(self, req: Request, code: str | None) -> bool:
+        """Did the service fail this request (readiness counts it), rather than the client ask for what it got?"""
+        if code == Codes.TIMEOUT:
+            return req.deadline - req.arrived >= self.ready_min_deadline_s
+        return code in SERVICE_FAULT_CODES
 
     def log_request(self, req: Request, outcome: str, worker: str | None, **extra: Any) -> None:
         now = time.monotonic()

@@ -109,6 +109,31 @@ class InvalidRequest(ServiceError, ValueError):
     code = Codes.INVALID_FIELD
 
 
+class BadEndpoint(ServiceError, ValueError):
+    """The endpoint given is not one ZeroMQ can connect to (a typo, a port that is not a number), or the CURVE key
+    directory lacks this client's keys: nothing was sent."""
+
+    code = "bad_endpoint"
+
+    def __init__(self, message: str, option: str = "--connect"):
+        super().__init__(message)
+        self.option = option  # the command-line option that gave the bad value (--connect or --curve-dir)
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Raise BadEndpoint when ZeroMQ cannot connect to `endpoint` at all (tcp://HOST:PORT, ipc://PATH, ...). A broker
+    that is merely not up yet is not an error here: the connection is retried."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise BadEndpoint(f"cannot connect to {endpoint!r}: {exc.strerror} (an endpoint looks like tcp://HOST:PORT "
+                          f"or ipc:///PATH)") from None
+    finally:
+        sock.close()
+
+
 class UnsupportedOperation(ServiceError):
     """The op does not exist, or this service's runtime does not implement it."""
 
@@ -252,11 +277,20 @@ def _connect(ctx: zmq.Context, endpoint: str, curve_dir: str | None, identity: b
     sock.linger = 0
     sock.setsockopt(zmq.IDENTITY, identity)
     if curve_dir is not None:  # encrypted, authenticated connection (see broker/security.py)
-        from broker.security import make_client
+        from broker.security import KeyDirectoryError, make_client
 
-        make_client(sock, curve_dir)
+        try:
+            make_client(sock, curve_dir)
+        except KeyDirectoryError as exc:
+            sock.close()
+            raise BadEndpoint(str(exc), "--curve-dir") from None
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.close()
+        check_endpoint(endpoint)  # says why, as BadEndpoint
+        raise
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(endpoint)
     return sock, monitor
 
 

@@ -44,6 +44,10 @@ log = logging.getLogger("tinyloop.gateway")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 STATUS_INTERVAL_S = 0.5
 STATUS_STALE_S = 3.0  # a status older than this counts as "no worker ready" (broker unreachable)
+# /livez fails when a task that wakes every LOOP_TICK_S has not run for LOOP_STALL_S: the event loop is stalled, and
+# a restart is the cure. A stalled loop does not answer /livez at all, which the probe's timeout counts too.
+LOOP_TICK_S = 1.0
+LOOP_STALL_S = 10.0
 BUNDLED_MODEL_ID = "tinyloop-default"
 
 # Broker error codes -> HTTP status (docs/gateway.md). Anything not listed is a 500.
@@ -52,6 +56,21 @@ STATUS_FOR_CODE = {
     "unsupported_op": 400, "busy": 429, "timeout": 504, "shutting_down": 503, "worker_lost": 502,
     "forward_failed": 502, "cancelled": 499,
 }
+
+
+# The status a request whose client hung up is counted under (nginx's "client closed request"): every request lands
+# in exactly one tinyloop_gateway_requests_total series, so the series sum to the requests received.
+CLIENT_CLOSED = "499"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/livez", "/metrics")
+
+
+def endpoint_label(request: Request) -> str:
+    """The metrics label of a request's path: its endpoint (a trailing slash dropped), "/v1/models/{name}", or "other"
+    for paths that are none of ours (so a scan of random paths cannot grow the metrics without bound)."""
+    path = request.url.path.rstrip("/") or "/"
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{name}" if path.startswith("/v1/models/") else "other"
 
 
 def model_id(announced: str) -> str:
@@ -84,6 +103,13 @@ def context_length_error(message: str, kind: str) -> APIError | None:
                     param=where, code="context_length_exceeded")
 
 
+# How the wire ("op 'generate': field 'loops' ...") and the runtime ("GenerateConfig.loops ...", "prompt is empty")
+# name the field they refuse.
+NAMED_FIELD = re.compile(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)|"
+                         r"(?:^|^op '\w+': )(chat_template_kwargs|prompt)\b")
+OP_PREFIX = re.compile(r"(?:op '\w+': )?")
+
+
 def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
     status = STATUS_FOR_CODE.get(err.code, 500)
     message = err.message.split(": ", 1)[1] if ": " in err.message else err.message
@@ -91,9 +117,12 @@ def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
         too_long = context_length_error(message, kind)
         if too_long is not None:
             return too_long
-    # Name the field when the wire schema or the runtime did ("field 'loops'", "GenerateConfig.loops").
-    found = re.search(r"field '(\w+)'|GenerateConfig\.(\w+)|SpeculativeConfig\.(\w+)|^(chat_template_kwargs)", message)
+    # Name the field when the wire schema or the runtime did ("field 'loops'", "GenerateConfig.loops", "prompt is
+    # empty"), and say it in the gateway's own words ("'loops' must be ..."): one dialect, whoever refused it.
+    found = NAMED_FIELD.search(message)
     param = next((g for g in found.groups() if g), None) if found else None
+    if found and found.start() == len(OP_PREFIX.match(message).group()):  # the message starts with the field's name
+        message = f"'{param}'{message[found.end():]}"
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return APIError(status, message, param=param, code=err.code, headers=headers)
 
@@ -121,7 +150,7 @@ class Gateway:
 
     def __init__(self, connect: str, *, api_keys: list[str] = (), model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, timeout: float = 300.0, curve_dir: str | None = None,
-                 limits: WorkLimits = WorkLimits()):
+                 limits: WorkLimits = WorkLimits(), metrics_on_api_port: bool = True):
         self.connect = connect
         self.limits = limits
         self.api_keys = [k.encode() for k in api_keys]
@@ -135,13 +164,18 @@ class Gateway:
         self.seen_models: set[str] = set()
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
+        self.loop_tick = time.monotonic()  # when the loop's ticker last ran (/livez)
+        endpoints = [("/v1/completions", self.completions, "POST"),
+                     ("/v1/chat/completions", self.chat_completions, "POST"), ("/v1/models", self.models, "GET"),
+                     ("/health", self.health, "GET"), ("/livez", self.livez, "GET")]
+        if metrics_on_api_port:  # else served on --metrics-port only (run_gateway), off the public port
+            endpoints.append(("/metrics", self.prometheus, "GET"))
+        # "/v1/completions/" is served as "/v1/completions": Starlette would answer a 307 with an empty body, which
+        # an HTTP client posting JSON does not follow. (/v1/models/{name:path} takes any tail already.)
+        routes = [Route(path + tail, handler, methods=[method])
+                  for path, handler, method in endpoints for tail in ("", "/")]
         self.app = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{name:path}", self.model, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.prometheus, methods=["GET"]),
+            *routes, Route("/v1/models/{name:path}", self.model, methods=["GET"]),
         ], lifespan=self.lifespan, exception_handlers={APIError: self.on_api_error, ClientDisconnect: self.on_gone,
                                                        HTTPException: self.on_http_error, Exception: self.on_crash})
 
@@ -150,11 +184,12 @@ class Gateway:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.client = bc.AsyncClient(self.connect, timeout=self.timeout, curve_dir=self.curve_dir)
-        poller = asyncio.create_task(self.poll_status())
+        poller, ticker = asyncio.create_task(self.poll_status()), asyncio.create_task(self.tick())
         try:
             yield
         finally:
             poller.cancel()
+            ticker.cancel()
             await self.client.close()
 
     async def poll_status(self) -> None:
@@ -169,6 +204,12 @@ class Gateway:
                 log.exception("status poll failed")
             self.metrics.ready_workers.set(self.ready_workers())
             await asyncio.sleep(STATUS_INTERVAL_S)
+
+    async def tick(self) -> None:
+        """Mark that the event loop runs (/livez)."""
+        while True:
+            self.loop_tick = time.monotonic()
+            await asyncio.sleep(LOOP_TICK_S)
 
     def ready_workers(self) -> int:
         if time.monotonic() - self.status_at > STATUS_STALE_S or self.status.get("stopping"):
@@ -199,6 +240,13 @@ class Gateway:
                 "queue": self.status.get("queue"), "models": self.served_models()}
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    async def livez(self, request: Request) -> Response:
+        """Liveness: 200 while the event loop runs its ticker; 503 when it stalled past LOOP_STALL_S."""
+        lag = time.monotonic() - self.loop_tick
+        alive = lag < LOOP_STALL_S
+        return JSONResponse({"status": "alive" if alive else "stalled", "loop_lag_s": round(lag, 3)},
+                            status_code=200 if alive else 503)
+
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -217,7 +265,7 @@ class Gateway:
         return JSONResponse(self.model_card(name))
 
     async def on_api_error(self, request: Request, err: APIError) -> Response:
-        self.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        self.metrics.requests.labels(endpoint_label(request), str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     async def on_http_error(self, request: Request, exc: HTTPException) -> Response:
@@ -234,7 +282,7 @@ class Gateway:
 
     async def on_gone(self, request: Request, exc: ClientDisconnect) -> Response:
         # Nobody is listening any more; 499 (nginx's "client closed request") only shows in logs and metrics.
-        self.metrics.requests.labels(request.url.path, "499").inc()
+        self.metrics.requests.labels(endpoint_label(request), CLIENT_CLOSED).inc()
         return Response(status_code=499)
 
     # ------------------------------------------------------------------ request intake
@@ -326,8 +374,8 @@ class Gateway:
         u = usage(results, plan)
         self.metrics.tokens.labels("prompt").inc(u["prompt_tokens"])
         self.metrics.tokens.labels("completion").inc(u["completion_tokens"])
-        self.metrics.requests.labels(request.url.path, "200").inc()
-        self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - t0)
+        self.metrics.requests.labels(endpoint_label(request), "200").inc()
+        self.metrics.latency.labels(endpoint_label(request)).observe(time.perf_counter() - t0)
 
     async def run_all(self, plan: Plan) -> list[tuple[int, int, dict]]:
         """Every choice of every prompt as its own broker request, at most BATCH_WINDOW of them on the service at
@@ -451,6 +499,7 @@ class Gateway:
                 index, kind, payload = event
                 if kind == "error":
                     err, failed = service_error(payload, plan.kind), True
+                    self.metrics.requests.labels(endpoint_label(request), str(err.status)).inc()
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 if kind == "token":
@@ -486,6 +535,7 @@ class Gateway:
             self.metrics.in_flight.dec()
             if open_choices and not failed:  # the client went away mid-stream
                 self.metrics.disconnects.inc()
+                self.metrics.requests.labels(endpoint_label(request), CLIENT_CLOSED).inc()
             for job in jobs:  # stop whatever still runs on the service
                 job.cancel()
 
@@ -505,12 +555,25 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_gateway(connect: str, sock: socket.socket, ready_file: str | None = None, **options: Any) -> None:
+def serve_metrics(gateway: Gateway, host: str, port: int) -> int:
+    """Serve the gateway's /metrics on a port of its own (a thread: it answers even while the event loop is busy),
+    so the API's public port need not expose it. Returns the port; OSError when it is taken."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=gateway.metrics.registry)
+    return server.server_address[1]
+
+
+def run_gateway(connect: str, sock: socket.socket, ready_file: str | None = None, *, metrics_port: int | None = None,
+                **options: Any) -> None:
     """Serve on a bound socket (`listen`) until SIGINT/SIGTERM (uvicorn handles both and finishes open requests).
-    `ready_file`: written (JSON: the URL) once the socket listens, for the process that started the gateway."""
+    `ready_file`: written (JSON: the URL) once the socket listens, for the process that started the gateway.
+    `metrics_port`: /metrics there (on the API socket's address) instead of on the API port."""
     import uvicorn
 
-    gateway = Gateway(connect, **options)
+    gateway = Gateway(connect, metrics_on_api_port=metrics_port is None, **options)
+    if metrics_port is not None:
+        serve_metrics(gateway, sock.getsockname()[0], metrics_port)
     host, port = sock.getsockname()[:2]
     if ready_file:  # connections made from now on wait in the socket's backlog until uvicorn takes them
         tmp = Path(ready_file + ".tmp")

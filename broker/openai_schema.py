@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinyloop.fields import (DEFAULT_MAX_TOKENS, GENERATE_FIELDS, SPECULATIVE_FIELDS, Check, boolean, int_in, is_int,
-                             list_of, number_in, plain_map, text)
+                             list_of, number_in, plain_map, template_variables, text)
 
 # Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field, checked there.
 EXTRA_FIELDS = ("loops", "early_exit_threshold", "exit_rule", "min_loops", "cache_window", *SPECULATIVE_FIELDS)
@@ -172,10 +172,10 @@ def _check_fields(body: dict, known: set[str]) -> None:
 def _prompts(body: dict) -> list[Any]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     p = body.get("prompt")
-    if isinstance(p, str):
+    if isinstance(p, str) and p:  # an empty prompt has nothing to continue from (the runtime refuses it too)
         return [p]
     if isinstance(p, list) and p:
-        if all(isinstance(x, str) for x in p):
+        if all(isinstance(x, str) and x for x in p):
             return p
         if all(is_int(x) and 0 <= x < 2**31 for x in p):
             return [p]
@@ -356,7 +356,7 @@ def _template_options(body: dict) -> dict:
     out: dict = {}
     if not get_bool(body, "add_generation_prompt", True):
         out["add_generation_prompt"] = False
-    kwargs = get_checked(body, "chat_template_kwargs", plain_map(16), {})
+    kwargs = get_checked(body, "chat_template_kwargs", template_variables(16), {})
     if kwargs:
         out["chat_template_kwargs"] = kwargs
     return out

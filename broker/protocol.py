@@ -27,7 +27,7 @@ from typing import Any, Callable
 import msgpack
 
 from tinyloop.fields import (GENERATE_FIELDS, MAX_LOOPS, SPECULATIVE_FIELDS, boolean, int_in, list_of, number_in,
-                             one_of, optional, plain_map, text, token_list)
+                             one_of, optional, plain_map, template_variables, text, token_list)
 
 PROTOCOL_NAME = b"tinyloop/"
 PROTOCOL_VERSION = 1
@@ -325,7 +325,7 @@ OPS["chat"] = {
     "messages": Field(list_of(CHAT_MESSAGE, 1024)),
     # the chat template's options: an open assistant turn (default true), and the template's own variables
     "add_generation_prompt": Field(boolean, required=False),
-    "chat_template_kwargs": Field(plain_map(16), required=False),
+    "chat_template_kwargs": Field(template_variables(16), required=False),
     **{k: v for k, v in OPS["speculative"].items() if k != "prompt"},
 }
 

@@ -14,7 +14,9 @@ def main() -> None:
 
 
 def fail(err: Exception) -> None:
-    click.echo(f"error: {err}", err=True)
+    from scripts.service_cli import in_option_words
+
+    click.echo(f"error: {in_option_words(str(err))}", err=True)
     sys.exit(2)
 
 

@@ -5,6 +5,7 @@ as a child process with `python -m scripts.gateway_cli` (scripts/service_cli.py 
 """
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -37,18 +38,46 @@ from scripts.service_cli import DEFAULT_FRONTEND, DIRECTORY, FILE, PORT, SECONDS
               help="Prompt characters (text) or token ids one HTTP call may send (prompts x n x length); more is a 400.")
 @click.option("--curve-dir", default=None, type=DIRECTORY,
               help="CURVE key directory to reach a broker started with --curve-dir.")
+@click.option("--metrics-port", default=None, type=PORT,
+              help="Serve /metrics on this port (same --host) instead of the API port, so a public Service of the "
+                   "API port does not expose it.")
 @log_level_option
 @click.option("--ready-file", default=None, type=click.Path(dir_okay=False, resolve_path=True),
               help="Write the gateway's URL here as JSON once it listens (for the process that started it).")
 def gateway_command(connect, host, port, api_keys, api_key_file, model_name, max_body_bytes, timeout, max_fanout,
-                    max_work_tokens, max_prompt_size, curve_dir, log_level, ready_file) -> None:
+                    max_work_tokens, max_prompt_size, curve_dir, metrics_port, log_level, ready_file) -> None:
     """Serve the OpenAI HTTP API (completions, chat, models, health, metrics) in front of a broker."""
+    from broker.client import BadEndpoint, check_endpoint
     from broker.gateway import listen, load_api_keys, run_gateway
+    from broker.security import CLIENT, KeyDirectoryError, make_client
 
     setup_logging(log_level)
+    try:  # before the banner: a typo in --connect or a key directory without the client's keys is one error line
+        check_endpoint(connect)
+    except BadEndpoint as exc:
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
+    if curve_dir is not None:
+        import zmq
+
+        probe = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            make_client(probe, curve_dir, CLIENT)
+        except KeyDirectoryError as exc:
+            raise click.BadParameter(str(exc), param_hint="--curve-dir") from None
+        finally:
+            probe.close()
     keys = load_api_keys(api_keys, api_key_file)
     if (api_keys or api_key_file) and not keys:
         raise click.BadParameter("no API key found in --api-key / --api-key-file")
+    if metrics_port is not None:  # taken? say so now, in one line, before anything is announced
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, metrics_port))
+        except OSError as exc:
+            click.echo(f"error: --metrics-port {metrics_port}: cannot listen on {host}:{metrics_port}: "
+                       f"{exc.strerror or exc}", err=True)
+            sys.exit(2)
     try:
         sock = listen(host, port)
     except OSError as exc:
@@ -57,8 +86,8 @@ def gateway_command(connect, host, port, api_keys, api_key_file, model_name, max
     if not ready_file:  # else the process that started it announces it (`serve` does, once)
         click.echo(f"gateway: http://{host}:{sock.getsockname()[1]}/v1 -> broker {connect}"
                    + (" (API key required)" if keys else ""), err=True)
-    run_gateway(connect, sock, ready_file, api_keys=keys, model_name=model_name, max_body_bytes=max_body_bytes,
-                timeout=timeout, curve_dir=curve_dir,
+    run_gateway(connect, sock, ready_file, metrics_port=metrics_port, api_keys=keys, model_name=model_name,
+                max_body_bytes=max_body_bytes, timeout=timeout, curve_dir=curve_dir,
                 limits=WorkLimits(max_requests=max_fanout, max_tokens=max_work_tokens, max_prompt=max_prompt_size))
 
 

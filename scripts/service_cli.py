@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
 import click
 
-from tinyloop.fields import EXIT_RULES
+from tinyloop.fields import EXIT_RULES, GENERATE_FIELDS
 
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
@@ -132,6 +133,9 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
               help="/readyz fails while this share of recent requests failed on the service's side.")
 @click.option("--ready-window", default=60.0, show_default=True, type=SECONDS,
               help="Seconds of requests the error rate looks at.")
+@click.option("--ready-min-deadline", default=30.0, show_default=True, type=SECONDS,
+              help="A timeout counts against /readyz only when the request was given at least this many seconds "
+                   "(a shorter deadline that passes is the client's own).")
 @click.option("--curve-dir", default=None, type=DIRECTORY,
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 @click.option("--affinity/--no-affinity", default=True, show_default=True,
@@ -141,13 +145,14 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
 @log_level_option
 def broker_command(frontend, backend, max_queue, heartbeat_interval, default_timeout, max_message_bytes,
                    max_worker_memory, max_handles_limit, max_attempts, metrics_port, metrics_host, ready_file,
-                   ready_max_error_rate,
-                   ready_window, curve_dir, affinity, affinity_wait, log_level) -> None:
+                   ready_max_error_rate, ready_window, ready_min_deadline, curve_dir, affinity, affinity_wait,
+                   log_level) -> None:
     """Run the broker: clients connect to FRONTEND, workers to BACKEND."""
     import zmq
 
     from broker.broker import Broker
     from broker.metrics import serve_http
+    from broker.security import KeyDirectoryError
 
     setup_logging(log_level)
     try:
@@ -155,14 +160,22 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
                         default_timeout_s=default_timeout, max_message_bytes=max_message_bytes,
                         max_worker_plan_bytes=max_worker_memory, max_handles_per_worker=max_handles_limit,
                         max_attempts=max_attempts, ready_max_error_rate=ready_max_error_rate,
-                        ready_window_s=ready_window, curve_dir=curve_dir, affinity=affinity,
-                        affinity_wait_s=affinity_wait)
+                        ready_window_s=ready_window, ready_min_deadline_s=ready_min_deadline, curve_dir=curve_dir,
+                        affinity=affinity, affinity_wait_s=affinity_wait)
     except zmq.ZMQError as exc:  # an endpoint in use or malformed: one line, not a traceback (serve names it)
         click.echo(f"error: the broker cannot listen on {frontend} / {backend}: {exc}", err=True)
         sys.exit(1)
+    except KeyDirectoryError as exc:
+        click.echo(f"error: --curve-dir: {exc}", err=True)
+        sys.exit(2)
     info = {"frontend": broker.frontend_endpoint, "backend": broker.backend_endpoint, "metrics": None}
     if metrics_port is not None:
-        server = serve_http(broker.metrics, metrics_host, metrics_port)
+        try:
+            server = serve_http(broker.metrics, metrics_host, metrics_port)
+        except OSError as exc:  # the port is taken (or the host is not ours): one line, not a traceback
+            click.echo(f"error: --metrics-port {metrics_port}: cannot listen on {metrics_host}:{metrics_port}: "
+                       f"{exc.strerror or exc}", err=True)
+            sys.exit(2)
         info["metrics"] = f"http://{metrics_host}:{server.server_address[1]}"
     broker.install_signal_handlers()
     if ready_file:  # the process that started it announces the endpoints (`serve` does, once)
@@ -321,7 +334,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
     prints nothing there); the stats line and errors go to stderr."""
-    from broker.client import Client, InvalidRequest, ServiceError, build_request, generate_params
+    from broker.client import BadEndpoint, Client, InvalidRequest, ServiceError, build_request, generate_params
 
     config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
@@ -363,8 +376,25 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
         hint = ""
         if exc.code == "config_error" and "max_seq_len" in str(exc):  # the runtime's wording names load_model
             hint = " (for the service: lower --max-tokens, or start `tinyloop serve` with a larger --max-seq-len)"
-        click.echo(f"error: {exc}{hint}", err=True)
+        if isinstance(exc, BadEndpoint):  # a bad option, said as click says it (exit 2)
+            raise click.BadParameter(str(exc), param_hint=exc.option) from None
+        click.echo(f"error: {in_option_words(str(exc))}{hint}", err=True)
         sys.exit(2 if isinstance(exc, InvalidRequest) else 1)  # 2: the request itself is wrong, as for `generate`
+
+
+# The request fields whose command-line option is not --<the field's name, with dashes>.
+OPTION_FOR_FIELD = {"stop_sequences": "--stop", "early_exit_threshold": "--early-exit"}
+REFUSED_FIELD = re.compile(r"^(?:[a-z_]+: )?(?:op '\w+': )?(?:field '(\w+)'|GenerateConfig\.(\w+))")  # [code: ]
+
+
+def in_option_words(message: str) -> str:
+    """An error the wire or the runtime gave, said with the option the value came from: "invalid_field: op 'generate':
+    field 'loops' must be ..." and "GenerateConfig.loops must be ..." both become "--loops must be ..."."""
+    found = REFUSED_FIELD.match(message)
+    name = found and (found.group(1) or found.group(2))
+    if not name or name not in GENERATE_FIELDS:
+        return message
+    return OPTION_FOR_FIELD.get(name, "--" + name.replace("_", "-")) + message[found.end():]
 
 
 def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, imported lazily (no zmq at import)
@@ -390,11 +420,13 @@ def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, impo
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def status_command(connect, as_json, timeout, curve_dir) -> None:
     """Show the service's workers, queue and handles."""
-    from broker.client import Client, ServiceError
+    from broker.client import BadEndpoint, Client, ServiceError
 
     try:
         with Client(connect, curve_dir=curve_dir) as client:
             status = client.status(timeout=timeout)
+    except BadEndpoint as exc:  # a bad option, said as click says it (exit 2)
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
     except ServiceError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -521,12 +553,13 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
 @click.command("keys")
 @click.argument("directory", type=click.Path(file_okay=False))
 def keys_command(directory) -> None:
-    """Create CURVE keys for the broker and its clients/workers in DIRECTORY."""
+    """Create CURVE keys in DIRECTORY: the broker's, one pair for clients and gateways, one for workers."""
     from broker.security import create_keys
 
     path = create_keys(directory)
-    click.echo(f"keys written to {path}: give the broker --curve-dir {path}; clients and workers need "
-               f"broker.key and client.key_secret from it (--curve-dir with those two files)")
+    click.echo(f"keys written to {path}: give the broker --curve-dir {path}; clients and gateways need broker.key "
+               f"and client.key_secret, workers broker.key and worker.key_secret (--curve-dir with those two files; "
+               f"a client key is refused on the workers' socket and a worker key on the clients')")
 
 
 SERVICE_COMMANDS = (serve_command, broker_command, worker_command, submit_command, status_command, loadtest_command,

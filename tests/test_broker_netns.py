@@ -34,10 +34,10 @@ def test_worker_and_client_on_another_host_over_curve(remote_host, tmp_path):
     worker = None
     try:
         svc.start_broker()
-        # The "remote" side gets only the two files it needs.
+        # The "remote" side gets only the files its worker and its client need.
         remote_keys = tmp_path / "remote-keys"
         remote_keys.mkdir()
-        for name in ("broker.key", "client.key_secret"):
+        for name in ("broker.key", "client.key_secret", "worker.key_secret"):
             (remote_keys / name).write_bytes((keys / name).read_bytes())
         in_ns = ["ip", "netns", "exec", ns]
         worker = subprocess.Popen(

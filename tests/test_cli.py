@@ -35,7 +35,7 @@ def test_generate_with_grammar_and_beam():
 
 def test_generate_reports_bad_input_clearly():
     out = tinyloop_cli("generate", "x", "--loops", "99")
-    assert out.returncode == 2 and "GenerateConfig.loops must be an integer in 1..16" in out.stderr
+    assert out.returncode == 2 and "--loops must be in [1, 16] (this model's max_loops), got 99" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -70,3 +70,30 @@ def test_bench_depth_quick_gives_every_figure_with_the_same_tokens(tmp_path):
                     "shallow_now"):
             assert got[key] > 0, (model, key)
     assert data["served_shallow_now"] > 0
+
+
+def test_service_commands_refuse_bad_endpoints_and_taken_ports_in_one_line(tmp_path):
+    """A typo in --connect, a key directory without the client's keys, a metrics port another process holds: one
+    error line naming the option, exit 2, no traceback and (the gateway) no banner first."""
+    import socket
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        for args, needle in [
+            (["submit", "--connect", "bogus", "hi"], "--connect: cannot connect to 'bogus'"),
+            (["status", "--connect", "tcp://127.0.0.1:notaport"], "--connect: cannot connect to 'tcp://127.0.0.1:notaport'"),
+            (["gateway", "--connect", "bogus", "--port", "0"], "--connect: cannot connect to 'bogus'"),
+            (["status", "--connect", "tcp://127.0.0.1:1", "--curve-dir", str(keys)], f"--curve-dir: CURVE key directory "
+                                                                                     f"{keys} has no client.key_secret"),
+            (["broker", "--frontend", f"ipc://{tmp_path}/f", "--backend", f"ipc://{tmp_path}/b", "--metrics-port", port],
+             f"error: --metrics-port {port}: cannot listen on 127.0.0.1:{port}"),
+            (["gateway", "--connect", "tcp://127.0.0.1:1", "--port", "0", "--metrics-port", port],
+             f"error: --metrics-port {port}: cannot listen on 127.0.0.1:{port}"),
+        ]:
+            out = tinyloop_cli(*args, timeout=60)
+            assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)
+            assert "Traceback" not in out.stderr and "gateway: http" not in out.stderr, out.stderr

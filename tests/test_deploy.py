@@ -50,16 +50,18 @@ API_KEY = "test-key"
 
 
 def json_patch(doc: dict, ops: list[dict]) -> None:
-    """RFC 6902 `replace` and `remove` (the ops these kustomizations use) on `doc`."""
+    """RFC 6902 `replace`, `remove` and `test` (the ops these kustomizations use) on `doc`."""
     for op in ops:
-        assert op["op"] in ("replace", "remove"), op
+        assert op["op"] in ("replace", "remove", "test"), op
         *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
         node = doc
         for key in parents:
             node = node[int(key)] if isinstance(node, list) else node[key]
         key = int(last) if isinstance(node, list) else last
         node[key]  # noqa: B018 - both need the target to exist (KeyError here, as kustomize fails)
-        if op["op"] == "remove":
+        if op["op"] == "test":  # kustomize fails the build when the value is not the one named
+            assert node[key] == op["value"], (op, node[key])
+        elif op["op"] == "remove":
             del node[key]
         else:
             node[key] = op["value"]
@@ -384,9 +386,32 @@ def test_every_container_command_line_parses_with_the_project_cli(docs, secrets,
     assert [command for command, _ in parsed.values()] == ["broker", "worker", "gateway"]
     worker = parsed["tinyloop-worker"][1]
     limits = pod_spec(one(docs, "Deployment", "tinyloop-worker"))["containers"][0]["resources"]["limits"]
-    assert worker["vram_budget"] == quantity(limits["memory"]) and worker["threads"] == quantity(limits["cpu"])
+    assert worker["threads"] == quantity(limits["cpu"])
+    if gpu:  # the plan lives in VRAM: its budget is the card's (the ConfigMap's vram-budget), not the host RAM limit
+        card = one(docs, "ConfigMap", "tinyloop-worker")["data"]["vram-budget"]
+        assert worker["vram_budget"] == quantity(card.replace("iB", "i")) > quantity(limits["memory"])
+    else:  # the plan lives in RAM: the pod's memory limit
+        assert worker["vram_budget"] == quantity(limits["memory"])
     assert worker["device"] == ("cuda" if gpu else "cpu") and worker["name"] == POD_NAME
     assert Path(worker["model_path"]).is_file()
+    # Each pod holds only its role's CURVE keys: a gateway's stolen key cannot serve as a worker, nor the reverse.
+    def curve_keys(deployment: str) -> set[str]:
+        return {item["key"] for volume in pod_spec(one(docs, "Deployment", deployment))["volumes"]
+                if volume.get("secret", {}).get("secretName") == "tinyloop-curve" for item in volume["secret"]["items"]}
+
+    assert curve_keys("tinyloop-worker") == {"broker.key", "worker.key_secret"}
+    assert curve_keys("tinyloop-gateway") == {"broker.key", "client.key_secret"}
+    assert curve_keys("tinyloop-broker") == {"broker.key", "broker.key_secret", "client.key", "worker.key"}
+    # The gateway: /metrics on its own port, which the public Service does not carry; HTTP liveness; and a rollout
+    # that stops sending it requests (preStop) before SIGTERM, with time to finish them.
+    gateway, gateway_pod = parsed["tinyloop-gateway"][1], one(docs, "Deployment", "tinyloop-gateway")
+    assert container_port(gateway_pod, "metrics") == gateway["metrics_port"] != gateway["port"]
+    public = [p["targetPort"] for p in one(docs, "Service", "tinyloop-gateway")["spec"]["ports"]]
+    assert public == ["http"]
+    container = pod_spec(gateway_pod)["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    pause = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod_spec(gateway_pod)["terminationGracePeriodSeconds"] >= pause + 30  # uvicorn's graceful 30 s
 
 
 def service_endpoint(docs: list[dict], url: str) -> int:
@@ -483,6 +508,7 @@ def test_the_cpu_pods_serve_their_probes_metrics_and_a_completion(secrets, claim
         assert re.search(r"^tinyloop_ready_workers 1\.0$", metrics, re.M)
         status, metrics = get(scrape_url(gateway, node.ip))
         assert status == 200 and "tinyloop_gateway_ready_workers 1.0" in metrics
+        assert get(f"http://{node.ip}:{container_port(gateway.doc, 'http')}/metrics")[0] == 404  # not on the API port
         base = f"http://{node.ip}:{container_port(gateway.doc, 'http')}/v1"
         auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
         model = json.loads(get(f"{base}/models", auth)[1])["data"][0]["id"]

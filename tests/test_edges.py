@@ -29,7 +29,7 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--loops", "99"], "GenerateConfig.loops must be an integer in 1..16"),
+    (["--loops", "99"], "--loops must be in [1, 16] (this model's max_loops), got 99"),
     (["--max-tokens", "60", "--max-seq-len", "64"], "exceeds --max-seq-len 64; raise --max-seq-len or lower --max-tokens"),
     (["--grammar", "[a-"], "invalid regex: Regex parsing error at position 4"),
     (["--speculative", "2:8"], "--speculative='2:8' must be draft:verify:ahead"),
@@ -125,8 +125,8 @@ def direct(prompt: str, **config) -> str:
 
 
 def test_submit_validates_before_printing_anything(service):
-    for args, needle in [(["--loops", "99"], "GenerateConfig.loops must be an integer in 1..16"),
-                         (["--max-tokens", "0"], "field 'max_tokens' must be in [1, 65536]"),
+    for args, needle in [(["--loops", "99"], "--loops must be in [1, 16] (this model's max_loops), got 99"),
+                         (["--max-tokens", "0"], "--max-tokens must be in [1, 65536], got 0"),
                          (["--max-tokens", "250"], "--max-seq-len"),
                          (["--grammar", "[a-"], "Unclosed '['")]:
         out = submit(service, "def add(a, b):", *args)

@@ -100,6 +100,7 @@ def test_models_health_and_metrics(svc, oai):
     assert health["status"] == "ok" and health["ready_workers"] == 2
     metrics = httpx.get(svc.url + "/metrics").text
     assert "tinyloop_gateway_ready_workers 2.0" in metrics and "tinyloop_gateway_requests_total" in metrics
+    assert httpx.get(svc.url + "/livez").json()["status"] == "alive"  # the event loop runs
 
 
 def test_completion_equals_the_msgpack_client_and_streams_the_same_text(svc, oai):
@@ -294,6 +295,19 @@ def test_error_statuses(svc, oai):
         assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
     r = svc.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400 and error_of(r)["param"] == "messages[0].role"
+    assert error_of(svc.post("/v1/completions", {**ok, "prompt": ""}))["param"] == "prompt"
+    # One dialect for a field, whoever refuses it (the wire's range, the model's max_loops): "'loops' must be in".
+    for loops, limit in ((0, "[1, 4096]"), (99, "[1, 16]")):
+        r = svc.post("/v1/completions", {**ok, "loops": loops})
+        assert error_of(r)["message"].startswith(f"'loops' must be in {limit}") and f"got {loops}" in r.text, r.text
+    # The renderer's own template variables are the client's mistake: a 400 naming the variable, never a 500.
+    for name in ("messages", "add_generation_prompt", "raise_exception"):
+        r = svc.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                              "chat_template_kwargs": {name: 1}})
+        assert r.status_code == 400 and error_of(r)["param"] == "chat_template_kwargs" and f"'{name}'" in r.text, r.text
+    # A trailing slash is the same endpoint (not a 307 with an empty body that POST clients do not follow).
+    r = svc.post("/v1/completions/", ok)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
     r = svc.post("/v1/completions", b"{not json")
     assert r.status_code == 400 and "JSON" in error_of(r)["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -333,6 +347,8 @@ def wait_idle(svc: Service, timeout: float = 30) -> None:
 
 def test_client_disconnect_cancels_the_request_on_the_worker(svc):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 450, "temperature": 0, "loops": 16}
+    closed = '_requests_total{endpoint="/v1/completions",status="499"}'
+    before = sum(float(l.split()[-1]) for l in httpx.get(svc.url + "/metrics").text.splitlines() if closed in l)
     for stream in (True, False):
         wait_idle(svc)
         if stream:
@@ -353,7 +369,10 @@ def test_client_disconnect_cancels_the_request_on_the_worker(svc):
         while svc.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert svc.in_flight() == 0, f"stream={stream}: still running"
-    assert "tinyloop_gateway_client_disconnects_total 2.0" in httpx.get(svc.url + "/metrics").text
+    metrics = httpx.get(svc.url + "/metrics").text
+    assert "tinyloop_gateway_client_disconnects_total 2.0" in metrics
+    # Each request hung up on is counted once, under 499, streamed or not: the series sum to the requests.
+    assert sum(float(l.split()[-1]) for l in metrics.splitlines() if closed in l) == before + 2
     # The broker's request log: both ended as "cancelled" on the worker, far short of 450 tokens.
     lines = [json.loads(l[l.index("{"):]) for l in (svc.tmp / "logs" / "broker.log").read_text().splitlines()
              if '"event": "request"' in l]

@@ -86,7 +86,8 @@ def test_stats_have_real_timings(tiny_model):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("max_tokens", 0, "max_tokens"), ("loops", 0, "loops"), ("loops", 17, r"loops must be an integer in 1\.\.16"),
+    ("max_tokens", 0, "max_tokens"), ("loops", 0, "loops"),
+    ("loops", 17, r"GenerateConfig\.loops must be in \[1, 16\] \(this model's max_loops\), got 17"),
     ("temperature", -0.5, "temperature"), ("top_k", -1, "top_k"), ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
     ("repetition_penalty", 0, "repetition_penalty"), ("seed", -3, "seed"), ("beam_size", 0, "beam_size"),
     ("cache_window", -1, "cache_window"), ("early_exit_threshold", -0.1, "early_exit_threshold"),
@@ -96,6 +97,21 @@ def test_stats_have_real_timings(tiny_model):
 def test_invalid_fields_name_the_field(tiny_model, field, value, message):
     with pytest.raises(ConfigError, match=message):
         generate(tiny_model, "def", GenerateConfig(**{field: value}))
+
+
+def test_a_config_is_checked_when_built_and_a_batch_names_its_bad_prompt(tiny_model):
+    """The wire's words, where the value is written; generate_batch says which prompt broke a rule."""
+    for fields, words in [({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+                          ({"seed": 1.5}, "seed must be an integer, got float"),
+                          ({"top_p": "0.5"}, "top_p must be a finite number, got str")]:
+        with pytest.raises(ConfigError, match=f"^GenerateConfig.{words}$"):
+            GenerateConfig(**fields)
+    cfgs = [GenerateConfig(max_tokens=2) for _ in range(5)]
+    cfgs[3].loops = 17  # set after building: checked at the call, against the model
+    with pytest.raises(ConfigError, match=r"^generate_batch prompt 3: GenerateConfig\.loops must be in \[1, 16\]"):
+        tinyloop.generate_batch(tiny_model, ["a", "b", "c", "d", "e"], cfgs)
+    with pytest.raises(ConfigError, match="^generate_batch prompt 2: prompt is empty$"):
+        tinyloop.generate_batch(tiny_model, ["a", "b", "", "d", "e"], GenerateConfig(max_tokens=2))
 
 
 def test_prompt_errors(tiny_model):

@@ -85,7 +85,7 @@ def test_modes_prints_the_table_without_the_runtime():
 
 def test_generate_seed_past_64_bits_is_an_error_line():
     out = cli("generate", "x", "--seed", str(2**70), "--max-tokens", "2")
-    assert out.returncode == 2 and out.stderr.startswith("error: GenerateConfig.seed must be in"), out.stderr
+    assert out.returncode == 2 and out.stderr.startswith("error: --seed must be in"), out.stderr
     assert out.stdout == ""
 
 
@@ -123,10 +123,10 @@ def test_non_finite_numbers_are_refused_with_the_same_rule_in_process_and_on_the
 
 def test_the_cli_refuses_non_finite_numbers_with_an_error_line_and_exit_2(tmp_path):
     out = cli("generate", "x", "--temperature", "inf")
-    assert out.returncode == 2 and out.stderr == "error: GenerateConfig.temperature must be a finite number, got inf\n"
+    assert out.returncode == 2 and out.stderr == "error: --temperature must be a finite number, got inf\n"
     out = cli("submit", "--connect", f"ipc://{tmp_path}/nobody", "x", "--top-p", "nan")  # refused before sending
     assert out.returncode == 2 and out.stdout == "", out.stderr  # was exit 1, as for a failure of the service
-    assert out.stderr == "error: invalid_field: op 'generate': field 'top_p' must be a finite number, got nan\n"
+    assert out.stderr == "error: --top-p must be a finite number, got nan\n"  # the option, in the fields' words
 
 
 # ---------------------------------------------------------------------------- the wire and its clients
@@ -326,7 +326,8 @@ def test_serve_reads_relative_paths_from_the_callers_directory_and_fails_fast_on
 
 @pytest.mark.parametrize("scaffolds,extra,needle", [
     (["def f():", "class A:"], ["--max-handles", "1"], "holds 2 scaffolds but --max-handles is 1"),
-    ([{"prefix": "def f():", "loops": 99}], [], "loops"),
+    ([{"prefix": "def f():", "loops": 99}], [], "scaffolds.json, entry 0: 'loops' must be in [1, 16] (this model's "
+                                                "max_loops), got 99"),
 ])
 def test_serve_fails_fast_when_a_worker_cannot_start_as_configured(tmp, scaffolds, extra, needle):
     (tmp / "scaffolds.json").write_text(json.dumps(scaffolds))

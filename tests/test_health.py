@@ -7,10 +7,14 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 import urllib.error
 import urllib.request
 
-from broker import launcher
+import msgpack
+import zmq
+
+from broker import launcher, protocol
 from broker.client import RequestTimeout
 from test_broker import REPO, Service
 
@@ -31,7 +35,8 @@ def status_cli(svc: Service) -> str:
 
 
 def test_readiness_names_no_workers_a_full_queue_and_a_high_error_rate():
-    svc = Service("--metrics-port", "0", "--max-queue", "2", "--ready-window", "30", "--ready-max-error-rate", "0.5")
+    svc = Service("--metrics-port", "0", "--max-queue", "2", "--ready-window", "30", "--ready-max-error-rate", "0.5",
+                  "--ready-min-deadline", "0.05")  # the 0.1 s deadlines below count as the service's failures
     svc.start_broker()
     try:
         url = svc.info["metrics"]
@@ -76,5 +81,55 @@ def test_readiness_names_no_workers_a_full_queue_and_a_high_error_rate():
             ready = client.status()["ready"]
             assert ready["finished"] == 10 and "failed (6 timeout)" in ready["problems"][0]
         assert get(url + "/healthz")[0] == 200
+    finally:
+        svc.close()
+
+
+def test_what_clients_cause_never_turns_readiness_red():
+    """200 requests whose failures are the client's own: deadlines too short to meet, template variables the
+    renderer owns, a malformed grammar, an oversized prompt. Each gets its one error reply; /readyz stays 200."""
+    svc = Service("--metrics-port", "0", "--ready-window", "60", "--ready-max-error-rate", "0.5")
+    svc.start_broker()
+    try:
+        svc.start_worker("w1", delay=0.02)
+        url = svc.info["metrics"]
+        codes: dict[str, int] = {}
+        with svc.client() as client:
+            for _ in range(5):  # 150 deadlines of 1 ms, 30 at a time (the queue holds 64)
+                for pending in [client.submit("generate", {"prompt": "t" * 20}, timeout=0.001) for _ in range(30)]:
+                    try:
+                        pending.result()
+                        codes["done"] = codes.get("done", 0) + 1
+                    except RequestTimeout:
+                        codes["timeout"] = codes.get("timeout", 0) + 1
+        # What this library refuses before sending, sent raw as another client could.
+        bad = [("chat", {"messages": [{"role": "user", "content": "hi"}],
+                         "chat_template_kwargs": {"messages": []}}),
+               ("chat", {"messages": [{"role": "user", "content": "hi"}],
+                         "chat_template_kwargs": {"add_generation_prompt": False}}),
+               ("chat", {"messages": [{"role": "user", "content": "hi"}],
+                         "chat_template_kwargs": {"raise_exception": "x"}}),
+               ("generate", {"prompt": "x", "grammar": 7}),
+               ("generate", {"prompt": "x" * ((1 << 20) + 1)})]
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(svc.frontend)
+        try:
+            for i in range(50):
+                op, params = bad[i % len(bad)]
+                body = {"type": "request", "id": uuid.uuid4().hex, "op": op, "params": params, "timeout_s": 30.0}
+                raw.send_multipart([protocol.PROTOCOL_TAG, msgpack.packb(body)])
+                assert raw.poll(5000), "every request gets its one final reply"
+                reply = protocol.decode(protocol.BROKER_TO_CLIENT, raw.recv_multipart(), 1 << 22)
+                assert reply.type == "error" and reply["code"] in ("invalid_field", "too_large"), reply.fields
+                if op == "chat":
+                    assert "chat_template_kwargs" in reply["message"] and params["chat_template_kwargs"].keys() \
+                        <= set(reply["message"].split("'")), reply["message"]
+                codes[reply["code"]] = codes.get(reply["code"], 0) + 1
+        finally:
+            raw.close()
+        assert sum(codes.values()) == 200 and codes.get("timeout", 0) >= 140, codes
+        code, body = get(url + "/readyz")
+        assert code == 200 and body["problems"] == [] and body["error_rate"] == 0.0, body
     finally:
         svc.close()

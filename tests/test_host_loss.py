@@ -84,13 +84,13 @@ def held_since(predicate, hold: float, timeout: float, what: str) -> float:
 
 @pytest.fixture(scope="module")
 def keys():
-    """CURVE keys from `tinyloop keys`: (the broker's directory, the two files clients and workers get)."""
+    """CURVE keys from `tinyloop keys`: (the broker's directory, the files clients and workers get)."""
     require_netns()
     root = Path(tempfile.mkdtemp(prefix="tlh-", dir="/tmp"))
     subprocess.run(cli("keys", str(root / "broker")), env=child_env(), cwd=REPO, check=True, capture_output=True,
                    timeout=60)
     (root / "peer").mkdir()
-    for name in ("broker.key", "client.key_secret"):
+    for name in ("broker.key", "client.key_secret", "worker.key_secret"):
         (root / "peer" / name).write_bytes((root / "broker" / name).read_bytes())
     yield root / "broker", root / "peer"
     shutil.rmtree(root, ignore_errors=True)

@@ -132,6 +132,9 @@ def test_worker_refuses_to_start_over_budget(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "exceeds the budget (--vram-budget: 0.1 MiB)" in proc.stderr
     assert "weights" in proc.stderr and "KV block pool" in proc.stderr and "total" in proc.stderr
+    # the verdict is the last line: what `serve` quotes as the reason a worker stopped (not the table's total)
+    assert proc.stderr.strip().splitlines()[-1].startswith("worker ") and "refusing to start" in \
+        proc.stderr.strip().splitlines()[-1]
 
 
 def test_submit_and_status_commands(service):

@@ -5,6 +5,7 @@ start of the service loads the model in every worker, which is the slow part).""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,9 @@ def test_kill_worker_under_load_restart_clean_shutdown_and_plan_check(tmp):
         status = launcher.wait_for_workers(f"ipc://{tmp}/f", 2, 300, [serve])
         pids = {w["name"]: w["pid"] for w in status["workers"]}
         plan_bytes = status["workers"][0]["plan_bytes"]
+        # The ready line says what the lanes are and what the pool holds, each as itself ("24 of the 16 lanes" was not)
+        ready = next(line for line in (tmp / "logs" / "w2.log").read_text().splitlines() if " ready on " in line)
+        assert re.search(r"; 16 lanes; the pool holds \d+ sequence\(s\) of 256 tokens at \d+ loops;", ready), ready
         with Client(f"ipc://{tmp}/f", timeout=60) as client:
             streamed = [client.submit("generate", {"prompt": f"def f{i}(x):\n", "max_tokens": 128}, stream=True)
                         for i in range(4)]

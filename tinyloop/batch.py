@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from .engine.calls import check_length, checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConfigError, TinyLoopError
 from .prefix import PrefixPool, check_pool
 from .resume import check_resume, refine_sequence
 from .speculative import SpeculativeConfig, speculative_call, speculative_ring, speculative_sequence
@@ -34,10 +34,18 @@ def lane_configs(prompts, cfg) -> list[GenerateConfig]:
     return list(cfg)
 
 
-def check_batch(model, cfgs: list[GenerateConfig]) -> None:
-    """The seed table's call-entry constraints that do not need the prompts. Every other setting (loops and
-    early-exit thresholds included) may differ per lane: the scheduler groups lanes for the forward."""
-    cfgs[:] = [checked(model, c, "batch") for c in cfgs]  # cache_window > 0 is rejected here
+def check_batch(model, prompts: Seq, cfgs: list[GenerateConfig]) -> list:
+    """Every prompt and its config checked before any runs (the seed table's call-entry constraints included); an
+    error names the prompt's index. Every other setting (loops and early-exit thresholds included) may differ per
+    lane: the scheduler groups lanes for the forward. Returns the prompts' token ids."""
+    ids = []
+    for i, (prompt, c) in enumerate(zip(prompts, cfgs)):
+        try:
+            cfgs[i] = checked(model, c, "batch")  # cache_window > 0 is rejected here
+            ids.append(model.encode_prompt(prompt))
+        except TinyLoopError as exc:
+            raise type(exc)(f"generate_batch prompt {i}: {exc}") from None
+    return ids
 
 
 def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig] | None = None,
@@ -50,9 +58,8 @@ def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig
     """
     model.check_alive()
     cfgs = lane_configs(prompts, cfg)
-    check_batch(model, cfgs)
+    ids = check_batch(model, prompts, cfgs)
     with model.busy():
-        ids = [model.encode_prompt(p) for p in prompts]
         with lanes(model, ids, cfgs, what="generate_batch prompt") as cache:
             t_call = time.perf_counter()
             lane_cb = (lambda i: None) if on_token is None else (lambda i: lambda token, index: on_token(i, token, index))

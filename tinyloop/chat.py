@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import ConfigError
+from .fields import template_variables
 
 # One line per message "role: content", then "assistant:" to start the answer.
 DEFAULT_CHAT_TEMPLATE = (
@@ -119,9 +120,9 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
 def apply_chat_template(model, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
     """The prompt string for `messages` with this model's template and its special tokens; `extra` are the template's
     own variables (chat_template_kwargs)."""
-    taken = sorted(set(extra) & {"messages", "add_generation_prompt", "bos_token", "eos_token"})
-    if taken:
-        raise ConfigError(f"chat_template_kwargs: the variable(s) {taken} are set by the renderer itself")
+    error = template_variables(len(extra))(extra)
+    if error:
+        raise ConfigError(f"chat_template_kwargs {error}")
     codec = model.codec
     return render_chat(template_for(model), messages, add_generation_prompt=add_generation_prompt,
                        bos_token=codec.bos_token, eos_token=codec.eos_token, **extra)

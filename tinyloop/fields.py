@@ -156,6 +156,28 @@ def list_of(item_check: Check, max_len: int) -> Check:
     return check
 
 
+# The variables a chat template gets from the renderer itself (tinyloop/chat.py): a request's own template variables
+# (chat_template_kwargs) may not name them.
+CHAT_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+
+
+def template_variables(max_keys: int) -> Check:
+    """A map of a chat template's own variables: string names, none of CHAT_TEMPLATE_VARIABLES."""
+    as_map = plain_map(max_keys)
+
+    def check(value: Any) -> str | None:
+        error = as_map(value)
+        if error:
+            return error
+        taken = [name for name in value if name in CHAT_TEMPLATE_VARIABLES]
+        if taken:
+            return (f"may not set {taken[0]!r}: the renderer sets {list(CHAT_TEMPLATE_VARIABLES)} itself "
+                    f"(send messages and add_generation_prompt as request fields)")
+        return None
+
+    return check
+
+
 # Early-exit rules a request may choose (tinyloop/exits.py says what each compares); None: the model's own
 EXIT_RULES = ("latent", "cdf", "entropy", "kl", "argmax")
 MAX_LOOPS = 4096  # the most loops any request may name; a model's own max_loops is usually far lower

@@ -46,9 +46,13 @@ class GenerateConfig:
     # adjustment), with the `logprobs` most likely tokens' beside it (GenerateResult.logprobs); None: none
     logprobs: int | None = None
 
-    def validate(self, model=None) -> "GenerateConfig":
-        """Every setting against its rule in tinyloop/fields.py, then the rules that need the model; ConfigError names
-        the first one broken."""
+    def __post_init__(self) -> None:
+        # A bad value fails where it is written, with the words the wire uses, not later inside generate.
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """Every setting against its rule in tinyloop/fields.py (the wire's and the gateway's table); ConfigError
+        names the first one broken. Run when built and again by validate (a field may be set after building)."""
         for name, check in GENERATE_FIELDS.items():
             if name == "grammar":  # in process it may be a GrammarPrefix too; tinyloop/grammar.py checks it
                 continue
@@ -58,8 +62,14 @@ class GenerateConfig:
         error = LOGPROBS(self.logprobs)
         if error:
             raise ConfigError(f"GenerateConfig.logprobs {error}")
+
+    def validate(self, model=None) -> "GenerateConfig":
+        """check_fields, then the rules that need the model; ConfigError names the first one broken."""
+        self.check_fields()
         if model is not None and self.loops is not None and self.loops > model.cfg.max_loops:
-            raise ConfigError(f"GenerateConfig.loops must be an integer in 1..{model.cfg.max_loops}, got {self.loops!r}")
+            # the table's words ("must be in [lo, hi], got x") with this model's own limit
+            raise ConfigError(f"GenerateConfig.loops must be in [1, {model.cfg.max_loops}] (this model's max_loops), "
+                              f"got {self.loops!r}")
         if model is not None:
             self.check_exit(model)
             vocab = model.cfg.vocab_size

@@ -37,6 +37,7 @@ TokenSink = Callable[[int, int, str], None]
 # ops that join the continuous batch; the handle ops (build_handle, release_handle) run between two of its steps
 BATCHED_OPS = ("generate", "chat", "generate_pool", "speculative", "resume")
 CHAT_ONLY = ("messages", "add_generation_prompt", "chat_template_kwargs")  # a chat's fields no generate op takes
+LOOPS_RULE = GENERATE_FIELDS["loops"]  # a prefix file's "loops" obeys the request field's rule (and words)
 
 
 @dataclass
@@ -76,11 +77,18 @@ def load_prefix_file(path: str | Path) -> list[dict]:
         raise SystemExit(f"prefix file {path} must hold a JSON list")
     scaffolds = []
     for i, entry in enumerate(entries):
+        where = f"prefix file {path}, entry {i}"  # every error names the file, the entry and the field
         if isinstance(entry, str):
             entry = {"prefix": entry}
         if not isinstance(entry, dict) or not isinstance(entry.get("prefix"), str) or not entry["prefix"]:
-            raise SystemExit(f"prefix file {path}: entry {i} must be a non-empty string or {{\"prefix\": str, \"loops\": int}}")
-        scaffolds.append({"prefix": entry["prefix"], "loops": entry.get("loops")})
+            raise SystemExit(f"{where}: must be a non-empty string or {{\"prefix\": str, \"loops\": int}}")
+        unknown = sorted(set(entry) - {"prefix", "loops"})
+        if unknown:
+            raise SystemExit(f"{where}: unknown field(s) {unknown}; an entry has 'prefix' and 'loops'")
+        error = entry.get("loops") is not None and LOOPS_RULE(entry["loops"])
+        if error:
+            raise SystemExit(f"{where}: 'loops' {error}")
+        scaffolds.append({"prefix": entry["prefix"], "loops": entry.get("loops"), "where": where})
     return scaffolds
 
 
@@ -113,7 +121,14 @@ class ModelEngine:
         self.pool = tinyloop.create_prefix_pool(max(1, len(prefixes)))
         for entry in prefixes:  # pinned entries of the model's prefix cache
             loops = entry["loops"] or model.cfg.default_loops
-            tinyloop.register_prefix(self.pool, model, entry["prefix"], loops)
+            where = entry.get("where", "prefix file entry")
+            if loops > model.cfg.max_loops:  # the table's words, with this model's limit (as GenerateConfig says it)
+                raise SystemExit(f"{where}: 'loops' must be in [1, {model.cfg.max_loops}] (this model's max_loops), "
+                                 f"got {loops}")
+            try:
+                tinyloop.register_prefix(self.pool, model, entry["prefix"], loops)
+            except tinyloop.TinyLoopError as exc:
+                raise SystemExit(f"{where}: {exc}") from None
             self.remember(entry["prefix"], model.encode_prompt(entry["prefix"]), loops)
         # ops that run between two steps of the batch (the others join it: BATCHED_OPS)
         self.ops_table: dict[str, Callable[..., dict]] = {"build_handle": self.op_build_handle,

@@ -131,9 +131,10 @@ def run_worker(opts: WorkerOptions) -> int:
                           "budget_bytes": opts.vram_budget}))
         return 0
     if plan.total_bytes > budget:
+        # the table first and the verdict last: `serve` quotes a worker's last line as the reason it stopped
         print(
-            f"worker {opts.name}: refusing to start: the memory plan ({plan.total_bytes / 2**20:.1f} MiB) exceeds "
-            f"the budget ({budget_what}: {budget / 2**20:.1f} MiB)\n{plan.table()}",
+            f"worker {opts.name}: memory plan\n{plan.table()}\nworker {opts.name}: refusing to start: the memory plan "
+            f"({plan.total_bytes / 2**20:.1f} MiB) exceeds the budget ({budget_what}: {budget / 2**20:.1f} MiB)",
             file=sys.stderr,
         )
         return WorkerExit.OVER_BUDGET
@@ -160,7 +161,10 @@ def run_worker(opts: WorkerOptions) -> int:
     engine.set_identity(process.identity)
     process.install_signal_handlers()
     full = model.pool.num_blocks // blocks_for(cfg, opts.max_seq_len, cfg.max_loops)
-    log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s); the pool holds %d of the %d lanes at %d tokens "
-             "and %d loops; ops %s", opts.name, device, plan.total_bytes / 2**20, budget / 2**20, budget_what, full,
-             opts.max_lanes, opts.max_seq_len, cfg.max_loops, engine.ops)
+    # full: sequences of max_seq_len tokens at max_loops the block pool holds at once; it may be more than the lanes
+    # (a budget larger than --max-lanes needs: prefix caching keeps the rest) or fewer (lanes share what shorter
+    # requests leave)
+    log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s); %d lanes; the pool holds %d sequence(s) of %d "
+             "tokens at %d loops; ops %s", opts.name, device, plan.total_bytes / 2**20, budget / 2**20, budget_what,
+             opts.max_lanes, full, opts.max_seq_len, cfg.max_loops, engine.ops)
     return process.run()

@@ -225,9 +225,9 @@ class WorkerProcess:
         self.dealer.linger = 0
         self.dealer.sndhwm = 0
         if self.curve_dir is not None:
-            from broker.security import make_client
+            from broker.security import WORKER, make_client
 
-            make_client(self.dealer, self.curve_dir)
+            make_client(self.dealer, self.curve_dir, WORKER)  # the worker key: the backend admits no client key
         self.dealer.connect(self.endpoint)
         self.send_ready()
 
