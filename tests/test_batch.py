@@ -103,7 +103,7 @@ def test_streaming_and_per_lane_cancel(tiny_model):
 
 def test_call_entry_constraints_name_the_rule(tiny_model):
     m = tiny_model  # max_seq_len 256
-    with pytest.raises(ConfigError, match=r"lane 1.*max_seq_len"):
+    with pytest.raises(ConfigError, match=r"generate_batch prompt 1: prompt length.*max_seq_len"):
         generate_batch(m, ["a", [5] * 250], GenerateConfig(max_tokens=10))
     with pytest.raises(ModeError, match=r"cache_window.*Batched"):
         generate_batch(m, ["a", "b"], GenerateConfig(cache_window=8))
@@ -201,3 +201,19 @@ def test_logprobs_come_from_the_logits_each_token_was_chosen_from(bundled_model)
     assert spec.logprobs == pytest.approx(ref["logprobs"], abs=1e-4)
     with pytest.raises(ConfigError, match="GenerateConfig.logprobs"):
         generate(model, "x", G(logprobs=21))
+
+
+def test_a_batch_answers_each_prompt_with_its_result_or_its_error(tiny_model):
+    """generate_batch(return_exceptions=True): a prompt refused (its config against the mode matrix, its length) has
+    its error in its place, naming it, and the others run as they would alone; by default the first error raises."""
+    model, G = tiny_model, GenerateConfig
+    prompts = ["import os", "class A:", list(range(1, 250)), "def f(x):", "x = 1"]
+    cfgs = [G(max_tokens=6), G(max_tokens=6, loops=3), G(max_tokens=20), G(max_tokens=6, cache_window=8),
+            G(max_tokens=5, temperature=0.7, seed=2)]
+    out = generate_batch(model, prompts, cfgs, return_exceptions=True)
+    assert isinstance(out[2], ConfigError) and "generate_batch prompt 2: prompt length 249" in str(out[2])
+    assert isinstance(out[3], (ConfigError, ModeError)) and str(out[3]).startswith("generate_batch prompt 3:")
+    for i in (0, 1, 4):
+        assert out[i].tokens == generate(model, prompts[i], cfgs[i]).tokens
+    with pytest.raises(ConfigError, match="generate_batch prompt 2"):
+        generate_batch(model, prompts, cfgs)

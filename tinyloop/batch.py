@@ -34,37 +34,53 @@ def lane_configs(prompts, cfg) -> list[GenerateConfig]:
     return list(cfg)
 
 
-def check_batch(model, prompts: Seq, cfgs: list[GenerateConfig]) -> list:
-    """Every prompt and its config checked before any runs (the seed table's call-entry constraints included); an
-    error names the prompt's index. Every other setting (loops and early-exit thresholds included) may differ per
-    lane: the scheduler groups lanes for the forward. Returns the prompts' token ids."""
-    ids = []
+def check_batch(model, prompts: Seq, cfgs: list[GenerateConfig], return_exceptions: bool = False) -> list:
+    '''Every prompt and its config checked before any runs (the seed table's call-entry constraints, its length, the
+    block budget it needs on its own); an error names the prompt's index. Every other setting (loops and early-exit
+    thresholds included) may differ per lane: the scheduler groups lanes for the forward. Returns the prompts' token
+    ids; with return_exceptions a bad prompt's entry is its error instead of raising it.'''
+    ids: list = []
     for i, (prompt, c) in enumerate(zip(prompts, cfgs)):
         try:
-            cfgs[i] = checked(model, c, "batch")  # cache_window > 0 is rejected here
+            cfgs[i] = c = checked(model, c, "batch")  # cache_window > 0 is rejected here
             ids.append(model.encode_prompt(prompt))
+            check_length(model, len(ids[-1]), c)
+            model.admit(c.beam_size, len(ids[-1]) + c.max_tokens, c.resolved_loops(model), what="the prompt",
+                        now=False)
         except TinyLoopError as exc:
-            raise type(exc)(f"generate_batch prompt {i}: {exc}") from None
+            error = type(exc)(f"generate_batch prompt {i}: {exc}")
+            if not return_exceptions:
+                raise error from None
+            ids[i:] = [error]
     return ids
 
 
 def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig] | None = None,
-                   on_token: OnLaneToken | None = None) -> list[GenerateResult]:
+                   on_token: OnLaneToken | None = None, return_exceptions: bool = False
+                   ) -> list[GenerateResult | TinyLoopError]:
     """Generate from every prompt through the scheduler (tinyloop/engine/runner.py); one GenerateResult per prompt,
     in order. At most BATCH_LANES prompts run at once; the rest join as lanes free up (continuous batching).
 
     cfg: one GenerateConfig for all prompts, or one per prompt (every field may differ). on_token(lane, token,
     index) streams (lane: the prompt's index); returning False cancels that prompt only.
+    return_exceptions: a prompt that is refused (its config, length or budget) or fails (a fault of its own, a
+    shared forward that broke) gets its error in its place, and the others run; by default the first error raises.
     """
     model.check_alive()
     cfgs = lane_configs(prompts, cfg)
-    ids = check_batch(model, prompts, cfgs)
+    ids = check_batch(model, prompts, cfgs, return_exceptions)
+    good = [i for i, x in enumerate(ids) if not isinstance(x, Exception)]
+    out: list = list(ids)
+    if not good:
+        return out
     with model.busy():
-        with lanes(model, ids, cfgs, what="generate_batch prompt") as cache:
+        with lanes(model, [ids[i] for i in good], [cfgs[i] for i in good], what="generate_batch prompt") as cache:
             t_call = time.perf_counter()
             lane_cb = (lambda i: None) if on_token is None else (lambda i: lambda token, index: on_token(i, token, index))
-            seqs = [Sequence(model, p, c, lane_cb(i), t_call) for i, (p, c) in enumerate(zip(ids, cfgs))]
-            return Runner(model, cache).run(seqs)
+            seqs = [Sequence(model, ids[i], cfgs[i], lane_cb(i), t_call) for i in good]
+            for i, res in zip(good, Runner(model, cache).run(seqs, raise_errors=not return_exceptions)):
+                out[i] = res
+    return out
 
 
 class Scheduler:

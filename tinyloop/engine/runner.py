@@ -830,12 +830,14 @@ class Runner:
         seq.place.lane = None
 
     # --- in-process calls -------------------------------------------------------------------------------------
-    def run(self, seqs: list[Sequence], cached: int = 0, first: Start | None = None) -> list:
-        """Take every sequence from its prompt to its result: add them all, then step until none is left."""
+    def run(self, seqs: list[Sequence], cached: int = 0, first: Start | None = None, raise_errors: bool = True
+            ) -> list:
+        '''Take every sequence from its prompt to its result: add them all, then step until none is left. A sequence
+        given up raises its error (raise_errors), or has it in its place among the results.'''
         for seq in seqs:
             self.add(seq, cached, first)
         while not self.idle:
             for seq in self.step():
-                if seq.error is not None:
+                if seq.error is not None and raise_errors:
                     raise seq.error
-        return [seq.result() for seq in seqs]
+        return [seq.result() if seq.error is None else seq.error for seq in seqs]
