@@ -192,7 +192,7 @@ def test_cache_modes_on_converted_models(arch):
         assert tinyloop.generate(m, prompt, greedy(4, loops=3)).stats.cache_mode == mode
         for i in (0, 5, 11):
             ids = prompt + out[:i]
-            cache = m.new_cache(1, 128)
+            cache = m.new_cache(1, 128).reserve_all()
             runner = Runner(m, cache, 3)
             with torch.inference_mode():
                 runner.prefill(ids[:-1], 0)

@@ -10,6 +10,7 @@ from tinyloop.engine.runner import Runner
 def cached_logits(model, ids: list[int], loops: int, cache, prefill: int = 5) -> torch.Tensor:
     """Prefill the first `prefill` tokens, then feed the rest one at a time; logits for every position."""
     cache.reset()
+    cache.reserve_all()  # (forwards outside an engine step: their blocks are taken first)
     runner = Runner(model, cache, loops)
     out = [runner.prefill(ids[:prefill], 0, all_rows=True)]
     for t in range(prefill, len(ids)):
@@ -86,6 +87,7 @@ def test_early_exit_copies_kv_into_skipped_loops(make_artifact):
     ids = [5, 9, 14, 3, 22, 40, 7]
     cache = model.decode_cache
     cache.reset()
+    cache.reserve_all()
     runner = Runner(model, cache, 8, early_exit=0.5)  # large threshold: tokens exit after few loops
     runner.prefill(ids[:3], 0)
     used = [runner.decode([ids[t]], [t])[1][0] for t in range(3, len(ids))]
