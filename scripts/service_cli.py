@@ -83,6 +83,17 @@ def worker_options(fn):
         click.option("--prefill-chunk", type=click.IntRange(0), default=None,
                      help="Prompt tokens per prefill forward, interleaved with decode steps (0: a prompt in one "
                           "forward; default $TINYLOOP_PREFILL_CHUNK or 256)."),
+        click.option("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                     help="Publish KV-cache events in vLLM's format on this ZeroMQ endpoint (off by default): "
+                          "tcp://*:5557 binds (serve: worker i on port + i), tcp://host:5557 connects (llm-d's "
+                          "endpoint picker). docs/deploy.md, 'Routed by llm-d / the Inference Extension / Dynamo'."),
+        click.option("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                     help="Also bind a ROUTER here that resends event batches from a sequence number."),
+        click.option("--kv-events-topic", default=None,
+                     help="Topic of the events (default kv@<worker name>@<model name>; llm-d: kv@<pod IP>@<model>)."),
+        click.option("--kv-events-seed", default="", show_default=True,
+                     help="Seed of the block hashes (llm-d's HashSeed, vLLM's PYTHONHASHSEED): the same on every "
+                          "replica and across restarts."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -90,13 +101,18 @@ def worker_options(fn):
 
 
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                heartbeat_interval, threads, curve_dir, max_lanes=16, weights=None, prefill_chunk=None) -> list[str]:
+                heartbeat_interval, threads, curve_dir, max_lanes=16, weights=None, prefill_chunk=None,
+                kv_events_endpoint=None, kv_events_replay_endpoint=None, kv_events_topic=None,
+                kv_events_seed="") -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
             "--heartbeat-interval", str(heartbeat_interval), "--max-lanes", str(max_lanes)]
     for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
                         ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads),
-                        ("--curve-dir", curve_dir), ("--weights", weights), ("--prefill-chunk", prefill_chunk)):
+                        ("--curve-dir", curve_dir), ("--weights", weights), ("--prefill-chunk", prefill_chunk),
+                        ("--kv-events-endpoint", kv_events_endpoint),
+                        ("--kv-events-replay-endpoint", kv_events_replay_endpoint),
+                        ("--kv-events-topic", kv_events_topic), ("--kv-events-seed", kv_events_seed or None)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -182,11 +198,14 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--connect", default=DEFAULT_BACKEND, show_default=True, help="The broker's backend endpoint.")
 @click.option("--name", default=None, help="Worker name in logs and status (default: worker-PID).")
 @worker_options
+@click.option("--kv-events-rank", default=0, show_default=True, type=click.IntRange(0, 4095),
+              help="data_parallel_rank of the events; a bound --kv-events-endpoint's port moves up by it (serve sets it).")
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @log_level_option
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
-                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, plan_only,
-                   log_level) -> None:
+                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk,
+                   kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_seed, kv_events_rank,
+                   plan_only, log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
 
@@ -197,7 +216,9 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
                          max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
                          vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
                          threads=threads, curve_dir=curve_dir, plan_only=plan_only, max_lanes=max_lanes,
-                         weights=weights, prefill_chunk=prefill_chunk)
+                         weights=weights, prefill_chunk=prefill_chunk, kv_events_endpoint=kv_events_endpoint,
+                         kv_events_replay=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
+                         kv_events_seed=kv_events_seed, kv_events_rank=kv_events_rank)
     sys.exit(run_worker(opts))
 
 
@@ -229,7 +250,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--api-key-file", default=None, type=FILE, help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
                   max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
-                  weights, prefill_chunk, device_budget, max_attempts,
+                  weights, prefill_chunk, kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic,
+                  kv_events_seed, device_budget, max_attempts,
                   skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
@@ -240,7 +262,8 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     if threads is None and (device or "cpu").startswith("cpu"):
         threads = threads_per_worker(n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                        heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk)
+                        heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, kv_events_endpoint,
+                        kv_events_replay_endpoint, kv_events_topic, kv_events_seed)
     gateway = None
     if http_port is not None:  # the gateway waits for the broker by itself (its /health says when it is ready)
         if "*" in frontend:
