@@ -250,6 +250,19 @@ class DynamoIndexer:
 # ----------------------------------------------------------------------------- the test
 
 
+def wait_for_metrics(port: int, predicate, timeout: float = 20) -> dict[str, float]:
+    """The broker's /metrics as {series: value} once `predicate` holds for them (heartbeats carry the workers' state)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            lines = resp.read().decode().splitlines()
+        series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+        if predicate(series):
+            return series
+        assert time.monotonic() < deadline, {k: v for k, v in series.items() if "vllm" in k or "worker_" in k}
+        time.sleep(0.2)
+
+
 def worker_events_args(name: str, ports: tuple[int, int]) -> list[str]:
     return ["--kv-events-endpoint", f"tcp://*:{ports[0]}", "--kv-events-replay-endpoint", f"tcp://*:{ports[1]}",
             "--kv-events-topic", f"kv@{name}@default"]
@@ -273,10 +286,12 @@ def wait_registered(svc: launcher.LocalService, worker: str, timeout: float = 18
 
 
 def test_events_follow_the_prefix_caches_of_two_replicas_through_evictions_and_a_restart(tmp_path):
-    ports = free_ports(4)
+    ports = free_ports(5)
     endpoints = {"a": (ports[0], ports[1]), "b": (ports[2], ports[3])}
+    metrics_port = ports[4]  # service a's broker: the gauges the Inference Extension's endpoint picker reads
     ctx = zmq.Context()
-    services = [launcher.LocalService(0, WORKER_ARGS, heartbeat_interval=HEARTBEAT_S, log_dir=tmp_path / name)
+    services = [launcher.LocalService(0, WORKER_ARGS, heartbeat_interval=HEARTBEAT_S, log_dir=tmp_path / name,
+                                      broker_args=["--metrics-port", str(metrics_port)] if name == "a" else [])
                 for name in ("a", "b")]
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
@@ -328,6 +343,24 @@ def test_events_follow_the_prefix_caches_of_two_replicas_through_evictions_and_a
             assert time.monotonic() < deadline, scores
             time.sleep(0.3)
         assert scores[1].get(2, 0) == 0 and scores[2].get(1, 0) == 0, scores
+
+        # The engine gauges under vLLM's names, beside TinyLoop's own per worker: a request running holds blocks.
+        # (At 16 loops: its blocks go into the prefix cache's tree for 16 loops, which is not announced, since a
+        # router cannot tell depths apart.)
+        sub.pump()
+        stored = a.stored
+        with clients["a"].stream(prompt(1, 20), max_tokens=100, loops=16, grammar={"regex": "[a-z]{100}"}) as stream:
+            next(iter(stream))
+            running = wait_for_metrics(metrics_port, lambda m: m["vllm:num_requests_running"] == 1
+                                       and m["vllm:kv_cache_usage_perc"] > 0)
+            stream.cancel()
+        assert running["vllm:num_requests_waiting"] == 0
+        assert running['tinyloop_worker_kv_cache_usage_ratio{worker="w1"}'] == running["vllm:kv_cache_usage_perc"]
+        # done: nothing runs, and the blocks only the prefix cache holds count as free (as in vLLM)
+        wait_for_metrics(metrics_port, lambda m: m["vllm:num_requests_running"] == 0
+                         and m["vllm:kv_cache_usage_perc"] == 0)
+        sub.pump()
+        assert a.stored == stored
 
         # 2. More prefixes than replica a's pool holds: evictions, announced as BlockRemoved.
         for i in range(3, 9):

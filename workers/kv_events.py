@@ -21,9 +21,12 @@ Block hashes are the ones llm-d computes from a prompt's tokens (its `kvblock.Ch
 `sha256_cbor`): the last 8 bytes, big-endian, of SHA-256 over the canonical CBOR of `[parent, tokens, extra]`, the
 first block's parent being SHA-256 of CBOR(seed) likewise (the seed is vLLM's PYTHONHASHSEED, llm-d's HashSeed;
 `--kv-events-seed`, default ""). So a router that hashes the prompt itself finds the blocks a worker announced, and
-the hashes are the same after a restart and on every replica. `extra` is None at the model's default loop count and
-`[loops]` at any other: a looped model's cached entries depend on the loop count (docs/cache-reuse.md), so blocks at
-another depth must not look like hits to a router that does not know about loops.
+the hashes are the same after a restart and on every replica (`extra` is None: no adapters, no media).
+
+Only blocks cached at the model's default loop count are announced. A looped model's cached entries depend on the loop
+count (docs/cache-reuse.md: one prefix tree per count), and no router knows about loops: Dynamo matches blocks by their
+tokens, so a block cached at 16 loops would look like a hit to a request at 8. Requests that routers send (OpenAI
+requests without TinyLoop's `loops` field) run at the default count, and those are the blocks they can use.
 
 The tree calls `PrefixCacheEvents` in the compute thread; it only appends to a queue. The publisher thread owns the
 sockets (ZeroMQ sockets are not thread-safe), batches what the queue holds and keeps the last batches for replay.
@@ -88,15 +91,15 @@ def root_hash(seed: str) -> int:
     return sha256_low64(cbor(seed))
 
 
-def block_hash(parent: int, tokens: list[int] | tuple, extra: Any = None) -> int:
-    return sha256_low64(cbor([parent, list(tokens), extra]))
+def block_hash(parent: int, tokens: list[int] | tuple) -> int:
+    return sha256_low64(cbor([parent, list(tokens), None]))  # [parent, tokens, extra keys]
 
 
-def prompt_block_hashes(ids: list[int], block_size: int, seed: str = "", extra: Any = None) -> list[int]:
+def prompt_block_hashes(ids: list[int], block_size: int, seed: str = "") -> list[int]:
     """The hashes of a prompt's whole blocks, as a router computes them to look its prefix up."""
     parent, hashes = root_hash(seed), []
     for i in range(0, len(ids) - block_size + 1, block_size):
-        parent = block_hash(parent, ids[i:i + block_size], extra)
+        parent = block_hash(parent, ids[i:i + block_size])
         hashes.append(parent)
     return hashes
 
@@ -232,13 +235,12 @@ class PrefixCacheEvents:
         publisher.put(all_blocks_cleared())
 
     def stored(self, node: Any, loops: int) -> None:
-        if len(node.tokens) != self.block_size:  # a partial tail: routers hash whole blocks only
+        if len(node.tokens) != self.block_size or loops != self.default_loops:  # see the module's docstring
             return
         parent = self.hashes.get(node.parent)
         if parent is None and node.parent.parent is not None:  # its parent was never announced (a partial block)
             return
-        extra = None if loops == self.default_loops else [loops]
-        h = self.hashes[node] = block_hash(self.root if parent is None else parent, node.tokens, extra)
+        h = self.hashes[node] = block_hash(self.root if parent is None else parent, node.tokens)
         self.publisher.put(block_stored([h], parent, list(node.tokens), self.block_size))
 
     def removed(self, node: Any) -> None:
