@@ -233,6 +233,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Waiting requests before new ones get 'busy'.")
 @click.option("--metrics-port", type=PORT, default=None, help="Serve /metrics, /healthz and /readyz on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address of the metrics endpoint (0.0.0.0 where a cluster router scrapes it).")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
               help="Workers a request may lose before it fails.")
 @worker_options
@@ -248,8 +250,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
               help="Also start the OpenAI HTTP gateway on this port (0: any free port; docs/gateway.md).")
 @click.option("--http-host", default="127.0.0.1", show_default=True, help="Address the gateway listens on.")
 @click.option("--api-key-file", default=None, type=FILE, help="Gateway API keys, one per line.")
-def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
+def serve_command(n_workers, frontend, backend, max_queue, metrics_port, metrics_host, model_path, max_seq_len,
+                  cache_mode, device, max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
                   weights, prefill_chunk, kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic,
                   kv_events_seed, device_budget, max_attempts,
                   skip_plan_check, log_dir,
@@ -273,7 +275,8 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
                                          "--max-attempts", str(max_attempts)]
-                            + (["--metrics-port", str(metrics_port)] if metrics_port is not None else [])
+                            + (["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+                               if metrics_port is not None else [])
                             + (["--curve-dir", curve_dir] if curve_dir else []),
                             curve_dir=curve_dir, gateway_args=gateway,
                             log_dir=log_dir, log_level=log_level)
@@ -474,6 +477,9 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--prefix-routing", is_flag=True,
               help="Start services itself and compare cache-aware routing with and without affinity: 2 workers, "
                    "4 scaffolds x (--requests / 4) suffixes.")
+@click.option("--kv-routing", is_flag=True,
+              help="Start services itself and compare two 1-worker replicas behind a router fed by their KV-cache "
+                   "events with round robin (8 shared prefixes x 8 suffixes), and the events' cost.")
 @click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
               help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
@@ -484,8 +490,8 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="Weight format of the models the load test starts, in its workers and in-process: fp32, bf16, "
                    "int8, int4 or int4:GROUP.")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, model_path, threads,
-                     curve_dir, weights) -> None:
+                     plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, kv_routing,
+                     model_path, threads, curve_dir, weights) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     import os
 
@@ -521,6 +527,11 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         from scripts.load.behind import behind_long_side_by_side
 
         results = behind_long_side_by_side(before=before, echo=click.echo)
+    elif kv_routing:
+        from scripts.load.kv_routing import kv_routing_side_by_side
+
+        results = kv_routing_side_by_side(model_path=model_path, max_tokens=max_tokens, concurrency=concurrency,
+                                          threads=threads or 1, echo=click.echo)
     elif prefix_routing:
         results = loadtest.prefix_routing_side_by_side(model_path=model_path, n_suffixes=max(1, (n_requests or 64) // 4),
                                                        max_tokens=max_tokens, concurrency=concurrency,
