@@ -16,8 +16,8 @@ streams: a real cluster router's decoder, which must route a prompt to the repli
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -198,6 +198,29 @@ class Subscriber:
         return max(scores, key=lambda n: (scores[n], n == "a"))
 
 
+# ----------------------------------------------------------------------------- llm-d's block hash, from its description
+
+
+def cbor_head(major: int, n: int) -> bytes:
+    """RFC 8949's head in its shortest form, as canonical CBOR encodes it."""
+    if n < 24:
+        return bytes([major << 5 | n])
+    size = next(size for size in (1, 2, 4, 8) if n < 1 << (8 * size))
+    return bytes([major << 5 | {1: 24, 2: 25, 4: 26, 8: 27}[size]]) + n.to_bytes(size, "big")
+
+
+def llm_d_block_hashes(ids: list[int], seed: str = "") -> list[int]:
+    """llm-d's kvblock.ChunkedTokenDatabase (vLLM's sha256_cbor): the low 8 bytes of SHA-256 over the canonical CBOR
+    of [parent, tokens, null], chained from SHA-256 of CBOR(seed)."""
+    low64 = lambda data: int.from_bytes(hashlib.sha256(data).digest()[24:], "big")  # noqa: E731
+    parent, hashes = low64(cbor_head(3, len(seed.encode())) + seed.encode()), []
+    for i in range(0, len(ids) - BLOCK + 1, BLOCK):
+        block = cbor_head(4, BLOCK) + b"".join(cbor_head(0, t) for t in ids[i:i + BLOCK])
+        parent = low64(cbor_head(4, 3) + cbor_head(0, parent) + block + b"\xf6")
+        hashes.append(parent)
+    return hashes
+
+
 # ----------------------------------------------------------------------------- Dynamo's indexer
 
 
@@ -327,7 +350,10 @@ def test_events_follow_the_prefix_caches_of_two_replicas_through_evictions_and_a
         assert a.clears == 1 and b.clears == 1 and sub.replays >= 2
         assert sub.cached_blocks("a", prompt(0, 5)) == PROMPT_BLOCKS and sub.cached_blocks("a", prompt(2, 5)) == 0
         assert sub.cached_blocks("b", prompt(2, 5)) == PROMPT_BLOCKS and sub.cached_blocks("b", prompt(1, 5)) == 0
-        # (prefix 0 is on both: the same hashes, checked by Subscriber.apply)
+        # (prefix 0 is on both: the same hashes, checked by Subscriber.apply), and they are the ones llm-d computes
+        ids = prompt(0, 0)
+        announced = [sub.hash_of[tuple(ids[:BLOCK * (k + 1)])] for k in range(PROMPT_BLOCKS)]
+        assert announced == llm_d_block_hashes(ids)[:PROMPT_BLOCKS]
 
         # A router scoring replicas by the announced blocks sends each prompt where its prefix is, and it hits there.
         for i, holder in ((1, "a"), (2, "b")):

@@ -120,17 +120,21 @@ def all_blocks_cleared() -> list:
     return ["AllBlocksCleared"]
 
 
-def event_batch(events: list[list], rank: int, ts: float | None = None) -> bytes:
-    return msgpack.packb([time.time() if ts is None else ts, events, rank], use_bin_type=True)
+def event_batch(events: list[list], rank: int) -> bytes:
+    return msgpack.packb([time.time(), events, rank], use_bin_type=True)
 
 
 # ----------------------------------------------------------------------------- the publisher
 
 
-def bind_or_connect(socket: zmq.Socket, endpoint: str) -> None:
+def binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard host (`tcp://*:5557`), ipc or inproc binds; a named host is connected to (llm-d's
     endpoint picker binds one SUB socket and every model server connects its PUB to it)."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def bind_or_connect(socket: zmq.Socket, endpoint: str) -> None:
+    if binds(endpoint):
         socket.bind(endpoint)
     else:
         socket.connect(endpoint)
@@ -156,7 +160,6 @@ class EventPublisher:
         self.events: queue.SimpleQueue[list | None] = queue.SimpleQueue()
         self.replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self.sequence = 0
-        self.published_events = 0  # read by the load test (events per second)
         ctx = context or zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.sndhwm = 100_000
@@ -210,7 +213,6 @@ class EventPublisher:
         self.pub.send_multipart([self.topic, seq, payload])
         self.replay_buffer.append((self.sequence, payload))
         self.sequence += 1
-        self.published_events += len(events)
 
     def serve_replay(self) -> None:
         frames = self.replay.recv_multipart()

@@ -188,10 +188,10 @@ def served_model_name(path) -> str:
 def publish_kv_events(opts: WorkerOptions, model, path):
     """Start the KV-cache event publisher and hang it on the model's prefix cache; returns the publisher."""
     from tinyloop.cache import BLOCK_TOKENS
-    from workers.kv_events import EventPublisher, PrefixCacheEvents, offset_port
+    from workers.kv_events import EventPublisher, PrefixCacheEvents, binds, offset_port
 
     topic = opts.kv_events_topic or f"kv@{opts.name}@{served_model_name(path)}"
-    bound = lambda e: offset_port(e, opts.kv_events_rank) if "*" in e else e  # noqa: E731 - connected ones share
+    bound = lambda e: offset_port(e, opts.kv_events_rank) if binds(e) else e  # noqa: E731 - connected ones share
     publisher = EventPublisher(bound(opts.kv_events_endpoint), topic, rank=opts.kv_events_rank,
                                replay_endpoint=opts.kv_events_replay and offset_port(opts.kv_events_replay,
                                                                                      opts.kv_events_rank))

@@ -2,12 +2,12 @@
 run (docs/deploy.md, "Routed by llm-d / the Inference Extension / Dynamo").
 
 Two 1-worker services stand for two replica pods. Each worker publishes its KV-cache events; a router in this process
-subscribes to both, keeps which blocks each replica holds, and sends each prompt where the most of its leading blocks
-are (as llm-d's precise prefix-cache scorer does), unless that replica has two requests more in flight than the other
-(the queue scorer's part). Against it, on fresh services, the same prompts in the same order go round robin: what such
-a cluster does when the engines publish nothing. The workload is 8 long shared prefixes (~330 tokens) x 8 short
-suffixes, shuffled; each worker's block pool holds about five of the prefixes, so where a prompt goes decides whether
-its prefix is cached there.
+subscribes to both, keeps which blocks each replica holds, and weighs, as llm-d's defaults do, 3 x the share of the
+prompt's leading blocks a replica holds (its precise prefix-cache scorer) against 2 x how short its queue is (its
+queue scorer). Against it, on fresh services, the same prompts in the same order go round robin: what such a cluster
+does when the engines publish nothing. The workload is 8 long shared prefixes (~330 tokens) x 8 short suffixes,
+shuffled; each worker's block pool holds about five of the prefixes, so where a prompt goes decides whether its prefix
+is cached there.
 
 The events' cost: a third pair of services runs round robin with the events off, so the throughput of round robin with
 and without them can be compared; and the work the events add to a worker (hashing each block, queueing the event,
@@ -31,6 +31,7 @@ from broker.client import AsyncClient
 from scripts.load.loadtest import one_request, summarize
 from workers.kv_events import prompt_block_hashes
 
+LANES = 2  # requests a worker batches at once
 NAMES = ["Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel"]
 SUFFIXES = ["def task_{j}(x):\n    return x * {j}", "print({j})", "x_{j} = [{j}, {j}]", "class C{j}:\n    pass",
             "import os  # {j}", "\n# step {j}", "    return {j}", "value: int = {j}"]
@@ -51,13 +52,13 @@ class EventRouter:
     would: msgpack positional arrays). Blocks are matched by the hashes the events carry and the router computes
     from the prompt, as llm-d does."""
 
-    def __init__(self, endpoints: list[str], block_size: int):
+    def __init__(self, endpoints: list[str], block_size: int, lanes: int):
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         for endpoint in endpoints:
             self.sub.connect(endpoint)
-        self.block_size = block_size
+        self.block_size, self.lanes = block_size, lanes  # a replica's requests beyond its lanes wait in its queue
         self.held: dict[bytes, set[int]] = {}  # topic -> block hashes the replica holds
         self.events = 0
         self.inflight = [0] * len(endpoints)
@@ -77,17 +78,21 @@ class EventRouter:
                     held.clear()
 
     def pick(self, ids: list[int]) -> int:
+        """llm-d's default weighing: 3 x the share of the prompt's blocks a replica holds (precise prefix-cache
+        scorer) + 2 x its queue score (1 for the shortest queue, 0 for the longest); ties to the less busy one."""
         self.drain()
         hashes = prompt_block_hashes(ids, self.block_size)
-        scores = []
+        prefix = []
         for topic in self.topics:
             held, n = self.held.get(topic, set()), 0
             while n < len(hashes) and hashes[n] in held:
                 n += 1
-            scores.append(n)
-        least = min(range(len(scores)), key=lambda r: (self.inflight[r], r))
-        best = max(range(len(scores)), key=lambda r: (scores[r], -self.inflight[r]))
-        return best if scores[best] and self.inflight[best] < self.inflight[least] + 2 else least
+            prefix.append(n / max(1, len(hashes)))
+        waiting = [max(0, n - self.lanes) for n in self.inflight]
+        spread = max(waiting) - min(waiting)
+        queue = [1.0 if not spread else (max(waiting) - w) / spread for w in waiting]
+        score = [3 * p + 2 * q for p, q in zip(prefix, queue)]
+        return max(range(len(score)), key=lambda r: (score[r], -self.inflight[r], -r))
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -138,16 +143,18 @@ async def run_arm(frontends: list[str], prompts: list[tuple[int, list[int]]], ro
 def event_cost_us(block_size: int, n: int = 4000) -> float:
     """Microseconds of worker time per announced block: the tree's listener (hash, queue) and the publisher thread's
     share (pack, send), timed with a real PUB socket in this process."""
-    from types import SimpleNamespace
-
     from workers.kv_events import EventPublisher, PrefixCacheEvents
+
+    class Node:  # what the listener reads of a prefix-tree node
+        def __init__(self, parent: "Node | None", tokens: tuple):
+            self.parent, self.tokens = parent, tokens
 
     publisher = EventPublisher(f"inproc://cost-{os.getpid()}", "kv@cost@default")
     listener = PrefixCacheEvents(publisher, block_size, default_loops=8)
-    root = SimpleNamespace(parent=None, tokens=())
+    root = Node(None, ())
     nodes, parent = [], root
     for i in range(n):
-        node = SimpleNamespace(parent=parent, tokens=tuple(range(i, i + block_size)))
+        node = Node(parent, tuple(range(i, i + block_size)))
         nodes.append(node)
         parent = node if i % 20 else root  # chains of 20 blocks, like the prompts here
     cpu0 = time.process_time()
@@ -167,7 +174,8 @@ def kv_routing_side_by_side(*, model_path: str | None = None, max_tokens: int = 
 
     model = load_model(model_path, 256)  # only its tokenizer: a router tokenizes the prompt itself
     prompts = workload(model.encode_prompt)
-    args = ["--max-seq-len", "512", "--max-handles", "0", "--max-lanes", "2", "--threads", str(threads)]
+    # 2 lanes of 512 tokens at up to 16 loops: the pool keeps about five of the eight prefixes at 8 loops
+    args = ["--max-seq-len", "512", "--max-handles", "0", "--max-lanes", str(LANES), "--threads", str(threads)]
     args += ["--model", model_path] if model_path else []
     results: dict[str, Any] = {"load_average": os.getloadavg(), "requests": len(prompts), "concurrency": concurrency,
                                "prompt_tokens_mean": sum(len(p) for _, p in prompts) / len(prompts)}
@@ -184,7 +192,7 @@ def kv_routing_side_by_side(*, model_path: str | None = None, max_tokens: int = 
                 services.append(LocalService(1, args + events))
             for s in services:
                 s.__enter__()
-            router = EventRouter(endpoints, BLOCK_TOKENS) if arm != "round_robin_no_events" else None
+            router = EventRouter(endpoints, BLOCK_TOKENS, LANES) if arm != "round_robin_no_events" else None
             time.sleep(0.5)  # let the router's subscriptions reach the publishers
             r = results[arm] = asyncio.run(run_arm([s.frontend for s in services], prompts,
                                                    router if arm == "kv_events" else None, concurrency, max_tokens))
