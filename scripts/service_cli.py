@@ -199,7 +199,8 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--name", default=None, help="Worker name in logs and status (default: worker-PID).")
 @worker_options
 @click.option("--kv-events-rank", default=0, show_default=True, type=click.IntRange(0, 4095),
-              help="data_parallel_rank of the events; a bound --kv-events-endpoint's port moves up by it (serve sets it).")
+              help="data_parallel_rank of the events; a bound --kv-events-endpoint's port moves up by it "
+                   "(serve sets it).")
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @log_level_option
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
@@ -251,10 +252,9 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--http-host", default="127.0.0.1", show_default=True, help="Address the gateway listens on.")
 @click.option("--api-key-file", default=None, type=FILE, help="Gateway API keys, one per line.")
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, metrics_host, model_path, max_seq_len,
-                  cache_mode, device, max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
-                  weights, prefill_chunk, kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic,
-                  kv_events_seed, device_budget, max_attempts,
-                  skip_plan_check, log_dir,
+                  cache_mode, device, max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir,
+                  max_lanes, weights, prefill_chunk, kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic,
+                  kv_events_seed, device_budget, max_attempts, skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.launcher import threads_per_worker

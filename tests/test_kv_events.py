@@ -274,7 +274,8 @@ class DynamoIndexer:
 
 
 def wait_for_metrics(port: int, predicate, timeout: float = 20) -> dict[str, float]:
-    """The broker's /metrics as {series: value} once `predicate` holds for them (heartbeats carry the workers' state)."""
+    """The broker's /metrics as {series: value} once `predicate` holds for them (heartbeats carry the workers'
+    state)."""
     deadline = time.monotonic() + timeout
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:

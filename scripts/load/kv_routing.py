@@ -218,7 +218,8 @@ def kv_routing_side_by_side(*, model_path: str | None = None, max_tokens: int = 
     echo(f"  events: {cost:.1f} us of worker time each; at {kv['events_per_s'] / 2:.0f} events/s per worker that is "
          f"{results['event_share']:.3%} of a worker's time; round robin with events / without: "
          f"{results['throughput_with_events']:.3f}x req/s")
-    echo(f"  kv events vs round robin: prompt tokens hit {kv['prompt_tokens_hit']:.0%} vs {rr['prompt_tokens_hit']:.0%}, "
+    echo(f"  kv events vs round robin: prompt tokens hit {kv['prompt_tokens_hit']:.0%} vs "
+         f"{rr['prompt_tokens_hit']:.0%}, "
          f"TTFT p50 {results['ttft_p50_ratio']:.2f}x lower, {kv['request_throughput'] / rr['request_throughput']:.2f}x "
          f"req/s")
     return results
