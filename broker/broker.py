@@ -142,6 +142,8 @@ class Worker:
     # recent: prompts it finished after the last heartbeat).
     free_blocks: int | None = None
     lanes: int = 0
+    total_blocks: int = 0  # its KV block pool, and the blocks requests and handles hold (cached-only ones are free)
+    used_blocks: int = 0
     prefixes: frozenset = frozenset()
     assigned: dict = field(default_factory=dict)  # digest -> requests running with it
     recent: set = field(default_factory=set)
@@ -464,6 +466,7 @@ class Broker:
         if msg.type == "heartbeat":
             worker.handles = msg["handles"]
             worker.free_blocks, worker.lanes = msg.get("free_blocks"), msg.get("lanes", 0)
+            worker.total_blocks, worker.used_blocks = msg.get("total_blocks", 0), msg.get("used_blocks", 0)
             if "prefixes" in msg.fields:
                 worker.prefixes, worker.recent = frozenset(msg["prefixes"]), set()
         elif msg.type == "token":
@@ -889,6 +892,7 @@ class Broker:
         self.metrics.ready_workers.set(readiness["ready_workers"])
         self.metrics.busy_workers.set(sum(1 for w in self.workers.values() if w.running))
         self.metrics.live_handles.set(sum(w.handles for w in self.workers.values()))
+        self.metrics.engine_gauges(readiness["queue"], self.workers.values())
         # Replaced whole (the HTTP thread reads it); `at` lets /healthz see a stalled loop.
         self.metrics.health = {"at": now, "uptime_s": round(now - self.started, 3), "instance": self.instance,
                                "readiness": readiness}

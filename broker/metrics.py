@@ -63,9 +63,39 @@ class BrokerMetrics:
         self.queue_wait = Histogram(
             "tinyloop_queue_wait_seconds", "Arrival at the broker to dispatch to a worker", buckets=LATENCY_BUCKETS, registry=r
         )
+        # What cluster routers read (the Gateway API Inference Extension's model-server protocol, under vLLM's names:
+        # docs/deploy.md, "Routed by llm-d / the Inference Extension / Dynamo"). One series each: a router scrapes
+        # one endpoint per replica and reads one value, so these are the service's totals; with one worker per
+        # service (deploy/kubernetes/inference-pool) they are that worker's. TinyLoop's own names give each worker.
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a worker (the queue)", registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests the workers run", registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the workers' KV blocks held by running "
+                                   "requests and handles, 0 to 1 (blocks only the prefix cache holds count as free)",
+                                   registry=r)
+        self.worker_running = Gauge("tinyloop_worker_requests_running", "Requests a worker runs", ["worker"],
+                                    registry=r)
+        self.worker_kv_usage = Gauge("tinyloop_worker_kv_cache_usage_ratio", "Share of a worker's KV blocks held by "
+                                     "running requests and handles, 0 to 1", ["worker"], registry=r)
+        self.worker_series: set[str] = set()
         # Written by the broker loop, read by the HTTP thread; replaced whole, so no lock is needed.
         self.health: dict = {"at": time.monotonic(), "uptime_s": 0.0, "instance": None,
                              "readiness": {"ready": False, "problems": ["the broker is starting"]}}
+
+    def engine_gauges(self, queued: int, workers) -> None:
+        """Set the gauges routers read from the queue and what each worker's heartbeat said."""
+        workers = list(workers)
+        self.vllm_waiting.set(queued)
+        self.vllm_running.set(sum(len(w.running) for w in workers))
+        total, used = sum(w.total_blocks for w in workers), sum(w.used_blocks for w in workers)
+        self.vllm_kv_usage.set(used / total if total else 0.0)
+        names = {w.name for w in workers}
+        for gone in self.worker_series - names:  # not clear(): a scrape in between would miss the live ones
+            self.worker_running.remove(gone)
+            self.worker_kv_usage.remove(gone)
+        self.worker_series = names
+        for w in workers:
+            self.worker_running.labels(w.name).set(len(w.running))
+            self.worker_kv_usage.labels(w.name).set(w.used_blocks / w.total_blocks if w.total_blocks else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -237,6 +237,10 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "free_blocks": Field(int_in(0, 2**62), required=False),
             "lanes": Field(int_in(0, 1 << 20), required=False),
             "prefixes": Field(list_of(int_in(0, DIGEST_MAX), MAX_ANNOUNCED_PREFIXES), required=False),
+            # its KV block pool and the blocks running requests and handles hold (cached-only blocks count as free):
+            # the KV usage cluster routers read (vllm:kv_cache_usage_perc, broker/metrics.py)
+            "total_blocks": Field(int_in(0, 2**62), required=False),
+            "used_blocks": Field(int_in(0, 2**62), required=False),
         },
         "token": TOKEN_FIELDS,
         # The tokens one step of a worker's batch produced, one per request ([id, token, pos, text] each): one

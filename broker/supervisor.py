@@ -119,8 +119,11 @@ class Supervisor:
         return launcher.wait_for_file(ready_file, self.gateway, timeout, "the gateway", self.log_path("gateway"))
 
     def start_worker(self, name: str) -> None:
+        # worker wN publishes its KV-cache events as rank N-1 (a bound endpoint's port + N-1), as vLLM's DP ranks do
+        rank = ["--kv-events-rank", str(int(name[1:]) - 1)] if "--kv-events-endpoint" in self.worker_args else []
         self.workers[name] = launcher.spawn(
-            ["worker", "--connect", self.backend, "--name", name, "--log-level", self.log_level, *self.worker_args],
+            ["worker", "--connect", self.backend, "--name", name, "--log-level", self.log_level, *self.worker_args,
+             *rank],
             self.log_path(name),
         )
 

@@ -84,6 +84,17 @@ def worker_options(fn):
         click.option("--prefill-chunk", type=click.IntRange(0), default=None,
                      help="Prompt tokens per prefill forward, interleaved with decode steps (0: a prompt in one "
                           "forward; default $TINYLOOP_PREFILL_CHUNK or 256)."),
+        click.option("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                     help="Publish KV-cache events in vLLM's format on this ZeroMQ endpoint (off by default): "
+                          "tcp://*:5557 binds (serve: worker i on port + i), tcp://host:5557 connects (llm-d's "
+                          "endpoint picker). docs/deploy.md, 'Routed by llm-d / the Inference Extension / Dynamo'."),
+        click.option("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                     help="Also bind a ROUTER here that resends event batches from a sequence number."),
+        click.option("--kv-events-topic", default=None,
+                     help="Topic of the events (default kv@<worker name>@<model name>; llm-d: kv@<pod IP>@<model>)."),
+        click.option("--kv-events-seed", default="", show_default=True,
+                     help="Seed of the block hashes (llm-d's HashSeed, vLLM's PYTHONHASHSEED): the same on every "
+                          "replica and across restarts."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -91,13 +102,18 @@ def worker_options(fn):
 
 
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                heartbeat_interval, threads, curve_dir, max_lanes=16, weights=None, prefill_chunk=None) -> list[str]:
+                heartbeat_interval, threads, curve_dir, max_lanes=16, weights=None, prefill_chunk=None,
+                kv_events_endpoint=None, kv_events_replay_endpoint=None, kv_events_topic=None,
+                kv_events_seed="") -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
             "--heartbeat-interval", str(heartbeat_interval), "--max-lanes", str(max_lanes)]
     for flag, value in (("--model", model_path), ("--cache-mode", cache_mode), ("--device", device),
                         ("--vram-budget", vram_budget), ("--prefix-file", prefix_file), ("--threads", threads),
-                        ("--curve-dir", curve_dir), ("--weights", weights), ("--prefill-chunk", prefill_chunk)):
+                        ("--curve-dir", curve_dir), ("--weights", weights), ("--prefill-chunk", prefill_chunk),
+                        ("--kv-events-endpoint", kv_events_endpoint),
+                        ("--kv-events-replay-endpoint", kv_events_replay_endpoint),
+                        ("--kv-events-topic", kv_events_topic), ("--kv-events-seed", kv_events_seed or None)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -195,11 +211,15 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @click.option("--connect", default=DEFAULT_BACKEND, show_default=True, help="The broker's backend endpoint.")
 @click.option("--name", default=None, help="Worker name in logs and status (default: worker-PID).")
 @worker_options
+@click.option("--kv-events-rank", default=0, show_default=True, type=click.IntRange(0, 4095),
+              help="data_parallel_rank of the events; a bound --kv-events-endpoint's port moves up by it "
+                   "(serve sets it).")
 @click.option("--plan-only", is_flag=True, help="Print the memory plan as JSON and exit.")
 @log_level_option
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
-                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, plan_only,
-                   log_level) -> None:
+                   prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk,
+                   kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_seed, kv_events_rank,
+                   plan_only, log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
 
@@ -210,7 +230,9 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
                          max_seq_len=max_seq_len, cache_mode=cache_mode, device=device, max_handles=max_handles,
                          vram_budget=vram_budget, prefix_file=prefix_file, heartbeat_interval=heartbeat_interval,
                          threads=threads, curve_dir=curve_dir, plan_only=plan_only, max_lanes=max_lanes,
-                         weights=weights, prefill_chunk=prefill_chunk)
+                         weights=weights, prefill_chunk=prefill_chunk, kv_events_endpoint=kv_events_endpoint,
+                         kv_events_replay=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
+                         kv_events_seed=kv_events_seed, kv_events_rank=kv_events_rank)
     sys.exit(run_worker(opts))
 
 
@@ -225,6 +247,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Waiting requests before new ones get 'busy'.")
 @click.option("--metrics-port", type=PORT, default=None, help="Serve /metrics, /healthz and /readyz on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address of the metrics endpoint (0.0.0.0 where a cluster router scrapes it).")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
               help="Workers a request may lose before it fails.")
 @worker_options
@@ -240,10 +264,10 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
               help="Also start the OpenAI HTTP gateway on this port (0: any free port; docs/gateway.md).")
 @click.option("--http-host", default="127.0.0.1", show_default=True, help="Address the gateway listens on.")
 @click.option("--api-key-file", default=None, type=FILE, help="Gateway API keys, one per line.")
-def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_path, max_seq_len, cache_mode, device,
-                  max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir, max_lanes,
-                  weights, prefill_chunk, device_budget, max_attempts,
-                  skip_plan_check, log_dir,
+def serve_command(n_workers, frontend, backend, max_queue, metrics_port, metrics_host, model_path, max_seq_len,
+                  cache_mode, device, max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir,
+                  max_lanes, weights, prefill_chunk, kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic,
+                  kv_events_seed, device_budget, max_attempts, skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.launcher import threads_per_worker
@@ -253,7 +277,8 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     if threads is None and (device or "cpu").startswith("cpu"):
         threads = threads_per_worker(n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
-                        heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk)
+                        heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, kv_events_endpoint,
+                        kv_events_replay_endpoint, kv_events_topic, kv_events_seed)
     gateway = None
     if http_port is not None:  # the gateway waits for the broker by itself (its /health says when it is ready)
         if "*" in frontend:
@@ -263,7 +288,8 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, model_p
     supervisor = Supervisor(n_workers=n_workers, frontend=frontend, backend=backend, worker_args=wargs,
                             broker_args=["--max-queue", str(max_queue), "--heartbeat-interval", str(heartbeat_interval),
                                          "--max-attempts", str(max_attempts)]
-                            + (["--metrics-port", str(metrics_port)] if metrics_port is not None else [])
+                            + (["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+                               if metrics_port is not None else [])
                             + (["--curve-dir", curve_dir] if curve_dir else []),
                             curve_dir=curve_dir, gateway_args=gateway,
                             log_dir=log_dir, log_level=log_level)
@@ -483,6 +509,9 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--prefix-routing", is_flag=True,
               help="Start services itself and compare cache-aware routing with and without affinity: 2 workers, "
                    "4 scaffolds x (--requests / 4) suffixes.")
+@click.option("--kv-routing", is_flag=True,
+              help="Start services itself and compare two 1-worker replicas behind a router fed by their KV-cache "
+                   "events with round robin (8 shared prefixes x 8 suffixes), and the events' cost.")
 @click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
               help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
@@ -493,8 +522,8 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
               help="Weight format of the models the load test starts, in its workers and in-process: fp32, bf16, "
                    "int8, int4 or int4:GROUP.")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
-                     plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, model_path, threads,
-                     curve_dir, weights) -> None:
+                     plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, kv_routing,
+                     model_path, threads, curve_dir, weights) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     import os
 
@@ -530,6 +559,11 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         from scripts.load.behind import behind_long_side_by_side
 
         results = behind_long_side_by_side(before=before, echo=click.echo)
+    elif kv_routing:
+        from scripts.load.kv_routing import kv_routing_side_by_side
+
+        results = kv_routing_side_by_side(model_path=model_path, max_tokens=max_tokens, concurrency=concurrency,
+                                          threads=threads or 1, echo=click.echo)
     elif prefix_routing:
         results = loadtest.prefix_routing_side_by_side(model_path=model_path, n_suffixes=max(1, (n_requests or 64) // 4),
                                                        max_tokens=max_tokens, concurrency=concurrency,

@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import click
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -40,9 +41,11 @@ from scripts.cli import main as tinyloop_cli
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 KUSTOMIZATIONS = [DEPLOY / "kubernetes", DEPLOY / "kubernetes" / "cpu"]
+POOL = DEPLOY / "kubernetes" / "inference-pool"  # replicas for a cluster scheduler (docs/deploy.md, "Routed by ...")
+POOL_CRD = POOL / "crd" / "inference.networking.k8s.io_inferencepools.yaml"
 KUBERNETES_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]  # the oldest still common, the newest
 CLUSTER_SCOPED = {"Namespace"}
-POD_NAME, NAMESPACE = "tinyloop-pod-0", "tinyloop"
+POD_NAME, NAMESPACE, POD_IP = "tinyloop-pod-0", "tinyloop", "10.1.2.3"
 API_KEY = "test-key"
 
 
@@ -256,7 +259,8 @@ def env_value(env: dict, container: dict, configmaps: dict) -> str:
         return env["value"]
     source = env["valueFrom"]
     if "fieldRef" in source:
-        return {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE}[source["fieldRef"]["fieldPath"]]
+        return {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE,
+                "status.podIP": POD_IP}[source["fieldRef"]["fieldPath"]]
     if "configMapKeyRef" in source:
         return configmaps[source["configMapKeyRef"]["name"]][source["configMapKeyRef"]["key"]]
     ref = source["resourceFieldRef"]
@@ -521,3 +525,99 @@ def test_the_cpu_pods_serve_their_probes_metrics_and_a_completion(secrets, claim
                 proc.kill()
                 proc.wait(10)
         lan.close()
+
+
+# ----------------------------------------------------------------------------- the InferencePool
+
+
+def strict_schema(schema: dict) -> dict:
+    """A CRD's structural schema, strict as kubernetes-validate's are: an object with listed properties takes no others
+    (the API server would prune them silently, which hides a misspelt field)."""
+    schema = dict(schema)
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema["additionalProperties"] = False
+    for key in ("properties",):
+        if key in schema:
+            schema[key] = {k: strict_schema(v) for k, v in schema[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            schema[key] = strict_schema(schema[key])
+    return schema
+
+
+def inference_pool_schema() -> dict:
+    crd = yaml.safe_load(POOL_CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return strict_schema(v1["schema"]["openAPIV3Schema"])
+
+
+def test_the_inference_pool_manifests_validate_against_kubernetes_and_the_vendored_crd():
+    docs = kustomize(POOL)
+    assert sorted({d["kind"] for d in docs}) == ["ConfigMap", "Deployment", "InferencePool", "Role", "RoleBinding",
+                                                 "Service", "ServiceAccount"]
+    crd = yaml.safe_load(POOL_CRD.read_text())
+    pool_schema = jsonschema.Draft202012Validator(inference_pool_schema())
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(crd, version, strict=True)  # the CRD itself is a valid object
+        for doc in docs:
+            if doc["kind"] == "InferencePool":
+                assert doc["apiVersion"] == f"{crd['spec']['group']}/v1"
+                pool_schema.validate(doc)
+            else:
+                kubernetes_validate.validate(doc, version, strict=True)
+    misspelt = copy.deepcopy(one(docs, "InferencePool", "tinyloop"))
+    misspelt["spec"]["targetPort"] = misspelt["spec"].pop("targetPorts")
+    with pytest.raises(jsonschema.ValidationError):
+        pool_schema.validate(misspelt)
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_the_pool_routes_to_replicas_that_feed_its_picker_events_and_gauges(secrets, claims, tmp_path):
+    from broker.metrics import BrokerMetrics
+    from tinyloop.cache import BLOCK_TOKENS
+    from workers.startup import served_model_name
+
+    docs = kustomize(POOL)
+    pool = one(docs, "InferencePool", "tinyloop")["spec"]
+    replica = one(docs, "Deployment", "tinyloop-replica")
+    assert selected_pods(docs, pool["selector"]["matchLabels"]) == [replica]
+    command, serve = Pod(docs, "tinyloop-replica", tmp_path, secrets, claims).parse()
+    assert command == "serve" and serve["n_workers"] == 1  # one worker per pod: what the picker picks is a worker
+    # the scheduler sends the OpenAI request to the target port: the replica's gateway, listening beyond the pod
+    assert [p["number"] for p in pool["targetPorts"]] == [serve["http_port"]] == [container_port(replica, "http")]
+    assert serve["http_host"] == "0.0.0.0" and serve["metrics_host"] == "0.0.0.0"
+    # the Gateway asks the picker through the Service the pool names, on a port the picker's container serves
+    epp = one(docs, "Deployment", "tinyloop-epp")
+    epp_args = pod_spec(epp)["containers"][0]["args"]
+    ref = pool["endpointPickerRef"]
+    assert service_endpoint(docs, f"tcp://{ref['name']}:{ref['port']['number']}") == int(flag(epp_args, "--grpc-port"))
+    assert flag(epp_args, "--pool-name") == one(docs, "InferencePool", "tinyloop")["metadata"]["name"]
+
+    # KV-cache events: the replica connects to the picker's Service, which leads to the port its scorer binds
+    config = yaml.safe_load(one(docs, "ConfigMap", "tinyloop-epp")["data"]["epp.yaml"])
+    (scorer,) = [p["parameters"] for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    bound = scorer["kvEventsConfig"]["zmqEndpoint"]
+    assert bound.startswith("tcp://*:") and service_endpoint(docs, serve["kv_events_endpoint"]) == int(bound[8:])
+    model_name = served_model_name(serve["model_path"])
+    assert serve["kv_events_topic"] == f"kv@{POD_IP}@{model_name}"
+    assert serve["kv_events_topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])
+    # the picker hashes prompts as the workers hash their blocks: same block size, same seed
+    assert scorer["tokenProcessorConfig"] == {"blockSize": BLOCK_TOKENS, "hashSeed": serve["kv_events_seed"]}
+    assert scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == model_name
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    tokenizers = [v for v in pod_spec(epp)["volumes"] if v["name"] == "tokenizers"][0]["configMap"]["name"]
+    assert f"create configmap {tokenizers} " in guide  # made by hand, as the guide says
+
+    # the gauges: scraped on the replicas' metrics port, under names the broker serves
+    assert int(flag(epp_args, "--model-server-metrics-port")) == serve["metrics_port"] \
+        == container_port(replica, "metrics")
+    served = {m.name for m in BrokerMetrics().registry.collect()}
+    for option in ("--total-queued-requests-metric", "--total-running-requests-metric",
+                   "--kv-cache-usage-percentage-metric"):
+        assert flag(epp_args, option) in served, option
+    used = [p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]]
+    assert sorted(used) == sorted(p["type"] for p in config["plugins"] if p["type"] != "single-profile-handler")

@@ -41,10 +41,31 @@ def tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def first_event_batch(replay_endpoint: str) -> list:
+    """Batch 0 of a worker's KV-cache events, asked of its replay socket: [ts, events, data_parallel_rank]."""
+    import msgpack
+    import zmq
+
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
+        dealer.linger = 0
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert dealer.poll(10_000), replay_endpoint
+        _, seq, payload = dealer.recv_multipart()
+        assert int.from_bytes(seq, "big") == 0
+        return msgpack.unpackb(payload)
+
+
 def test_kill_worker_under_load_restart_clean_shutdown_and_plan_check(tmp):
-    serve = start_serve(tmp)
+    # each worker publishes KV-cache events on an endpoint of its own, as vLLM's data-parallel ranks do
+    serve = start_serve(tmp, "--kv-events-endpoint", f"ipc://{tmp}/kv", "--kv-events-replay-endpoint",
+                        f"ipc://{tmp}/kvr")
     try:
         status = launcher.wait_for_workers(f"ipc://{tmp}/f", 2, 300, [serve])
+        for rank, suffix in ((0, ""), (1, "-1")):  # w1 on the endpoints as given, w2 on the next ones
+            assert (tmp / f"kv{suffix}").exists()
+            _, events, batch_rank = first_event_batch(f"ipc://{tmp}/kvr{suffix}")
+            assert events == [["AllBlocksCleared"]] and batch_rank == rank
         pids = {w["name"]: w["pid"] for w in status["workers"]}
         plan_bytes = status["workers"][0]["plan_bytes"]
         # The ready line says what the lanes are and what the pool holds, each as itself ("24 of the 16 lanes" was not)

@@ -21,6 +21,7 @@ scaffold drops those of its nodes nothing else extends.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from .cache import BLOCK_TOKENS, BlockPool, KVCache, Span
 from .config import ModelConfig
@@ -38,6 +39,14 @@ class Node:
         self.alive = True
 
 
+class TreeListener(Protocol):
+    """What the tree tells whoever watches it (called in the thread that runs the model; keep it cheap)."""
+
+    def stored(self, node: Node, loops: int) -> None: ...
+
+    def removed(self, node: Node) -> None: ...
+
+
 def common_length(a, b) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -53,6 +62,8 @@ class PrefixTree:
         self.roots: dict[int, Node] = {}
         self.lru: OrderedDict[Node, None] = OrderedDict()  # unpinned nodes, least recently used first
         self.lookups = self.hits = self.hit_tokens = self.evictions = 0
+        # Told of every node stored and removed (a worker's KV-cache events: workers/kv_events.py); None: nobody.
+        self.listener: "TreeListener | None" = None
         pool.prefixes = self
 
     # --- what a node stores ---------------------------------------------------------------------------------
@@ -132,6 +143,8 @@ class PrefixTree:
                     self.pool.retain(b)
                 child = node.children[tokens] = Node(tokens, node, blocks)
                 node.by_first.setdefault(tokens[0], []).append(child)
+                if self.listener is not None:
+                    self.listener.stored(child, loops)
             path.append(child)
             node = child
         if pin:
@@ -174,6 +187,8 @@ class PrefixTree:
             self.evictions += 1
 
     def remove(self, node: Node) -> None:
+        if self.listener is not None:
+            self.listener.removed(node)
         parent = node.parent
         del parent.children[node.tokens]
         parent.by_first[node.tokens[0]].remove(node)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ log = logging.getLogger("tinyloop.worker")
 TokenSink = Callable[[int, int, str], None]
 # ops that join the continuous batch; the handle ops (build_handle, release_handle) run between two of its steps
 BATCHED_OPS = ("generate", "chat", "generate_pool", "speculative", "resume")
+USED_BLOCKS_EVERY_S = 0.2  # counting them walks the prefix cache: a few times a second is plenty for a gauge
 CHAT_ONLY = ("messages", "add_generation_prompt", "chat_template_kwargs")  # a chat's fields no generate op takes
 LOOPS_RULE = GENERATE_FIELDS["loops"]  # a prefix file's "loops" obeys the request field's rule (and words)
 
@@ -109,6 +111,9 @@ class ModelEngine:
         # digest of a prompt prefix the prefix cache holds -> the cache node it needs (announced while alive)
         self.announced: OrderedDict[int, Any] = OrderedDict()
         self.announcing: tuple = ()  # a snapshot the I/O thread reads
+        # blocks running requests and handles hold (the KV usage routers read; cached-only blocks count as free, as
+        # in vLLM); counted by the compute thread after a step, read by the I/O thread
+        self.used_blocks, self.used_counted_at = 0, 0.0
         prefixes = prefixes or []
         # The live-handle cap counts pool entries too; they are pinned (never evicted).
         if len(prefixes) > max_handles:
@@ -146,7 +151,8 @@ class ModelEngine:
         """Heartbeat fields for routing: free KV blocks and the digests of the prompt prefixes still cached, newest
         last (called from the I/O thread: it reads a snapshot the compute thread replaces whole)."""
         alive = [d for d, node in self.announcing if node.alive]
-        return {"free_blocks": self.model.pool.free_count, "prefixes": alive[-MAX_ANNOUNCED_PREFIXES:]}
+        return {"free_blocks": self.model.pool.free_count, "prefixes": alive[-MAX_ANNOUNCED_PREFIXES:],
+                "total_blocks": self.model.pool.num_blocks, "used_blocks": self.used_blocks}
 
     def remember(self, prompt: Any, ids: list[int], loops: int) -> None:
         """After a request: announce the digests of the prompt's prefixes its cache now holds (up to the characters,
@@ -231,6 +237,9 @@ class ModelEngine:
             self.batch.clear()
             self.scheduler = tinyloop.Scheduler(self.model, self.slots)
             return failed
+        now = time.monotonic()
+        if done or now - self.used_counted_at > USED_BLOCKS_EVERY_S:
+            self.used_blocks, self.used_counted_at = self.model.pool.num_blocks - self.model.pool.room(), now
         return [self.answer(self.batch.pop(id(seq))) for seq in done]
 
     def answer(self, job: "Batched") -> tuple[str, dict | EngineError]:

@@ -39,6 +39,12 @@ class WorkerOptions:
     max_lanes: int = 16  # requests batched at once (tinyloop.Scheduler lanes)
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: the model's default)
     weights: str | None = None  # weight format, 'int8' or 'int4:64' (None: the artifact's own; tinyloop/formats.py)
+    # KV-cache events for cluster routers (workers/kv_events.py; docs/deploy.md): off without an endpoint
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None  # a ROUTER endpoint that resends batches from a sequence number
+    kv_events_topic: str | None = None  # default kv@<name>@<model>
+    kv_events_seed: str = ""  # the block hashes' seed (llm-d's HashSeed, vLLM's PYTHONHASHSEED)
+    kv_events_rank: int = 0  # data_parallel_rank in each batch; bound endpoints' ports move up by it
 
 
 def refuse(opts: WorkerOptions, why: BaseException) -> int:
@@ -150,6 +156,7 @@ def run_worker(opts: WorkerOptions) -> int:
         return WorkerExit.LOAD_FAILED
     if opts.prefill_chunk is not None:
         model.prefill_chunk = opts.prefill_chunk
+    events = publish_kv_events(opts, model, path) if opts.kv_events_endpoint else None  # before any scaffold is kept
     warm_up(model)
     try:
         engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
@@ -167,4 +174,32 @@ def run_worker(opts: WorkerOptions) -> int:
     log.info("worker %s ready on %s: plan %.1f MiB of %.1f MiB (%s); %d lanes; the pool holds %d sequence(s) of %d "
              "tokens at %d loops; ops %s", opts.name, device, plan.total_bytes / 2**20, budget / 2**20, budget_what,
              opts.max_lanes, full, opts.max_seq_len, cfg.max_loops, engine.ops)
-    return process.run()
+    try:
+        return process.run()
+    finally:
+        if events is not None:
+            events.close()
+
+
+def served_model_name(path) -> str:
+    """The model's name as the gateway serves it: its file name without .tinyloop (default: `default`)."""
+    from pathlib import Path
+
+    name = Path(path).name
+    return name[:-len(".tinyloop")] if name.endswith(".tinyloop") else name
+
+
+def publish_kv_events(opts: WorkerOptions, model, path):
+    """Start the KV-cache event publisher and hang it on the model's prefix cache; returns the publisher."""
+    from tinyloop.cache import BLOCK_TOKENS
+    from workers.kv_events import EventPublisher, PrefixCacheEvents, binds, offset_port
+
+    topic = opts.kv_events_topic or f"kv@{opts.name}@{served_model_name(path)}"
+    bound = lambda e: offset_port(e, opts.kv_events_rank) if binds(e) else e  # noqa: E731 - connected ones share
+    publisher = EventPublisher(bound(opts.kv_events_endpoint), topic, rank=opts.kv_events_rank,
+                               replay_endpoint=opts.kv_events_replay and offset_port(opts.kv_events_replay,
+                                                                                     opts.kv_events_rank))
+    model.prefixes.listener = PrefixCacheEvents(publisher, BLOCK_TOKENS, model.cfg.default_loops, opts.kv_events_seed)
+    log.info("worker %s publishes KV-cache events on %s as %r (rank %d)", opts.name, opts.kv_events_endpoint, topic,
+             opts.kv_events_rank)
+    return publisher
