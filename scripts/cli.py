@@ -1,6 +1,7 @@
 """The `tinyloop` command."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -186,13 +187,25 @@ def quantize(src, out, weights) -> None:
                    "and copy their K/V (less compute). Default: the architecture's (docs/hf.md).")
 @click.option("--max-loops", type=int, default=None, help="Largest loop count the artifact accepts.")
 def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
-    """Convert a Hugging Face model directory (Ouro, Huginn) into a .tinyloop artifact, shard by shard."""
+    """Convert a Hugging Face model directory (Ouro, Huginn, Llama) into a .tinyloop artifact, shard by shard, or a
+    GGUF file (its Q4_0 matrices stay int4, other types are written as their values: docs/gguf.md)."""
     import torch
 
     import tinyloop
+    from tinyloop.artifact import save_artifact
+    from tinyloop.gguf import is_gguf
     from tinyloop.hf import convert as run_convert
 
     try:
+        if is_gguf(hf_dir):
+            if exit_kv or max_loops:
+                raise tinyloop.ConfigError("convert: --exit-kv and --max-loops are for looped models; a GGUF file "
+                                           "holds a dense one")
+            model = tinyloop.load_model(hf_dir, 2, device="cpu", act_quant=False)
+            save_artifact(out, model.net, model.codec, provenance=model.info.provenance,
+                          dtype=getattr(torch, dtype) if dtype else model.dtype)
+            click.echo(f"wrote {out} ({model.weights} weights, {os.path.getsize(out) / 2**20:.1f} MiB)")
+            return
         overrides = {k: v for k, v in (("exit_kv", exit_kv), ("max_loops", max_loops)) if v is not None}
         path = run_convert(hf_dir, out, getattr(torch, dtype) if dtype else None, **overrides)
         click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
