@@ -219,7 +219,8 @@ def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
 @click.option("--section", "sections", multiple=True, help="Run only these sections (repeatable).")
 @click.option("--quick", is_flag=True, help="Fewer tokens and repeats (a smoke run).")
 @click.option("--peers", is_flag=True, help="TinyLoop against transformers and llama.cpp on the dense twin, and the "
-              "memory bandwidth (the 'peers' section; docs/kernels.md, Peers).")
+              "memory bandwidth (the 'peers' section; docs/kernels.md, Peers), and against llama.cpp on a real GGUF "
+              "file (the 'gguf' section; docs/gguf.md).")
 @click.option("--json", "json_path", default=None, help="Write every section's lines and measurements here as JSON.")
 @click.option("--plot", "plot_path", default=None, help="Draw decode tok/s per format and batch against the peers "
               "(PNG; needs matplotlib).")
@@ -244,7 +245,7 @@ def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> 
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         fail(ValueError(f"unknown section(s) {unknown}; known: {sorted(SECTIONS)}"))
-    sections = list(sections) + (["peers"] if peers and "peers" not in sections else [])
+    sections = list(sections) + ([s for s in ("peers", "gguf") if s not in sections] if peers else [])
     results = run_bench(model_path, sections or None, quick, click.echo)
     try:
         write_results(results, json_path, plot_path, "bench")
