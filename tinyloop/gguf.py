@@ -257,14 +257,17 @@ def q4_0_matrix(t) -> formats.QMatrix:
                            _half(b[:, :2]).view(n, k // Q4_BLOCK).contiguous(), Q4_BLOCK, k)
 
 
-def _layer_matrices(reader) -> list:
-    return [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+def _interleaved_heads(name: str, cfg: ModelConfig, arch: str) -> int | None:
+    """The heads of a q or k matrix whose rows llama.cpp's converter put in interleaved-RoPE order; else None."""
+    role = name.split(".")[2] if name.startswith("blk.") else ""
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(role)
+    return heads if arch in INTERLEAVED_QK else None
 
 
 def natural_format(path) -> tuple[str, int]:
     """The format a GGUF file loads in by default: int4 (group 32) when every layer matrix is Q4_0 (read as it is),
     else fp32 (its values exactly)."""
-    mats = _layer_matrices(open_gguf(path))
+    mats = [t for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     return ("int4", Q4_BLOCK) if mats and all(t.tensor_type.name == "Q4_0" for t in mats) else ("fp32", 0)
 
 
@@ -312,26 +315,22 @@ def load_gguf(path, fmt: str = "fp32", group: int = 0) -> tuple[ArtifactInfo, di
         targets = None if name is None else family.tensors(name, cfg)
         if targets is None:
             raise ArtifactError(f"{path}: unexpected tensor {t.name!r} for a {raw['architecture']} model")
-        if t.name == "token_embd.weight" and cfg.tie_embeddings:  # the tied head is the embedding
-            targets = targets + [("lm_head.weight", lambda w: w)]
-        heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(t.name.split(".")[2] if t.name.startswith("blk.")
-                                                                      else "")
-        unpermute = heads is not None and raw["architecture"] in INTERLEAVED_QK
+        if t.name == "token_embd.weight" and cfg.tie_embeddings and direct:  # the tied head: an int4 matrix too
+            targets = targets + [("lm_head.weight", None)]
+        heads = _interleaved_heads(t.name, cfg, raw["architecture"])
         for ours, fn in targets:
-            want = expected.get(ours, expected.get("embed.weight") if ours == "lm_head.weight" else None)
+            want = expected.get(ours, expected["embed.weight"] if ours == "lm_head.weight" else None)
             if tuple(_shape(t)) != want:
                 raise ArtifactError(f"{path}: tensor {t.name} has shape {_shape(t)}, the metadata implies {want}")
-            if direct and len(want) == 2 and (ours != "embed.weight"):
+            if direct and ours != "embed.weight" and len(want) == 2:  # a matrix, held as int4
                 m = q4_0_matrix(t) if t.tensor_type.name == "Q4_0" else formats.quantize(dequantize(t), "int4", group)
-                if unpermute:
+                if heads:
                     m = formats.QMatrix("int4", interleaved_to_halves(m.data, heads),
                                         interleaved_to_halves(m.scale, heads), m.group, m.width)
                 mats[ours] = m
-                continue
-            if ours == "lm_head.weight" and cfg.tie_embeddings:
-                continue  # (a tied head in fp32 is the embedding itself)
-            w = fn(dequantize(t))
-            tensors[ours] = interleaved_to_halves(w, heads) if unpermute else w
+            else:
+                w = fn(dequantize(t))
+                tensors[ours] = interleaved_to_halves(w, heads) if heads else w
     held = set(tensors) | set(mats)
     missing = sorted((set(expected) | ({"lm_head.weight"} if direct else set())) - held)
     if missing:
