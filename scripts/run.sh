@@ -11,6 +11,10 @@ FRONTEND="${TINYLOOP_FRONTEND:-tcp://127.0.0.1:5555}"
 BACKEND="${TINYLOOP_BACKEND:-tcp://127.0.0.1:5556}"
 LOG_DIR="${TINYLOOP_LOG_DIR:-logs}"
 MODEL=data/SmolLM2-135M-Instruct.Q4_1.gguf
+# OpenMP threads that sleep while they wait instead of spinning: on a machine whose cores are busy with other jobs a
+# spinning thread is descheduled for whole time slices (tinyloop/kernels/cpu.py); the chat answer's decode measured
+# 27.5 s spinning and 3.8 s passive at load 7 on 2 cores (docs/gguf.md).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 mkdir -p "$LOG_DIR"
 : > "$LOG_DIR/serve.log"
 if [ -f "$MODEL" ]; then
