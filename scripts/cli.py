@@ -1,6 +1,7 @@
 """The `tinyloop` command."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -188,13 +189,25 @@ def quantize(src, out, weights) -> None:
                    "and copy their K/V (less compute). Default: the architecture's (docs/hf.md).")
 @click.option("--max-loops", type=int, default=None, help="Largest loop count the artifact accepts.")
 def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
-    """Convert a Hugging Face model directory (Ouro, Huginn) into a .tinyloop artifact, shard by shard."""
+    """Convert a Hugging Face model directory (Ouro, Huginn, Llama) into a .tinyloop artifact, shard by shard, or a
+    GGUF file (its Q4_0 matrices stay int4, other types are written as their values: docs/gguf.md)."""
     import torch
 
     import tinyloop
+    from tinyloop.artifact import save_artifact
+    from tinyloop.gguf import is_gguf
     from tinyloop.hf import convert as run_convert
 
     try:
+        if is_gguf(hf_dir):
+            if exit_kv or max_loops:
+                raise tinyloop.ConfigError("convert: --exit-kv and --max-loops are for looped models; a GGUF file "
+                                           "holds a dense one")
+            model = tinyloop.load_model(hf_dir, 2, device="cpu", act_quant=False)
+            save_artifact(out, model.net, model.codec, provenance=model.info.provenance,
+                          dtype=getattr(torch, dtype) if dtype else model.dtype)
+            click.echo(f"wrote {out} ({model.weights} weights, {os.path.getsize(out) / 2**20:.1f} MiB)")
+            return
         overrides = {k: v for k, v in (("exit_kv", exit_kv), ("max_loops", max_loops)) if v is not None}
         path = run_convert(hf_dir, out, getattr(torch, dtype) if dtype else None, **overrides)
         click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
@@ -208,7 +221,8 @@ def convert(hf_dir, out, dtype, exit_kv, max_loops) -> None:
 @click.option("--section", "sections", multiple=True, help="Run only these sections (repeatable).")
 @click.option("--quick", is_flag=True, help="Fewer tokens and repeats (a smoke run).")
 @click.option("--peers", is_flag=True, help="TinyLoop against transformers and llama.cpp on the dense twin, and the "
-              "memory bandwidth (the 'peers' section; docs/kernels.md, Peers).")
+              "memory bandwidth (the 'peers' section; docs/kernels.md, Peers), and against llama.cpp on a real GGUF "
+              "file (the 'gguf' section; docs/gguf.md).")
 @click.option("--json", "json_path", default=None, help="Write every section's lines and measurements here as JSON.")
 @click.option("--plot", "plot_path", default=None, help="Draw decode tok/s per format and batch against the peers "
               "(PNG; needs matplotlib).")
@@ -233,7 +247,7 @@ def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> 
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         fail(ValueError(f"unknown section(s) {unknown}; known: {sorted(SECTIONS)}"))
-    sections = list(sections) + (["peers"] if peers and "peers" not in sections else [])
+    sections = list(sections) + ([s for s in ("peers", "gguf") if s not in sections] if peers else [])
     results = run_bench(model_path, sections or None, quick, click.echo)
     try:
         write_results(results, json_path, plot_path, "bench")

@@ -9,6 +9,7 @@ from tinyloop.artifact import DEFAULT_ARTIFACT, read_artifact
 from tinyloop.cache import CACHE_MODES, bytes_per_token_slot, check_mode
 from tinyloop.config import ModelConfig
 from tinyloop.errors import ConfigError
+from tinyloop.gguf import is_gguf, load_gguf
 from tinyloop.hf import config_and_dtype, is_hf_dir, load_hf
 from tinyloop.formats import FORMATS
 from tinyloop.memory import plan_memory, weight_bytes_of
@@ -56,7 +57,10 @@ def config_text(path: str, max_seq_len: int = 4096) -> str:
 
 
 def inspect_text(path: str | None = None) -> str:
-    info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
+    if is_gguf(path):  # its tensors' values (a quantised file's too), for the counts
+        info, tensors = load_gguf(path)
+    else:
+        info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
     cfg = info.config
     counts = parameter_counts(tensors)
     lines = [f"artifact: {info.path}", "config:"]

@@ -348,14 +348,17 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--min-loops", type=click.IntRange(1), default=None, help="No token stops looping before this many loops.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode (op speculative): draft loops, verify loops, draft-ahead, tree width.")
+@click.option("--chat", is_flag=True, help="PROMPT is a user message: the worker renders it with the model's chat "
+              "template (the chat op).")
+@click.option("--system", default=None, help="With --chat: a system message before the user's.")
 @click.option("--timeout", default=120.0, show_default=True, help="Request deadline in seconds.")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole answer instead of streaming tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final reply as JSON.")
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, speculative, timeout, no_stream,
-                   as_json, curve_dir) -> None:
+                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, speculative, chat, system, timeout,
+                   no_stream, as_json, curve_dir) -> None:
     """Send one request to a running service and stream the answer.
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
@@ -375,6 +378,13 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
                                      param_hint="--speculative")
         op = "speculative"
     params = {**generate_params(prompt, config), **spec}
+    if chat:  # the same settings, with the messages in place of the prompt; the user's message is printed above the answer
+        if op not in ("generate", "speculative"):
+            raise click.BadParameter("--chat sends the chat op; it cannot go with --op " + op, param_hint="--chat")
+        params.pop("prompt")
+        params["messages"] = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt}]
+        op, prompt = "chat", f"{prompt}\n"
     printed = False
     try:
         build_request(op, params, not (no_stream or as_json), timeout, None)  # schema errors before any output

@@ -128,7 +128,8 @@ def test_bench_peers_json_and_plot(tmp_path):
                           "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert list(res["sections"]) == ["peers"]
+    assert list(res["sections"]) == ["peers", "gguf"]  # the gguf section: llama.cpp on SmolLM2's file (tests/test_gguf_llamacpp.py)
+    assert res["sections"]["gguf"]["lines"][0].startswith(("llama.cpp: NOT INSTALLED", "NO GGUF FILE", "file: "))
     lines, data = res["sections"]["peers"]["lines"], res["sections"]["peers"]["data"]
     assert "\n".join(lines) in run.stdout
     assert data["bandwidth_Bps"] > 1e8 and data["threads"] == res["threads"]

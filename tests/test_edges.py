@@ -176,11 +176,21 @@ def test_run_sh_prints_the_answer_in_one_piece_and_matches_the_docs():
         out = subprocess.run(["bash", "scripts/run.sh"], cwd=str(REPO), env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stderr
-        # stdout: the prompt and its answer, nothing of the service's logs.
-        assert out.stdout.startswith("def fibonacci(n):") and len(out.stdout) > 40
+        # stdout: the question and a real model's readable answer (SmolLM2-135M-Instruct, which the set-up fetched),
+        # then the bundled looped model on one prompt at 1 and 8 loops; nothing of the service's logs.
+        if not (REPO / "data" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():  # the set-up was offline: the bundled
+            assert out.stdout.startswith("def fibonacci(n):") and "-- loops 8:" in out.stdout  # model answered
+            return
+        question = "What is a recurrent neural network? Answer in two sentences.\n"
+        assert out.stdout.startswith(question), out.stdout
+        answer = out.stdout[len(question):].split("\n")[0]
+        assert "neural network" in answer and answer.endswith(".") and len(answer.split()) > 8, answer
+        loops = out.stdout.index("-- loops 1:\ndef fibonacci(n):")
+        assert loops < out.stdout.index("-- loops 8:\ndef fibonacci(n):")
         assert "tinyloop serve" not in out.stdout and " INFO " not in out.stdout
-        # stderr: the stats line, then the service log as a block of its own.
+        # stderr: the stats line (loops 1: a dense model), then the service log as a block of its own.
         stats = out.stderr.index("[worker w")
+        assert "stop=eos" in out.stderr[stats:].splitlines()[0]
         block = out.stderr.index("---- service log")
         assert stats < block
         serve_lines = [line for line in out.stderr[block:].splitlines() if line.startswith("tinyloop serve: ")]

@@ -238,8 +238,8 @@ def broken(tmp_path: Path, arch: str) -> Path:
 def test_unsupported_model_type_names_it_and_the_supported_ones(tmp_path):
     d = broken(tmp_path, "ouro")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    with pytest.raises(tinyloop.ArtifactError, match=r"model_type 'llama'.*ouro, huginn_raven, parcae, nanbeige"):
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
+    with pytest.raises(tinyloop.ArtifactError, match=r"model_type 'gpt_neox'.*ouro, huginn_raven, parcae, nanbeige, llama"):
         tinyloop.load_model(d)
 
 

@@ -27,7 +27,7 @@ LAYERS = [
     ("core", {"config", "formats", "tokenizer", "types", "cache", "rotary", "stops", "sampling", "grammar",
               "continuation", "detokenize", "exits"}),
     ("kernels", {"kernels"}),
-    ("models", {"model", "models", "memory", "artifact", "hf", "runtime", "prefix_tree"}),
+    ("models", {"model", "models", "memory", "artifact", "hf", "gguf", "runtime", "prefix_tree"}),
     ("engine", {"engine"}),
     ("public API", {"generation", "batch", "decoding", "handles", "prefix", "resume", "speculative", "scoring", "chat",
                     "__init__"}),

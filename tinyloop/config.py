@@ -63,6 +63,12 @@ class ModelConfig:
     head_size: int = 0              # each head's width when it is not d_model / n_heads (q is n_heads * head_size wide)
 
     @property
+    def dense(self) -> bool:
+        """A model whose layers run once per token (max_loops 1: a Llama-shaped model, tinyloop/models/llama.py): the
+        one-loop case of the family, with no depth to vary, exit early from or draft at."""
+        return self.max_loops == 1
+
+    @property
     def head_dim(self) -> int:
         return self.head_size or self.d_model // self.n_heads
 

@@ -23,6 +23,8 @@ from safetensors import safe_open
 
 from .artifact import FORMAT, FORMAT_VERSION, ArtifactInfo, _expected_shapes, read_config
 from .config import ModelConfig
+from .gguf import is_gguf, natural_format, read_gguf_config
+from .gguf import stored_dtype as gguf_dtype
 from .errors import ArtifactError, ConfigError
 from .models import family_of, loadable
 from .models.family import Raw
@@ -269,8 +271,10 @@ def load_hf(path, dtype: torch.dtype | None = None):
 
 def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype, tuple[str, int]]:
     """A model's config, the dtype load_model gives its weights on CPU (bf16 stays bf16, others fp32) and the
-    format and group its matrices are stored in, from config.json or the artifact's header: what a memory plan
-    needs before anything large is read."""
+    format and group its matrices are stored in, from config.json, a GGUF file's metadata or the artifact's header:
+    what a memory plan needs before anything large is read."""
+    if is_gguf(path):
+        return read_gguf_config(path), gguf_dtype(path), natural_format(path)
     if is_hf_dir(path):
         stored = checkpoint_dtype(read_raw(path)) or _stored_dtype(Path(path)) or torch.float32
         return read_hf_config(path), stored, ("fp32", 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .artifact import DEFAULT_ARTIFACT, ArtifactInfo, read_artifact
+from .gguf import is_gguf, load_gguf, natural_format
 from .hf import is_hf_dir, load_hf, with_init_scale
 from .cache import BLOCK_TOKENS, CACHE_MODES, BlockPool, KVCache, bytes_per_token_slot, check_mode
 from .env import env_bytes, env_choice, env_number
@@ -141,15 +142,16 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
                cache_mode: str | None = None, memory_budget: int | None = None, prefix_caching: bool | None = None,
                init_scale: float | None = None, weights: str | None = None, group: int | None = None,
                act_quant: bool | None = None) -> Model:
-    """Load a .tinyloop artifact (None: the bundled default model) or a Hugging Face model directory (Ouro,
-    Huginn-0125; docs/hf.md). Raises ArtifactError on a bad file or directory.
+    """Load a .tinyloop artifact (None: the bundled default model), a Hugging Face model directory (Ouro,
+    Huginn-0125, Llama; docs/hf.md) or a GGUF file (docs/gguf.md). Raises ArtifactError on a bad file or directory.
 
     dtype: None keeps bf16 weights in bf16 and runs others in fp32 on CPU, bf16 on CUDA.
     init_scale: multiplies the init_sigma of a random initial state ("normal" state init; Huginn's init_scale, whose
     default is 1.0); 0 gives a zero state, the reference's deterministic init_scale=0.0 output.
     weights: the format every matrix is held and multiplied in (tinyloop/formats.py): fp32, bf16, int8 or int4
     (group: int4's group size, default 32); None: the artifact's own (fp32 unless `tinyloop quantize` wrote it;
-    TINYLOOP_WEIGHTS overrides). A quantised artifact loads only in its own format.
+    TINYLOOP_WEIGHTS overrides). A quantised artifact loads only in its own format; a GGUF file in any (default: int4
+    when its layer matrices are all Q4_0, else fp32, its values exactly).
     act_quant: int8 / int4 products quantise their input rows to int8 per block of 32 and multiply on integers, as
     llama.cpp does (formats.quantize_activations; faster products on the CPU, docs/kernels.md); False: weight-only, the
     activations stay fp32. None: TINYLOOP_ACT_QUANT (on / off), else on for a CPU model, off on CUDA (its Triton
@@ -184,9 +186,12 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ConfigError(f"load_model(dtype={dtype!r}): expected a torch floating dtype (torch.float32, "
                           "torch.float16 or torch.bfloat16)")
-    # A Hugging Face model directory (Ouro, Huginn) is converted on the fly (tinyloop/hf.py).
-    info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
-    fmt, group = weight_format_for(info.path, (info.weights, info.group), weights, group)
+    if is_gguf(path):  # a GGUF file: read in the format asked for (Q4_0 matrices are int4 as they are; tinyloop/gguf.py)
+        fmt, group = weight_format_for(path, natural_format(path), weights, group)
+        info, tensors = load_gguf(path, fmt, group)
+    else:  # a Hugging Face model directory (Ouro, Huginn, Llama) is converted on the fly (tinyloop/hf.py)
+        info, tensors = load_hf(path) if is_hf_dir(path) else read_artifact(path or DEFAULT_ARTIFACT)
+        fmt, group = weight_format_for(info.path, (info.weights, info.group), weights, group)
     if fmt != "fp32" and dtype is None and device.type == "cpu":
         dtype = torch.float32  # weight-only formats: activations in fp32
     if init_scale is not None:
@@ -235,7 +240,7 @@ def weight_format_for(path, stored: tuple[str, int], weights: str | None, group:
     weights = weights or stored_weights
     group = group or stored_group or DEFAULT_GROUP
     check_format(weights, group)
-    if stored_weights != "fp32" and (weights != stored_weights or group != (stored_group or group)):
+    if stored_weights != "fp32" and not is_gguf(path) and (weights != stored_weights or group != (stored_group or group)):
         raise ConfigError(f"{path} holds {stored_weights} weights" + (f" (group {stored_group})" if stored_group else "")
                           + f"; it loads only as such (asked: {weights}). Quantise the fp32 artifact instead")
     return weights, group

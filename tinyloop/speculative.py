@@ -486,6 +486,9 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
 def speculative_call(model: Model, sc: SpeculativeConfig | None, cfg: GenerateConfig | None
                      ) -> tuple[SpeculativeConfig, GenerateConfig]:
     """The checked settings of a speculative call (ConfigError, ModeError)."""
+    if model.cfg.dense:
+        raise ModeError("self-speculative decoding drafts at fewer loops than it verifies at; this is a dense model "
+                        "(its layers run once per token), so it has no shallower draft: use generate")
     sc = (sc or speculative_from_env() or SpeculativeConfig()).validate(model)
     cfg = checked(model, cfg, "tree_speculative" if sc.tree_width > 1 else "speculative")
     sc.resolved_verify_loops(model, cfg)

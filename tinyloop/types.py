@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .env import env_number
-from .errors import ConfigError
+from .errors import ConfigError, ModeError
 from .fields import DEFAULT_MAX_TOKENS, GENERATE_FIELDS, LOGPROBS
 
 OnToken = Callable[[int, int], bool]
@@ -66,6 +66,8 @@ class GenerateConfig:
     def validate(self, model=None) -> "GenerateConfig":
         """check_fields, then the rules that need the model; ConfigError names the first one broken."""
         self.check_fields()
+        if model is not None and model.cfg.dense:
+            self.check_dense()
         if model is not None and self.loops is not None and self.loops > model.cfg.max_loops:
             # the table's words ("must be in [lo, hi], got x") with this model's own limit
             raise ConfigError(f"GenerateConfig.loops must be in [1, {model.cfg.max_loops}] (this model's max_loops), "
@@ -78,6 +80,16 @@ class GenerateConfig:
                 if bad:
                     raise ConfigError(f"GenerateConfig.{name}: token id(s) {bad[:5]} outside the vocabulary 0..{vocab - 1}")
         return self
+
+    def check_dense(self) -> None:
+        """ModeError for a looped feature asked of a dense model (one pass of its layers per token)."""
+        asked = [f"loops={self.loops}"] if self.loops not in (None, 1) else []
+        asked += [f"early_exit_threshold={self.early_exit_threshold}"] if self.early_exit_threshold > 0 else []
+        asked += [f"min_loops={self.min_loops}"] if self.min_loops > 1 else []
+        asked += ["exit_schedule"] if any(n != 1 for n in self.exit_schedule) else []
+        if asked:
+            raise ModeError(f"{', '.join(asked)}: this is a dense model (its layers run once per token, loops 1), "
+                            f"so it has no loops to add, exit early from or schedule")
 
     def check_exit(self, model) -> None:
         rule, loops = self.exit_rule or model.cfg.exit_rule, self.resolved_loops(model)

@@ -13,6 +13,7 @@ import torch
 from scripts.bench.batch import bench_batch
 from scripts.bench.depth import bench_depth
 from scripts.bench.detokenize import bench_detokenize
+from scripts.bench.gguf import bench_gguf
 from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from tinyloop.cache import CACHE_MODES
 from scripts.bench.engine import bench_engine
@@ -114,8 +115,9 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "depth": bench_depth,
     "service": bench_service,
     "peers": bench_peers,
+    "gguf": bench_gguf,
 }
-OPT_IN = ("peers",)  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)
+OPT_IN = ("peers", "gguf")  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)
 
 
 def run_bench(model_path: str | None = None, sections: list[str] | None = None, quick: bool = False,

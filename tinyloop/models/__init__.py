@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import bundled, huginn, nanbeige, ouro, parcae
+from . import bundled, huginn, llama, nanbeige, ouro, parcae
 
-FAMILIES: tuple[ModuleType, ...] = (bundled, ouro, huginn, parcae, nanbeige)
+FAMILIES: tuple[ModuleType, ...] = (bundled, ouro, huginn, parcae, nanbeige, llama)
 
 
 def family_of(raw: dict) -> ModuleType | None:
