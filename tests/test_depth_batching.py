@@ -80,13 +80,13 @@ def test_a_rule_decides_the_same_loops_by_iterations_and_by_whole_tokens(make_ar
 
 def test_exit_rules_are_checked_against_the_request_and_the_model(make_artifact):
     model = tinyloop.load_model(make_artifact(), 128)
-    for cfg, needle in [(G(exit_rule="cdf", early_exit_threshold=0.5), "needs a model with an exit gate"),
-                        (G(exit_rule="entropy"), "needs early_exit_threshold > 0"),
-                        (G(exit_rule="argmax", early_exit_threshold=2.5), "a whole number"),
-                        (G(loops=4, min_loops=5, early_exit_threshold=0.1), "min_loops 5 is more than the 4 loops"),
-                        (G(exit_rule="halting"), "exit_rule must be one of")]:
+    for fields, needle in [(dict(exit_rule="cdf", early_exit_threshold=0.5), "needs a model with an exit gate"),
+                           (dict(exit_rule="entropy"), "needs early_exit_threshold > 0"),
+                           (dict(exit_rule="argmax", early_exit_threshold=2.5), "a whole number"),
+                           (dict(loops=4, min_loops=5, early_exit_threshold=0.1), "min_loops 5 is more than the 4"),
+                           (dict(exit_rule="halting"), "exit_rule must be one of")]:  # (refused when built)
         with pytest.raises(tinyloop.ConfigError, match=needle):
-            tinyloop.generate(model, ids(4, 1), cfg)
+            tinyloop.generate(model, ids(4, 1), G(**fields))
 
 
 def test_a_shallow_request_does_not_wait_for_the_deepest_lane(make_artifact):
