@@ -13,7 +13,7 @@ from tinyloop.gguf import is_gguf, load_gguf
 from tinyloop.hf import config_and_dtype, is_hf_dir, load_hf
 from tinyloop.formats import FORMATS
 from tinyloop.memory import plan_memory, weight_bytes_of
-from tinyloop.runtime import load_model
+from tinyloop.loader import load_model
 
 
 def parameter_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:

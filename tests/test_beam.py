@@ -8,7 +8,7 @@ import torch
 
 import tinyloop
 from tinyloop import ConfigError, GenerateConfig, ModeError, beam_search, generate, generate_stream
-from tinyloop.decoding import LENGTH_PENALTY
+from tinyloop.beam_decode import LENGTH_PENALTY
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n", [11, 12, 13], "class Point:\n    x: int = 0\n    y"]
 

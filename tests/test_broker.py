@@ -44,7 +44,7 @@ HEARTBEAT = 0.2  # seconds; a dead peer is noticed after 3 missed beats
 ECHO_WORKER = r"""
 import sys, time
 from workers.worker import WorkerProcess
-from workers.handles import EngineError, HandleRegistry
+from workers.handle_registry import EngineError, HandleRegistry
 from broker.protocol import Codes
 
 endpoint, name, delay, max_handles, plan_bytes = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])

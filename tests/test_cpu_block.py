@@ -9,7 +9,7 @@ import torch
 from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
 from tinyloop.kernels import cpu_block
-from tinyloop.engine import forward as cached
+from tinyloop.engine import forward as paged
 from tinyloop.model import LoopedLM, fused_weights, quantize_weights
 
 from test_cpu_kernels import needs_kernels
@@ -57,19 +57,19 @@ def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool | str, mo
         lanes = list(range(len(lengths))) if lanes is None else lanes
         cache = KVCache(cfg, len(lengths), 128, "fp16").reserve_all()
         took, out = [], []
-        real_context, real_run = cached.context, cpu_block.DecodeStep.run
+        real_context, real_run = paged.context, cpu_block.DecodeStep.run
         m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
         m.setattr(cpu_block.DecodeStep, "run", lambda *a, **k: (took.append("step"), real_run(*a, **k))[1])
         with torch.inference_mode():
             for lane, ids in enumerate(prompts):  # (through torch in every arm: the same cells for the decode rows)
-                cached.chunk_loops(net, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)), cache.lane_view(lane),
-                                   0, loops, cached.Latent.empty(1, ids.shape[1], net), ids)
+                paged.chunk_loops(net, net.make_step(torch.arange(ids.shape[1]).unsqueeze(0)), cache.lane_view(lane),
+                                   0, loops, paged.Latent.empty(1, ids.shape[1], net), ids)
             view = cache.select(lanes)
             pos = torch.tensor([lengths[i] for i in lanes]).unsqueeze(1)
             tok = tokens[lanes]
             took.clear()
             for _ in range(steps):
-                logits = cached.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), view)
+                logits = paged.forward(net, tok, loops, net.make_step(pos, int(pos.max()) + 1), view)
                 out.append(logits[:, 0])
                 tok, pos = logits.argmax(-1), pos + 1
     assert len(took) == steps
@@ -145,15 +145,15 @@ def test_the_whole_step_copies_a_shared_block_before_writing_it():
     with torch.inference_mode():
         for p in range(3):  # cells 0..2 of the first block of 16
             cache.reserve([0], [p], [p], 2)
-            cached.forward(net, tok, 2, net.make_step(torch.tensor([[p]]), p + 1), cache)
+            paged.forward(net, tok, 2, net.make_step(torch.tensor([[p]]), p + 1), cache)
         written = [s for s in range(len(cache.held)) if cache.held[s][0]]
         assert len(written) == cfg.n_prelude + 2 * cfg.n_core + cfg.n_coda
         span = cache.share(written, 3)
         before = {s: cache.pool.store["k"][ids[0]].clone() for s, ids in span.blocks.items()}
         with pytest.raises(UnreservedBlock, match="cells 3..3 of lane 0"):
-            cached.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
+            paged.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
         cache.reserve([0], [3], [3], 2)  # copy-on-write: what a step's schedule does
-        cached.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
+        paged.forward(net, tok, 2, net.make_step(torch.tensor([[3]]), 4), cache)
     for s, ids in span.blocks.items():
         assert torch.equal(cache.pool.store["k"][ids[0]], before[s])  # the shared block: untouched
         assert cache.held[s][0][0] != ids[0]  # the lane writes its own copy
@@ -173,9 +173,9 @@ def test_decode_rows_is_forward_of_those_rows(monkeypatch):
             with torch.inference_mode():
                 for p in range(3):
                     tokens, positions = [5 + p, 60 - p], [p, p]
-                    rows = cached.decode_rows(net, tokens, positions, 2, caches[0])
+                    rows = paged.decode_rows(net, tokens, positions, 2, caches[0])
                     ids, pos = torch.tensor(tokens).view(2, 1), torch.tensor(positions).view(2, 1)
-                    full = cached.forward(net, ids, 2, net.make_step(pos, p + 1), caches[1])[:, -1]
+                    full = paged.forward(net, ids, 2, net.make_step(pos, p + 1), caches[1])[:, -1]
                     assert rows.shape == (2, cfg.vocab_size) and torch.equal(rows, full)
 
 
@@ -189,7 +189,7 @@ def test_the_whole_step_refuses_what_it_cannot_index():
         for ids, pos, what in (([[96]], [[3]], "token id 96"), ([[-1]], [[3]], "token id -1"),
                                ([[5]], [[128]], "position 128")):
             with pytest.raises(IndexError, match=what):
-                cached.forward(net, torch.tensor(ids), 2, net.make_step(torch.tensor(pos), pos[0][0] + 1), cache)
+                paged.forward(net, torch.tensor(ids), 2, net.make_step(torch.tensor(pos), pos[0][0] + 1), cache)
 
 
 def test_an_iteration_step_refuses_what_it_cannot_index():
@@ -259,7 +259,7 @@ def test_which_steps_take_the_c_blocks(monkeypatch):
     pos, ids = torch.tensor([[0]]), torch.tensor([[3]])
 
     def native(cache: KVCache, pos=pos, net=net) -> bool:
-        return cached.context(net, net.make_step(pos, int(pos.max()) + 1), cache).native is not None
+        return paged.context(net, net.make_step(pos, int(pos.max()) + 1), cache).native is not None
 
     assert native(KVCache(cfg, 1, 32, "fp16"))
     assert not native(KVCache(cfg, 1, 32, "fp16"), torch.arange(4).unsqueeze(0))  # a prefill chunk
@@ -293,7 +293,7 @@ def prefilled(net: LoopedLM, n: int, lanes: int = 1) -> KVCache:
     with torch.inference_mode():
         for lane in range(lanes):
             ids = torch.randint(0, net.cfg.vocab_size, (1, n), generator=gen)
-            cached.forward(net, ids, 3, net.make_step(torch.arange(n).unsqueeze(0)), cache.lane_view(lane))
+            paged.forward(net, ids, 3, net.make_step(torch.arange(n).unsqueeze(0)), cache.lane_view(lane))
     return cache
 
 
@@ -308,11 +308,11 @@ def test_a_loop_range_is_the_forward_split_in_two(variant, native, monkeypatch):
     ids, step = torch.tensor([[11], [40]]), net.make_step(torch.tensor([[20], [20]]), 21)
     with torch.inference_mode():
         caches = [prefilled(net, 20, 2) for _ in range(3)]
-        want = cached.forward(net, ids, 3, step, caches[0])
-        whole = cached.forward_loops(net, step, caches[1], 0, 3, cached.Latent.empty(2, 1, net), ids)
-        lat = cached.Latent.empty(2, 1, net)
-        assert cached.forward_loops(net, step, caches[2], 0, 1, lat, ids, head=False) is None
-        split = cached.forward_loops(net, step, caches[2], 1, 3, lat)
+        want = paged.forward(net, ids, 3, step, caches[0])
+        whole = paged.forward_loops(net, step, caches[1], 0, 3, paged.Latent.empty(2, 1, net), ids)
+        lat = paged.Latent.empty(2, 1, net)
+        assert paged.forward_loops(net, step, caches[2], 0, 1, lat, ids, head=False) is None
+        split = paged.forward_loops(net, step, caches[2], 1, 3, lat)
     assert torch.equal(whole, want) and torch.equal(split, want)
     assert torch.equal(caches[2].dense("k"), caches[0].dense("k"))
 
@@ -324,16 +324,16 @@ def test_a_chunk_of_rows_is_its_tokens_decoded_one_at_a_time(monkeypatch):
     toks, P = [5, 17, 60, 2, 33], 19
     with torch.inference_mode():
         one, chunk = prefilled(net, P), prefilled(net, P)
-        alone = torch.stack([cached.decode_rows(net, [t], [P + i], 3, one)[0] for i, t in enumerate(toks)])
+        alone = torch.stack([paged.decode_rows(net, [t], [P + i], 3, one)[0] for i, t in enumerate(toks)])
         step = net.make_step(torch.arange(P, P + len(toks)).unsqueeze(0))
-        lat = cached.Latent.empty(1, len(toks), net)
-        cached.forward_loops(net, step, chunk, 0, 2, lat, torch.tensor([toks]), head=False)
-        rows = cached.forward_loops(net, step, chunk, 2, 3, lat)[0]
+        lat = paged.Latent.empty(1, len(toks), net)
+        paged.forward_loops(net, step, chunk, 0, 2, lat, torch.tensor([toks]), head=False)
+        rows = paged.forward_loops(net, step, chunk, 2, 3, lat)[0]
     assert torch.equal(rows, alone)
     assert torch.equal(chunk.dense("k"), one.dense("k")) and torch.equal(chunk.dense("v"), one.dense("v"))
     monkeypatch.setattr(cpu_block, "supported", lambda *a: False)  # torch over the chunk agrees to rounding
     with torch.inference_mode():
-        torch_rows = cached.forward_loops(net, step, prefilled(net, P), 0, 3, lat, torch.tensor([toks]))[0]
+        torch_rows = paged.forward_loops(net, step, prefilled(net, P), 0, 3, lat, torch.tensor([toks]))[0]
     torch.testing.assert_close(torch_rows, alone, atol=2e-5, rtol=1e-5)
 
 
@@ -354,8 +354,8 @@ def test_a_tree_chunk_sees_its_own_branch(monkeypatch):
                 m.setattr(cpu_block, "supported", lambda *a: False)
             with torch.inference_mode():
                 cache = prefilled(net, P)
-                out[native] = cached.forward_loops(net, tree.step(net, pos, cells), cache, 0, 3,
-                                                   cached.Latent.empty(1, len(cells), net), toks)
+                out[native] = paged.forward_loops(net, tree.step(net, pos, cells), cache, 0, 3,
+                                                   paged.Latent.empty(1, len(cells), net), toks)
     torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-5)
 
 
@@ -372,14 +372,14 @@ def prefill_chunks(net: LoopedLM, sizes: list[int], starts: list[int], c_chunks:
         for b, s in enumerate(starts):
             if s:
                 ids = torch.randint(0, cfg.vocab_size, (1, s), generator=gen)
-                cached.forward(net, ids, 3, net.make_step(torch.arange(s).unsqueeze(0)), cache.lane_view(b))
+                paged.forward(net, ids, 3, net.make_step(torch.arange(s).unsqueeze(0)), cache.lane_view(b))
         if not c_chunks:
             m.setattr(cpu_block, "chunk_supported", lambda *a: False)
         for n in sizes:
             ids = torch.randint(0, cfg.vocab_size, (B, n), generator=gen)
             step = net.make_step(at + torch.arange(n))
-            took.append(isinstance(cached.context(net, step, cache).native, cpu_block.Chunk))
-            out.append(cached.forward(net, ids, 3, step, cache))
+            took.append(isinstance(paged.context(net, step, cache).native, cpu_block.Chunk))
+            out.append(paged.forward(net, ids, 3, step, cache))
             at = at + n
     return torch.cat(out, 1), took
 

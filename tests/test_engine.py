@@ -128,7 +128,7 @@ def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
     """forward_adaptive with a loop count (and threshold) per lane: each lane's logits and loops used equal that lane
     run alone, and a lane at fewer loops never writes (so never holds) the slots of the loops it does not run."""
     import torch
-    from tinyloop.engine import forward as cached
+    from tinyloop.engine import forward as paged
     model = bundled_model  # trained: its latents settle, so a threshold stops lanes early
     net, cfg = model.net, model.cfg
     prompts, loops, thresholds = [ids(7, 1), ids(4, 2), ids(9, 3)], [2, 6, 12], [threshold, 0.0, threshold]
@@ -139,11 +139,11 @@ def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
             for j, i in enumerate(lanes):  # prefill each lane at its own depth, then one adaptive row per lane
                 p = prompts[i][:-1]
                 cache.lane_view(j).reserve([0], [0], [len(p)], loops[i])  # the prompt and the row, as a step takes
-                cached.forward(net, torch.tensor([p]), loops[i], net.make_step(torch.arange(len(p)).unsqueeze(0)),
+                paged.forward(net, torch.tensor([p]), loops[i], net.make_step(torch.arange(len(p)).unsqueeze(0)),
                                cache.lane_view(j))
             tok = torch.tensor([[prompts[i][-1]] for i in lanes])
             pos = torch.tensor([[len(prompts[i]) - 1] for i in lanes])
-            out, used = cached.forward_adaptive(net, tok, [loops[i] for i in lanes], net.make_step(pos), cache,
+            out, used = paged.forward_adaptive(net, tok, [loops[i] for i in lanes], net.make_step(pos), cache,
                                                 [thresholds[i] for i in lanes])
         return out, used, cache
 

@@ -10,7 +10,7 @@ import torch
 import tinyloop
 from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
-from tinyloop.engine import forward as cached
+from tinyloop.engine import forward as paged
 from tinyloop.engine.iteration import iterate
 from tinyloop.kernels import cpu_block
 from tinyloop.model import LoopedLM, fused_weights, quantize_weights
@@ -42,7 +42,7 @@ def prefilled(net: LoopedLM, depths: list[int], prompt: list[int], mode: str, wi
     gen = torch.Generator().manual_seed(5)
     for lane, (loops, n) in enumerate(zip(depths, prompt)):
         ids = torch.randint(0, net.cfg.vocab_size, (1, n), generator=gen)
-        cached.forward(net, ids, loops, net.make_step(torch.arange(n).unsqueeze(0)), cache.lane_view(lane))
+        paged.forward(net, ids, loops, net.make_step(torch.arange(n).unsqueeze(0)), cache.lane_view(lane))
     return cache
 
 
@@ -52,7 +52,7 @@ def alone(net: LoopedLM, depths: list[int], prompt: list[int], feed: list[list[i
     out = []
     for lane, (loops, toks) in enumerate(zip(depths, feed)):
         view = cache.lane_view(lane)
-        out.append(torch.stack([cached.decode_rows(net, [t], [prompt[lane] + i], loops, view)[0]
+        out.append(torch.stack([paged.decode_rows(net, [t], [prompt[lane] + i], loops, view)[0]
                                 for i, t in enumerate(toks)]))
     return out, cache
 
@@ -69,7 +69,7 @@ def iterated(net: LoopedLM, depths: list[int], prompt: list[int], feed: list[lis
     while any(done[i] < len(feed[i]) for i in range(n)):
         rows = [i for i in range(n) if done[i] < len(feed[i])]
         finish = [loop[i] == depths[i] - 1 for i in rows]
-        latent = cached.Latent(e[rows].clone(), s[rows].clone())
+        latent = paged.Latent(e[rows].clone(), s[rows].clone())
         logits = iterate(net, cache, [prompt[i] + done[i] for i in rows], [loop[i] for i in rows],
                          [feed[i][done[i]] if loop[i] == 0 else None for i in rows], finish, latent, lanes=rows)
         assert logits.shape == (sum(finish), net.cfg.vocab_size)
@@ -171,7 +171,7 @@ def test_a_step_copies_a_shared_block_before_writing_it(c_step, monkeypatch):
         cache = prefilled(net, [3, 3], [10, 1], "fp16")
         cache.assign_lanes([1], [0])
         before = cache.dense("k")[:, 0].clone()
-        latent = cached.Latent.empty(1, 1, net)
+        latent = paged.Latent.empty(1, 1, net)
         cache.reserve([1], [10], [10], 2)
         for k, token in ((0, 5), (1, None)):
             iterate(net, cache, [10], [k], [token], [k == 1], latent, lanes=[1])
@@ -185,7 +185,7 @@ def test_a_step_copies_a_shared_block_before_writing_it(c_step, monkeypatch):
 def test_a_bad_step_is_a_clear_error():
     net = small_net()
     cache = KVCache(net.cfg, 2, 128, "fp16").reserve_all()
-    lat = cached.Latent.empty(2, 1, net)
+    lat = paged.Latent.empty(2, 1, net)
     with torch.inference_mode():
         for args, what in ((([0, 0], [0], [1, 2], [False, False]), "one or more rows"),
                            (([0, 0], [0, 9], [1, None], [False, False]), "loop index 9 is outside 0..8"),
@@ -196,4 +196,4 @@ def test_a_bad_step_is_a_clear_error():
         with pytest.raises(ValueError, match="one row per lane"):
             iterate(net, cache, [0, 0], [0, 0], [1, 2], [True, True], lat, lanes=[1, 1])
         with pytest.raises(ValueError, match="latent.e must hold 2 rows"):
-            iterate(net, cache, [0, 0], [0, 0], [1, 2], [True, True], cached.Latent.empty(3, 1, net))
+            iterate(net, cache, [0, 0], [0, 0], [1, 2], [True, True], paged.Latent.empty(3, 1, net))

@@ -153,7 +153,7 @@ def test_decode_attention_reads_scattered_blocks(mode, window, monkeypatch):
 def test_decode_attention_reference_matches_the_cached_step():
     """The reference reads the layout the way the cached step's torch path (gather + SDPA) does (here: int8,
     wrapped window)."""
-    from tinyloop.engine import forward as cached
+    from tinyloop.engine import forward as paged
     from tinyloop.model import fused_weights
     net, attn, cache = filled_cache("int8", 8, 2, 64, 5, 0)
     B = len(LENGTHS)
@@ -163,7 +163,7 @@ def test_decode_attention_reference_matches_the_cached_step():
         step = net.make_step(pos, int(pos.max()) + 1)
         q = apply_rope(attn.wq(h).view(B, 1, 8, 8), step.cos, step.sin)
         k, v = project_kv(attn, h, step.cos, step.sin)
-        ctx = cached.Cached(net, cache, step, fused_weights(net), triton=False)
+        ctx = paged.Cached(net, cache, step, fused_weights(net), triton=False)
         want = ctx.attend(fused_weights(net).core[0], 1, q, h, k, v)[:, :, 0]
         got = decode_attention_ref(q[:, 0], cache.store, cache.table, 1, pos[:, 0], cache.ring, mode="int8", window=5,
                                    cell_pos=cache.cell_pos)
@@ -297,7 +297,7 @@ def test_cached_decode_equals_one_chunk_over_the_whole_sequence(mode, arch, monk
     fp16 mode also those of the cache-free forward (the model's Dense context; with a window, its windowed mask).
     Ragged lanes, lanes in lockstep (SDPA runs without a mask), one lane, a wrapped ring; 20 steps cross block
     boundaries, where the decode rows' read-ahead buffer, kept from step to step, is gathered again."""
-    from tinyloop.engine import forward as cached
+    from tinyloop.engine import forward as paged
     monkeypatch.setenv("TINYLOOP_TRITON", "0")
     cfg = ModelConfig(**{**SMALL, **ARCHS[arch]})
     net = small_net(cfg)
@@ -310,7 +310,7 @@ def test_cached_decode_equals_one_chunk_over_the_whole_sequence(mode, arch, monk
             for lane, (n, seq) in enumerate(zip(lengths, seqs)):
                 T, x = len(seq), torch.tensor([seq], device=DEV)
                 step = net.make_step(torch.arange(T, device=DEV).unsqueeze(0), T)
-                chunk = cached.forward(net, x, 3, step, KVCache(cfg, 1, 64, mode, device=DEV, window=window).reserve_all())[0]
+                chunk = paged.forward(net, x, 3, step, KVCache(cfg, 1, 64, mode, device=DEV, window=window).reserve_all())[0]
                 torch.testing.assert_close(logits[:, lane, 0], chunk[n:n + steps], **tol)
                 if mode == "fp16":
                     full = net(x, 3, net.make_step(step.pos, T, window))[0]

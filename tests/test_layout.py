@@ -24,12 +24,12 @@ PACKAGES = ("tinyloop", "broker", "workers", "scripts")
 LAYERS = [
     # torch-free facts every room may read: errors, the request-field table, the environment, the mode matrix
     ("facts", {"errors", "fields", "env", "modes"}),
-    ("core", {"config", "formats", "tokenizer", "types", "cache", "rotary", "stops", "sampling", "grammar",
-              "continuation", "detokenize", "exits"}),
+    ("core", {"config", "formats", "tokenizer", "request", "cache", "rotary", "stops", "sampling", "grammar",
+              "stream_continuation", "detokenize", "exits"}),
     ("kernels", {"kernels"}),
-    ("models", {"model", "models", "memory", "artifact", "hf", "gguf", "runtime", "prefix_tree"}),
+    ("models", {"model", "models", "memory", "artifact", "hf", "gguf", "loader", "prefix_tree"}),
     ("engine", {"engine"}),
-    ("public API", {"generation", "batch", "decoding", "handles", "prefix", "resume", "speculative", "scoring", "chat",
+    ("public API", {"generation", "batch", "beam_decode", "handle_base", "prefix", "resume", "speculative", "scoring", "chat",
                     "__init__"}),
 ]
 FACTS = {f"tinyloop.{name}" for name in LAYERS[0][1]} | {"tinyloop"}

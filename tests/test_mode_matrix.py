@@ -17,7 +17,7 @@ from tinyloop import (CACHE_MODES, MATRIX, GenerateConfig, ModeError, build_resu
                       create_prefix_pool, generate, generate_batch, generate_from_prefix_cache, generate_with_pool,
                       register_prefix, resume_generate)
 from tinyloop.grammar import GrammarState
-from tinyloop.engine import forward as cached
+from tinyloop.engine import forward as paged
 from tinyloop.modes import CALL_TITLES, CALLS, MODE_TITLES, MODES
 from tinyloop.speculative import SpeculativeConfig, generate_speculative
 
@@ -94,7 +94,7 @@ def exact_logits(model, ids: list[int], window: int = 0) -> torch.Tensor:
 def quantised_logits(model, ids: list[int]) -> torch.Tensor:
     cache = tinyloop.KVCache(model.cfg, 1, len(ids), model.cache_mode, device=model.device, dtype=model.dtype).reserve_all()
     step = model.net.make_step(torch.arange(len(ids)).unsqueeze(0), len(ids))
-    return cached.forward(model.net, torch.tensor([ids]), LOOPS, step, cache)[0].float()
+    return paged.forward(model.net, torch.tensor([ids]), LOOPS, step, cache)[0].float()
 
 
 def recompute_greedy(model, prompt, window: int = 0, grammar=None) -> list[int]:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import tinyloop
 from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
-from tinyloop.engine import forward as cached
+from tinyloop.engine import forward as paged
 from tinyloop.kernels import cpu
 from tinyloop.model import LoopedLM
 
@@ -92,12 +92,12 @@ def prefill(net: LoopedLM, chunks: list[torch.Tensor], starts: list[int], monkey
         head = torch.randint(0, net.cfg.vocab_size, (1, max(starts)), generator=torch.Generator().manual_seed(2))
         for b, s in enumerate(starts):  # what lies before each lane's chunks, lane by lane
             if s:
-                cached.forward(net, head[:, :s], 3, net.make_step(torch.arange(s).unsqueeze(0)), cache.lane_view(b))
+                paged.forward(net, head[:, :s], 3, net.make_step(torch.arange(s).unsqueeze(0)), cache.lane_view(b))
         for ids in chunks:
             pos = at + torch.arange(ids.shape[1])
             step = net.make_step(pos)
-            assert cached.context(net, step, cache).c_attention == kernel
-            out.append(cached.forward(net, ids, 3, step, cache))
+            assert paged.context(net, step, cache).c_attention == kernel
+            out.append(paged.forward(net, ids, 3, step, cache))
             at = at + ids.shape[1]
     return torch.cat(out, 1)
 

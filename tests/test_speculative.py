@@ -97,12 +97,12 @@ def test_stop_sequences_and_streaming_match_plain(make_artifact):
 def test_verification_has_the_bits_of_plain_decode(make_artifact, monkeypatch):
     """On the CPU drafts and verification run the C step of plain decode (engine/forward.py: forward_loops): the
     logits verification computes for each committed position are plain decode's, bit for bit."""
-    from tinyloop.engine import forward as cached
+    from tinyloop.engine import forward as paged
     monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")  # plain decode's logits come back to Python, a token a step
     model = tinyloop.load_model(make_artifact(state_init="normal"), 128)
     D, V = 2, 6
     plain_logits, verified = {}, {}
-    real_rows, real_lane = cached.decode_rows, cached.LoopForward.lane
+    real_rows, real_lane = paged.decode_rows, paged.LoopForward.lane
 
     def rows(net, tokens, positions, loops, cache):
         out = real_rows(net, tokens, positions, loops, cache)
@@ -117,7 +117,7 @@ def test_verification_has_the_bits_of_plain_decode(make_artifact, monkeypatch):
         return out
 
     monkeypatch.setattr(cached, "decode_rows", rows)
-    monkeypatch.setattr(cached.LoopForward, "lane", lane)
+    monkeypatch.setattr(paged.LoopForward, "lane", lane)
     _, spec = same_as_plain(model, SpeculativeConfig(D, V, 4), max_tokens=30)
     committed = range(len(PROMPT), len(PROMPT) + spec.stats.generated_tokens - 1)
     assert spec.stats.accepted < spec.stats.drafted  # some drafts were rejected

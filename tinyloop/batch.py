@@ -17,7 +17,7 @@ from .errors import BudgetError, ConfigError, TinyLoopError
 from .prefix import PrefixPool, check_pool
 from .resume import check_resume, refine_sequence
 from .speculative import SpeculativeConfig, speculative_call, speculative_ring, speculative_sequence
-from .types import GenerateConfig, GenerateResult, OnToken
+from .request import GenerateConfig, GenerateResult, OnToken
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
 OnLaneToken = Callable[[int, int, int], bool]

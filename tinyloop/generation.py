@@ -4,14 +4,14 @@ from __future__ import annotations
 from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
-from .types import GenerateConfig, GenerateResult, GenerateStats, OnToken  # noqa: F401 (the public names live here too)
+from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken  # noqa: F401 (the public names live here too)
 
 
 def generate_stream(model, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None) -> GenerateResult:
     """Generate from one prompt; on_token(token, index) gets each token as it is final, False cancels."""
     cfg = checked(model, cfg, "single")
     if cfg.beam_size > 1:
-        from .decoding import beam_search  # beam search steps several hypotheses of one request
+        from .beam_decode import beam_search  # beam search steps several hypotheses of one request
         return beam_search(model, prompt, cfg, on_token)
     with model.busy():
         ids = model.encode_prompt(prompt)

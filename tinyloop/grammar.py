@@ -128,7 +128,7 @@ class GrammarState:
 
     @classmethod
     def for_model(cls, model, grammar) -> "GrammarState":
-        from .continuation import GrammarPrefix
+        from .stream_continuation import GrammarPrefix
 
         if isinstance(grammar, GrammarPrefix):  # a continuation: start after the tokens already delivered
             state = cls.for_model(model, grammar.grammar)

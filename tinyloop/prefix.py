@@ -22,11 +22,11 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
-from .engine import forward as cached
-from .handles import Handle, encode_tokens, tensor_bytes
+from .engine import forward as paged
+from .handle_base import Handle, encode_tokens, tensor_bytes
 from .prefix_tree import Node, common_length
-from .runtime import Model
-from .types import GenerateConfig, GenerateResult, OnToken
+from .loader import Model
+from .request import GenerateConfig, GenerateResult, OnToken
 
 BLOCK = BLOCK_TOKENS  # tokens per cached block
 
@@ -56,7 +56,7 @@ def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable) -> torc
         x = torch.tensor([ids], device=model.device)
         step = model.net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
         cache.reserve([0], [0], [T - 1], n_loops)
-        logits = cached.forward(model.net, x, n_loops, step, cache, last_only=True)[0].clone()
+        logits = paged.forward(model.net, x, n_loops, step, cache, last_only=True)[0].clone()
         keep(cache)
         return logits
     finally:

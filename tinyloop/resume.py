@@ -30,12 +30,12 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
-from .handles import Handle, encode_tokens, tensor_bytes
-from .engine import forward as cached
+from .handle_base import Handle, encode_tokens, tensor_bytes
+from .engine import forward as paged
 from .modes import check_modes
-from .runtime import Model
+from .loader import Model
 from .speculative import SpeculativeConfig, speculative_sequence
-from .types import GenerateConfig, GenerateResult, GenerateStats, OnToken
+from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 REFINE_AHEAD = 6  # draft_ahead of a greedy refine (the best chain in `tinyloop bench --section speculative`)
 
@@ -87,7 +87,7 @@ class ResumeHandle(Handle):
         c = T if not c or self.cache_window else c
         return [(a, min(a + c, T)) for a in range(0, T, c)]
 
-    def run_loops(self, cache: KVCache, first: int, last: int, latent: cached.Latent, from_ids: bool = False,
+    def run_loops(self, cache: KVCache, first: int, last: int, latent: paged.Latent, from_ids: bool = False,
                   head: bool = False) -> torch.Tensor | None:
         """Loops first..last of the prompt's latent rows (in place), piece by piece through the loop-range forward
         (from the ids: embedding, prelude and initial state first; first == 0 without them: the initial state from
@@ -96,11 +96,11 @@ class ResumeHandle(Handle):
         logits = None
         for a, b in self.pieces():
             step = net.make_step(torch.arange(a, b, device=dev).unsqueeze(0), b)
-            rows = cached.Latent(latent.e[:, a:b], latent.s[:, a:b])
+            rows = paged.Latent(latent.e[:, a:b], latent.s[:, a:b])
             if first == 0 and not from_ids:
                 rows.s.copy_(net.init_state(rows.e, step))
             ids = torch.tensor([self.ids[a:b]], device=dev) if from_ids else None
-            logits = cached.forward_loops(net, step, cache, first, last, rows, ids, head)
+            logits = paged.forward_loops(net, step, cache, first, last, rows, ids, head)
         return None if logits is None else logits[0]
 
     @torch.inference_mode()
@@ -108,7 +108,7 @@ class ResumeHandle(Handle):
         self.model.admit(1, len(self.ids), self.depth, self.cache_window, what=f"a {len(self.ids)}-token resume handle")
         cache = self.work_cache()
         try:
-            latent = cached.Latent.empty(1, len(self.ids), self.model.net)
+            latent = paged.Latent.empty(1, len(self.ids), self.model.net)
             cache.take_blocks([(slot, [0], [0], [len(self.ids) - 1]) for slot in self.slots(self.depth)])
             self.run_loops(cache, 0, self.depth, latent, from_ids=True)
             self.e, self.s = latent.e, latent.s
@@ -136,7 +136,7 @@ class ResumeHandle(Handle):
         Returns the logits [T, V] of the prompt's last piece; deepens the handle when `loops` > depth.
         """
         start = self.depth if loops >= self.depth else 0
-        latent = cached.Latent(self.e, self.s.clone() if start else torch.empty_like(self.s))
+        latent = paged.Latent(self.e, self.s.clone() if start else torch.empty_like(self.s))
         logits = self.run_loops(cache, start, loops, latent, head=True)
         stats.skipped_loops = start * len(self.ids)
         if loops > self.depth:
@@ -183,7 +183,7 @@ class GuessFollower:
             chunk, dev = self.guess[i:i + self.piece], cache.device
             step = net.make_step(torch.arange(seq.pos, seq.pos + len(chunk), device=dev).unsqueeze(0),
                                  seq.pos + len(chunk))
-            self.rows = cached.forward(net, torch.tensor([chunk], device=dev), self.loops, step, cache)[0]
+            self.rows = paged.forward(net, torch.tensor([chunk], device=dev), self.loops, step, cache)[0]
             self.rows_from, self.piece = i, self.piece * 2
         seq.place.logits = self.rows[i - self.rows_from]
         seq.pos += 1

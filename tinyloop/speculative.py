@@ -55,11 +55,11 @@ from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
 from .generation import generate
-from .engine import forward as cached
+from .engine import forward as paged
 from .model import Step
-from .runtime import Model
+from .loader import Model
 from .sampling import filter_logits
-from .types import GenerateConfig, GenerateResult, GenerateStats, OnToken
+from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class Speculator:
 
     def bind(self, cache: KVCache) -> None:
         if cache is not self.cache:
-            self.cache, self.forward = cache, cached.LoopForward(self.net, cache)  # every draft and verification pass
+            self.cache, self.forward = cache, paged.LoopForward(self.net, cache)  # every draft and verification pass
 
     # -- the runner's side --------------------------------------------------------------------------
     def runs(self, alone: bool) -> bool:
@@ -300,7 +300,7 @@ class Speculator:
         return drawn, q, float(q[drawn[0]])
 
     # -- depth: every pass goes through the cached forward's loop range (engine/forward.py: LoopForward) ----------
-    def loops(self, lat: cached.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, first: int,
+    def loops(self, lat: paged.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, first: int,
               last: int, tokens: list[int] | None = None, head: bool = True) -> torch.Tensor | None:
         """Loops first..last-1 of the chunk's latent rows (from tokens: prelude first) and, with head, the coda and
         head: logits [1, T, V] (else None). A chain's tokens sit at their positions; a tree's at its cells."""
@@ -309,7 +309,7 @@ class Speculator:
         ids = None if tokens is None else torch.tensor([tokens], device=self.model.device)
         return self.forward(tree.step(self.net, pos, cells), first, last, lat, ids, head)
 
-    def advance(self, lat: cached.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, k0: int, k1: int,
+    def advance(self, lat: paged.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, k0: int, k1: int,
                 head: bool, used: list[int], done: list[bool]) -> tuple[torch.Tensor | None, int]:
         """Run loops k0..k1-1 of a chunk's latent rows (in place) and, with head, its coda and head; returns the
         logits [1, T, V] (or None) and the loop-steps executed.
@@ -341,7 +341,7 @@ class Speculator:
                     self.cache.fill_skipped(0, cells[i], k + 1, self.V)  # (a chain's cell: its position)
         return self.loops(lat, pos, cells, tree, k1, k1) if head else None, steps
 
-    def draft(self, lat: cached.Latent, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None,
+    def draft(self, lat: paged.Latent, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None,
               head: bool):
         """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops into the
         latent rows `lat` [1, T, d] and, if head, the coda and head. Returns logits [1, T, V] (None without head), the
@@ -373,7 +373,7 @@ class Speculator:
         parent = [-1] + [0 if i <= w else i - w for i in range(1, N)]
         q: dict[int, torch.Tensor] = {}  # sampled mode: the distribution a node's children were drawn from
         used, done, doubtful = [0] * N, [False] * N, []
-        lat = cached.Latent.empty(1, N, net)  # the round's latent rows: drafts write them, verification continues them
+        lat = paged.Latent.empty(1, N, net)  # the round's latent rows: drafts write them, verification continues them
 
         def path(i: int) -> list[int]:  # draft tokens after the root on the way to node i
             out = []
@@ -382,8 +382,8 @@ class Speculator:
                 i = parent[i]
             return out[::-1]
 
-        def rows(a: int, b: int) -> cached.Latent:
-            return cached.Latent(lat.e[:, a:b], lat.s[:, a:b])
+        def rows(a: int, b: int) -> paged.Latent:
+            return paged.Latent(lat.e[:, a:b], lat.s[:, a:b])
 
         if guessed:  # prelude and draft loops of the whole known chain in one pass; nothing to propose
             toks[1:] = guessed

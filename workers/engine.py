@@ -29,8 +29,8 @@ from tinyloop.detokenize import Detokenizer
 from tinyloop.env import env_number
 from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
 from tinyloop.scoring import token_logprobs
-from workers.continuation import Continuation, continuation, delivered_answer
-from workers.handles import EngineError, HandleRegistry
+from workers.stream_takeover import Continuation, continuation, delivered_answer
+from workers.handle_registry import EngineError, HandleRegistry
 
 log = logging.getLogger("tinyloop.worker")
 

@@ -86,7 +86,7 @@ def run_worker(opts: WorkerOptions) -> int:
     from tinyloop.formats import parse_spec
     from tinyloop.hf import config_and_dtype  # an artifact's header or a Hugging Face directory's config.json
     from tinyloop.memory import available_bytes, available_what, baseline_what, blocks_for, process_bytes
-    from tinyloop.runtime import default_device, weight_format_for
+    from tinyloop.loader import default_device, weight_format_for
 
     from workers.engine import ModelEngine, load_prefix_file
     from workers.worker import WorkerProcess

@@ -38,7 +38,7 @@ import zmq
 
 from broker import protocol
 from broker.protocol import BROKER_TO_WORKER, WORKER_TO_BROKER, Codes, ProtocolError, WorkerExit
-from workers.handles import EngineError
+from workers.handle_registry import EngineError
 
 log = logging.getLogger("tinyloop.worker")
 

@@ -8,8 +8,8 @@ import torch
 from scripts.bench.prompts import CODE_PROMPTS
 from tinyloop.batch import generate_batch
 from tinyloop.generation import generate
-from tinyloop.runtime import load_model
-from tinyloop.types import GenerateConfig, GenerateResult
+from tinyloop.loader import load_model
+from tinyloop.request import GenerateConfig, GenerateResult
 
 
 def bench_batch(model_path: str | None, quick: bool) -> list[str]:

@@ -38,8 +38,8 @@ from scripts.bench.prompts import LONG_CODE_PROMPTS
 from tinyloop.batch import Scheduler
 from tinyloop.config import ModelConfig
 from tinyloop.model import LoopedLM, shapes_only
-from tinyloop.runtime import Model, free_model, load_model
-from tinyloop.types import GenerateConfig
+from tinyloop.loader import Model, free_model, load_model
+from tinyloop.request import GenerateConfig
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import torch
 import tinyloop
 from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
-from tinyloop.engine import forward as cached
+from tinyloop.engine import forward as paged
 from tinyloop.engine.iteration import iterate
 from tinyloop.model import LoopedLM
 
@@ -48,18 +48,18 @@ def lanes_at(net: LoopedLM, lanes: int, loops: int, prompt: int) -> tuple[KVCach
     gen = torch.Generator().manual_seed(0)
     for lane in range(lanes):
         ids = torch.randint(0, net.cfg.vocab_size, (1, prompt), generator=gen)
-        cached.forward(net, ids, loops, net.make_step(torch.arange(prompt).unsqueeze(0)), cache.lane_view(lane))
+        paged.forward(net, ids, loops, net.make_step(torch.arange(prompt).unsqueeze(0)), cache.lane_view(lane))
     return cache, [prompt] * lanes
 
 
 def fixed(net: LoopedLM, cache: KVCache, pos: list[int], loops: int, tokens: int) -> None:
     for _ in range(tokens):
-        cached.decode_rows(net, [7] * len(pos), pos, loops, cache)
+        paged.decode_rows(net, [7] * len(pos), pos, loops, cache)
         pos[:] = [p + 1 for p in pos]
 
 
 def iteration(net: LoopedLM, cache: KVCache, pos: list[int], loop: list[int], loops: int, steps: int,
-              latent: cached.Latent, turn: bool) -> None:
+              latent: paged.Latent, turn: bool) -> None:
     """`steps` iteration steps; turn: rows finishing at loops - 1 start their next token (else the loop indices
     just wrap, no row starting or finishing)."""
     B = len(pos)
@@ -95,7 +95,7 @@ def main() -> None:
             best["fixed"] = min(best["fixed"], timed(partial(fixed, net, cache, pos, L, a.tokens)) / a.tokens)
             for name, turn in (("uniform", False), ("pass", False), ("aligned", True), ("stagger", True)):
                 cache, pos = lanes_at(net, B, L, a.prompt)
-                latent = cached.Latent(torch.randn(B, 1, net.cfg.d_model), torch.randn(B, 1, net.cfg.d_model))
+                latent = paged.Latent(torch.randn(B, 1, net.cfg.d_model), torch.randn(B, 1, net.cfg.d_model))
                 loop = [0 if name in ("uniform", "aligned") else b % L for b in range(B)]
                 steps = a.tokens * L
                 best[name] = min(best[name], timed(partial(iteration, net, cache, pos, loop, L, steps, latent, turn))

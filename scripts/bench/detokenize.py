@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from scripts.bench.timing import timed
 from tinyloop.detokenize import Detokenizer
-from tinyloop.runtime import load_model
+from tinyloop.loader import load_model
 from tinyloop.generation import generate
-from tinyloop.types import GenerateConfig
+from tinyloop.request import GenerateConfig
 
 
 def bench_detokenize(model_path: str | None, quick: bool) -> list[str]:

@@ -116,7 +116,7 @@ def bench_engine(model_path: str | None, quick: bool) -> list[str]:
 
     from tinyloop.cache import bytes_per_token_slot
     from tinyloop.memory import blocks_for
-    from tinyloop.runtime import load_model, pool_blocks_for
+    from tinyloop.loader import load_model, pool_blocks_for
     model = load_model(model_path, 512)
     cfg, plan = model.cfg, plan_memory(model, max_seq_len=512)
     budget = plan.bytes_of("weights") + plan.bytes_of("workspace") + 256 * 2**20

@@ -18,9 +18,9 @@ import torch
 from tinyloop.cache import KVCache
 from tinyloop.config import ModelConfig
 from tinyloop.model import LoopedLM
-from tinyloop.runtime import load_model
+from tinyloop.loader import load_model
 from scripts.bench.timing import timed
-from tinyloop.engine import forward as cached
+from tinyloop.engine import forward as paged
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 BIG = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=2048, n_prelude=2, n_core=12,
@@ -54,7 +54,7 @@ def prefill(net: LoopedLM, cache: KVCache, prompt: torch.Tensor, loops: int) -> 
     B, T = prompt.shape
     cache.reset()
     cache.reserve_all()  # (the forwards take no block: a standalone cache holds every cell's before them)
-    return cached.forward(net, prompt, loops, net.make_step(torch.arange(T, device=prompt.device).expand(B, T), T),
+    return paged.forward(net, prompt, loops, net.make_step(torch.arange(T, device=prompt.device).expand(B, T), T),
                           cache, last_only=True)
 
 
@@ -69,7 +69,7 @@ def decode_run(net: LoopedLM, cache: KVCache, logits: torch.Tensor, T: int, n_to
         tok = logits.argmax(-1)
         tokens.append(tok)
         pos = torch.full((B, 1), T + i, device=dev)
-        logits = cached.forward(net, tok, loops, net.make_step(pos, T + i + 1), cache)
+        logits = paged.forward(net, tok, loops, net.make_step(pos, T + i + 1), cache)
     tokens = torch.cat(tokens, dim=1).tolist()  # the host sync a sampler makes anyway
     return time.perf_counter() - t0, tokens
 
@@ -160,7 +160,7 @@ def bench_kernels(model_path: str | None, quick: bool) -> list[str]:
     r = side_by_side(nets, caches, prompts, n_tokens, loops, variants, rounds)
     best, toks = r["best"], r["tokens"]
     n_threads = torch.get_num_threads()
-    policy = {B: cached.decode_threads(B, cfg) or n_threads for B in prompts}
+    policy = {B: paged.decode_threads(B, cfg) or n_threads for B in prompts}
     threads = {"torch threads": n_threads, "1 thread": 1}
     lines = [f"decode on the model ({net.num_params() / 1e6:.1f}M params, {loops} loops, fp16 cache, CPU, torch threads "
              f"{n_threads}): {n_tokens} greedy tokens per lane after a {ids.shape[1]}-token prompt, best of {rounds} "

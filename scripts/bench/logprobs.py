@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from scripts.bench.timing import timed
 from tinyloop.generation import GenerateConfig, generate
-from tinyloop.runtime import load_model
+from tinyloop.loader import load_model
 from tinyloop.scoring import token_logprobs
 
 PROMPTS = [f"def f{i}(x):\n    return x * {i}\n" for i in range(16)]

@@ -47,7 +47,7 @@ from tinyloop.config import ModelConfig
 from tinyloop.generation import generate_stream
 from tinyloop.formats import FORMATS, quantize
 from tinyloop.model import LoopedLM
-from tinyloop.runtime import free_model, load_model
+from tinyloop.loader import free_model, load_model
 from scripts.bench.llama_peer import LlamaPeer, PeerCrashed
 from scripts.bench.twin import GGUF_BYTES, GGUF_TYPES, head, hf_twin, matrix_numel, write_gguf
 
@@ -188,7 +188,7 @@ def scheduled(model, prompts: list[list[int]], cfg, on_token) -> list:
 
 
 def tinyloop_runner(model, prompts: list[list[int]], n: int, loops: int) -> Run:
-    from tinyloop.types import GenerateConfig
+    from tinyloop.request import GenerateConfig
 
     cfg = GenerateConfig(max_tokens=n, loops=loops, stop_sequences=())
     B = len(prompts)
@@ -246,7 +246,7 @@ Prefill = Callable[[list[int]], float]  # seconds to prefill a prompt
 
 def tinyloop_prefill(model, loops: int, tiles: bool) -> Prefill:
     """Seconds to the first token (the prompt's prefill and one head), with the tiled GEMM on or off."""
-    from tinyloop.types import GenerateConfig
+    from tinyloop.request import GenerateConfig
 
     cfg = GenerateConfig(max_tokens=1, loops=loops, stop_sequences=())
 

@@ -15,7 +15,7 @@ import torch
 from tinyloop.generation import GenerateConfig, generate
 from tinyloop.prefix import create_prefix_pool, generate_with_pool, register_prefix
 from tinyloop.resume import build_resume_handle, resume_generate
-from tinyloop.runtime import Model, load_model
+from tinyloop.loader import Model, load_model
 
 SCAFFOLD = ('"""Project conventions for every answer."""\n'
             "import os\nimport sys\nfrom dataclasses import dataclass\n\n\n"

@@ -21,7 +21,7 @@ from scripts.bench.peers import Report, bench_peers
 from tinyloop.generation import GenerateConfig, generate
 from scripts.bench.kernels import bench_kernels
 from scripts.bench.logprobs import bench_logprobs
-from tinyloop.runtime import Model, load_model
+from tinyloop.loader import Model, load_model
 from scripts.bench.timing import timed
 from scripts.bench.speculative import bench_speculative
 

@@ -6,9 +6,9 @@ import time
 
 from tinyloop.batch import Scheduler
 from tinyloop.generation import generate
-from tinyloop.runtime import Model, load_model
+from tinyloop.loader import Model, load_model
 from tinyloop.speculative import SpeculativeConfig, SpeculativeStats, choose_speculative, generate_speculative
-from tinyloop.types import GenerateConfig
+from tinyloop.request import GenerateConfig
 
 
 def sequential_passes(model: Model, st: SpeculativeStats) -> float:

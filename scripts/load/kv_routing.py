@@ -170,7 +170,7 @@ def kv_routing_side_by_side(*, model_path: str | None = None, max_tokens: int = 
                             threads: int = 1, echo: Callable[[str], None] = print) -> dict:
     from broker.launcher import LocalService
     from tinyloop.cache import BLOCK_TOKENS
-    from tinyloop.runtime import load_model
+    from tinyloop.loader import load_model
 
     model = load_model(model_path, 256)  # only its tokenizer: a router tokenizes the prompt itself
     prompts = workload(model.encode_prompt)

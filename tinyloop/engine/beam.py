@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import GenerateResult
+from ..request import GenerateResult
 from .sequence import Sequence
 
 LENGTH_PENALTY = 1.0

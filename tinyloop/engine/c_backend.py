@@ -23,7 +23,7 @@ import torch
 from ..cache import KVCache
 from ..exits import ExitRule, Track
 from ..kernels import cpu_block
-from . import forward as cached
+from . import forward as paged
 from .sequence import InFlight, Sequence
 
 # the exit rules C decides, as cpu_block.c's tl_exit_t numbers them
@@ -51,7 +51,7 @@ class CBackend:
         net, cache = self.net, self.cache
         if cache.device.type != "cpu" or not cpu_block.supported(self.model.cfg, cache, B, net.embed.weight.dtype):
             return None
-        step, gate = cached.c_step(net, cache), net.exit_gate
+        step, gate = paged.c_step(net, cache), net.exit_gate
         if gate is not None:
             gate = gate.weight.detach().reshape(-1), float(gate.bias) if gate.bias is not None else 0.0
         if step is None or gate is not None and (gate[0].dtype != torch.float32 or not gate[0].is_contiguous()):
@@ -60,7 +60,7 @@ class CBackend:
 
     def chunk_rows(self, n: int, exits: ExitRule) -> bool:
         """Whether a prefill piece of n tokens under `exits` runs as C rows (forward.c_chunk)."""
-        return cached.c_chunk(self.net, self.cache, n, exits) is not None
+        return paged.c_chunk(self.net, self.cache, n, exits) is not None
 
     # --- exit rules in C's terms ------------------------------------------------------------------------------
     def exit_row(self, seq: Sequence, adaptive: bool) -> list | None:
@@ -125,7 +125,7 @@ class CBackend:
         positions = [seq.pos - seq.place.prompt_row for seq in rows]
         budget = ahead(rows, positions, step.positions)
         eos = -1 if any(seq.cfg.ignore_eos for seq, a in zip(rows, budget) if a) else self.model.eos_id
-        with cached.torch_threads(cached.decode_threads(len(rows), cfg, c_blocks=True)):
+        with paged.torch_threads(paged.decode_threads(len(rows), cfg, c_blocks=True)):
             got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
                                      compute=cfg.exit_kv == "compute", ahead=budget, eos=eos,
                                      wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0)
@@ -150,7 +150,7 @@ class CBackend:
         bits of its token decoded alone, so each piece's logits are those of its prompt prefilled alone, however the
         pieces are packed; a piece may span two calls (the first call's cells are written before the second reads
         them). Returns per piece (sequence, tokens, logits of its last row, its rows' share of the calls' seconds)."""
-        plan = cached.c_step(self.net, self.cache)
+        plan = paged.c_step(self.net, self.cache)
         by_loops: dict[int, list[tuple[Sequence, int]]] = {}
         for seq, n in pieces:
             by_loops.setdefault(seq.loops, []).append((seq, n))

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from ..cache import KVCache
 from ..errors import ConfigError
 from ..modes import check_modes
-from ..types import GenerateConfig
+from ..request import GenerateConfig
 
 # Lanes of an in-process batch: more prompts than this wait for a lane (a list of 1,000 prompts holds 32 lanes of
 # block tables, and blocks only for the lanes running).

@@ -39,7 +39,7 @@ from ..errors import BudgetError, ForwardError, TinyLoopError
 from ..memory import blocks_for, release_freed_memory
 from ..exits import TRACKED, ExitRule, Track, exit_stops
 from ..sampling import MIN_TEMPERATURE
-from . import forward as cached
+from . import forward as paged
 from .beam import BeamGroup
 from . import iteration
 from .c_backend import CBackend
@@ -115,7 +115,7 @@ class Runner:
         x = torch.tensor([ids], device=dev)
         step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
         exits = self.early_exit if exits is None else exits
-        return cached.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=exits,
+        return paged.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=exits,
                               last_only=not all_rows)[0]
 
     def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
@@ -128,11 +128,11 @@ class Runner:
         loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
         exits = [self.early_exit if exits is None else exits] * B if not isinstance(exits, list) else exits
         if len(set(loops)) == 1 and not any(self.is_adaptive(e) for e in exits):
-            return cached.decode_rows(self.net, tokens, positions, loops[0], cache), loops
+            return paged.decode_rows(self.net, tokens, positions, loops[0], cache), loops
         dev = self.model.device
         ids = torch.tensor([[t] for t in tokens], device=dev)
         pos = torch.tensor([[p] for p in positions], device=dev)
-        out, used = cached.forward_adaptive(self.net, ids, loops, self.net.make_step(pos, max(positions) + 1), cache,
+        out, used = paged.forward_adaptive(self.net, ids, loops, self.net.make_step(pos, max(positions) + 1), cache,
                                             exits)
         return out[:, -1], list(used)
 
@@ -595,12 +595,12 @@ class Runner:
         starting = [s.place.token is None for s in rows]
         for seq, new in zip(rows, starting):
             if new:
-                fresh, adaptive = cached.Latent.empty(1, 1, net), self.is_adaptive(seq.exit)
+                fresh, adaptive = paged.Latent.empty(1, 1, net), self.is_adaptive(seq.exit)
                 seq.place.token = InFlight(0, fresh.e, fresh.s, adaptive, used=seq.loops)
         flights = [s.place.token for s in rows]
         for f in flights:
             self.c.track_of(f)  # its last passes ran in C (iterate_in_c): its rule's state as a Track
-        latent = cached.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
+        latent = paged.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
         adaptive = [b for b, f in enumerate(flights) if f.adaptive]
         before = latent.s[adaptive].clone() if adaptive else None
         # a fixed-depth token's last pass ends with its coda and head in the same call
@@ -663,9 +663,9 @@ class Runner:
         net, dev = self.net, self.model.device
         view = self.cache.select([r.place.lane for r in rows])
         positions = torch.tensor([[r.pos - r.place.prompt_row] for r in rows], device=dev)
-        latent = cached.Latent(torch.cat([r.place.token.e for r in rows]), s.contiguous())
+        latent = paged.Latent(torch.cat([r.place.token.e for r in rows]), s.contiguous())
         try:
-            return cached.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
+            return paged.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
                                         latent)[:, -1]
         finally:
             view.commit()

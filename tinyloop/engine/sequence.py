@@ -18,7 +18,7 @@ from ..cache import KVCache
 from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..exits import ExitRule, Track
-from ..types import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+from ..request import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)

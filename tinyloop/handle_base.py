@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import BusyError, ConfigError, HandleError
-from .runtime import Model
+from .loader import Model
 
 
 def tensor_bytes(*groups) -> int:

@@ -2,7 +2,7 @@
 
 The broker sends the original request plus `delivered`, the token ids the client already holds. The worker
 runs the same op on prompt ids + delivered with the remaining token budget (and the grammar advanced over
-the delivered tokens, tinyloop/continuation.py), streams what follows at positions len(delivered).., and
+the delivered tokens, tinyloop/stream_continuation.py), streams what follows at positions len(delivered).., and
 replies with the whole answer, as if one worker had produced it. A continued generate, chat or pool request
 joins the batch like any other; one with nothing left to generate is answered by `delivered_answer`.
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.protocol import Codes
-from tinyloop.continuation import GrammarPrefix
+from tinyloop.stream_continuation import GrammarPrefix
 from tinyloop.detokenize import Detokenizer
-from workers.handles import EngineError
+from workers.handle_registry import EngineError
 
 
 @dataclass

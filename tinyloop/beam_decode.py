@@ -11,7 +11,7 @@ from .engine.beam import LENGTH_PENALTY, BeamGroup, Hypothesis, length_normalise
 from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
-from .types import GenerateConfig, GenerateResult, OnToken
+from .request import GenerateConfig, GenerateResult, OnToken
 
 
 def beam_search(model, prompt, cfg: GenerateConfig, on_token: OnToken | None = None) -> GenerateResult:
