@@ -58,7 +58,7 @@ def decode(net: LoopedLM, lengths: list[int], steps: int, native: bool | str, mo
         cache = KVCache(cfg, len(lengths), 128, "fp16").reserve_all()
         took, out = [], []
         real_context, real_run = paged.context, cpu_block.DecodeStep.run
-        m.setattr(cached, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
+        m.setattr(paged, "context", lambda *a: (ctx := real_context(*a), took.append(ctx.native is not None))[0])
         m.setattr(cpu_block.DecodeStep, "run", lambda *a, **k: (took.append("step"), real_run(*a, **k))[1])
         with torch.inference_mode():
             for lane, ids in enumerate(prompts):  # (through torch in every arm: the same cells for the decode rows)

@@ -1,4 +1,4 @@
-"""Continuous-depth batching (engine/runner.py: Runner.iterate): rows at different depths, or exiting early, advance
+"""Continuous-depth batching (engine/executor.py: Executor.iterate): rows at different depths, or exiting early, advance
 one loop iteration per step, so a shallow lane's tokens do not wait for the deepest lane of the step. Every lane's
 output equals the same request alone, whatever its batch-mates' depths, for every exit rule and cache mode."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import tinyloop
 from conftest import ARCHS, ids
 from tinyloop import GenerateConfig as G
-from tinyloop.engine.runner import Runner
+from tinyloop.engine.executor import Executor
 
 
 def drain(sched: tinyloop.Scheduler) -> int:
@@ -146,9 +146,9 @@ def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypat
             return sample_all(seqs, logits)
         monkeypatch.setattr(tinyloop.engine.sequence.Sequence, "sample_all", staticmethod(recording))
         sched = tinyloop.Scheduler(model, lanes=3)
-        sched.runner.iterative = iterative
+        sched.runner.executor.iterative = iterative
         # every lane's logits reach the sampler (test_greedy_draws_in_c_... below)
-        sched.runner.options = dataclasses.replace(sched.runner.options, run_ahead=False)
+        sched.runner.executor.options = dataclasses.replace(sched.runner.executor.options, run_ahead=False)
         for p, c in zip(prompts, cfgs):
             sched.submit(p, c)
         drain(sched)
@@ -158,14 +158,14 @@ def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypat
 
 
 def test_the_runner_steps_loop_iterations_for_mixed_depths(make_artifact, monkeypatch):
-    """Mixed depths go through Runner.iterate (passes of every row until a token is done: a step per token of the
+    """Mixed depths go through Executor.iterate (passes of every row until a token is done: a step per token of the
     shallower lane while both run); lanes all at one fixed depth keep the one forward of every loop per step."""
     model = tinyloop.load_model(make_artifact(), 128)
     monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")  # (greedy draws in C would make a step of several tokens)
     calls = {"iterate": 0}
-    iterate = Runner.iterate
-    monkeypatch.setattr(Runner, "iterate", lambda self, rows: (calls.__setitem__("iterate", calls["iterate"] + 1),
-                                                               iterate(self, rows))[1])
+    iterate = Executor.iterate
+    monkeypatch.setattr(Executor, "iterate", lambda *a: (calls.__setitem__("iterate", calls["iterate"] + 1),
+                                                         iterate(*a))[1])
     tinyloop.generate_batch(model, [ids(4, 1), ids(4, 2)], G(max_tokens=6, loops=4))
     assert calls["iterate"] == 0
     tinyloop.generate_batch(model, [ids(4, 1), ids(4, 2)], [G(max_tokens=6, loops=4), G(max_tokens=6, loops=8)])
@@ -176,7 +176,7 @@ def test_the_runner_steps_loop_iterations_for_mixed_depths(make_artifact, monkey
 @pytest.mark.parametrize("rule", ["latent", "gate", "schedule"])
 def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rule, monkeypatch):
     """Where C decides the exit rule (the latent change, the exit gate, a forced depth), a batch-1 token's passes and
-    exit decisions are one C call (Runner.iterate_in_c), no pass returns to Python, and the tokens and loops equal
+    exit decisions are one C call (Executor.iterate_in_c), no pass returns to Python, and the tokens and loops equal
     the token steps' (TINYLOOP_DEPTH_STEPS=0: model.forward_adaptive, its decisions in torch)."""
     from tinyloop.kernels import cpu_block
     arch, exits = {"latent": ({}, dict(early_exit_threshold=0.25)),
@@ -185,11 +185,11 @@ def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rul
     model = tinyloop.load_model(make_artifact(**arch), 128)
     cfg = G(max_tokens=12, loops=8, ignore_eos=True, **exits)
     calls = {"c": 0, "python": 0}
-    until, one_pass = cpu_block.DecodeStep.iterate_until, Runner.one_pass
+    until, one_pass = cpu_block.DecodeStep.iterate_until, Executor.one_pass
     monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until",
                         lambda *a, **k: (calls.__setitem__("c", calls["c"] + 1), until(*a, **k))[1])
-    monkeypatch.setattr(Runner, "one_pass", lambda *a: (calls.__setitem__("python", calls["python"] + 1),
-                                                        one_pass(*a))[1])
+    monkeypatch.setattr(Executor, "one_pass", lambda *a: (calls.__setitem__("python", calls["python"] + 1),
+                                                          one_pass(*a))[1])
     got = tinyloop.generate(model, ids(6, 5), cfg)
     # greedy draws run ahead in C to the end of the cell's block: the call at cell 6 draws the tokens fed at cells
     # 7..15 and returns the logits of cell 15's; the call at cell 16 the request's last (the first token comes from
@@ -209,7 +209,7 @@ def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rul
 
 @pytest.mark.parametrize("case", ["latent-copy", "cdf-compute"])
 def test_tokens_in_flight_move_between_the_c_passes_and_the_python_passes(make_artifact, case, monkeypatch):
-    """A lane whose rule C decides (latent, cdf) runs its passes in C (Runner.iterate_in_c) until a batch-mate whose
+    """A lane whose rule C decides (latent, cdf) runs its passes in C (Executor.iterate_in_c) until a batch-mate whose
     rule reads logits (entropy, argmax) joins mid-token: then every row's passes run through Python (one_pass), its
     state, exit bookkeeping and Track carried over, and back in C once that batch-mate is gone. Every lane's tokens
     and loops equal the same request alone."""
@@ -224,11 +224,10 @@ def test_tokens_in_flight_move_between_the_c_passes_and_the_python_passes(make_a
             G(max_tokens=4, loops=9, ignore_eos=True, **py_rule), G(max_tokens=3, loops=5, ignore_eos=True, **py_rule)]
     prompts = [ids(5 + 2 * i, 80 + i) for i in range(len(cfgs))]
     calls = {"c": 0, "python": 0}
-    in_c, one_pass = Runner.iterate_in_c, Runner.one_pass
-    monkeypatch.setattr(Runner, "iterate_in_c", lambda self, rows: (calls.__setitem__("c", calls["c"] + 1),
-                                                                     in_c(self, rows))[1])
-    monkeypatch.setattr(Runner, "one_pass", lambda self, rows: (calls.__setitem__("python", calls["python"] + 1),
-                                                                one_pass(self, rows))[1])
+    in_c, one_pass = Executor.iterate_in_c, Executor.one_pass
+    monkeypatch.setattr(Executor, "iterate_in_c", lambda *a: (calls.__setitem__("c", calls["c"] + 1), in_c(*a))[1])
+    monkeypatch.setattr(Executor, "one_pass", lambda *a: (calls.__setitem__("python", calls["python"] + 1),
+                                                          one_pass(*a))[1])
     sched = tinyloop.Scheduler(model, lanes=4)
     seqs = [sched.submit(prompts[0], cfgs[0]), sched.submit(prompts[1], cfgs[1])]
     for step in range(400):
@@ -246,7 +245,7 @@ def test_tokens_in_flight_move_between_the_c_passes_and_the_python_passes(make_a
 
 @pytest.mark.parametrize("rule", ["latent", "cdf-compute", "schedule"])
 def test_greedy_draws_in_c_equal_the_draws_one_token_a_call(make_artifact, rule, monkeypatch):
-    """Greedy rows draw their next tokens inside the C passes (Runner.ahead): far fewer calls, and every lane's tokens,
+    """Greedy rows draw their next tokens inside the C passes (Row.draws): far fewer calls, and every lane's tokens,
     loops per token (and their mean, the stop token's included) and stop reason equal the run where each token returns to the sampler (TINYLOOP_RUN_AHEAD=0) and
     the token steps (TINYLOOP_DEPTH_STEPS=0), beside batch-mates at other depths, a sampled one, one that stops at
     EOS and one whose client stops reading in the middle of a run of C draws (the draws after it are dropped)."""

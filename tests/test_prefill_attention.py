@@ -15,7 +15,7 @@ from tinyloop.kernels import cpu
 from tinyloop.model import LoopedLM
 
 
-def paged(B: int, T: int, H: int, KV: int, hd: int, starts: list[int], bt: int = 16, seed: int = 0, pos=None):
+def paged_inputs(B: int, T: int, H: int, KV: int, hd: int, starts: list[int], bt: int = 16, seed: int = 0, pos=None):
     """q (a strided view of a qkv tensor, as the model passes it), a pool's k / v stores holding random values in
     every cell (so cells a row may not see hold something), lane tables over shuffled blocks (a lane's row of a
     3-D slot x lane x block table), positions [B, T]."""
@@ -60,7 +60,7 @@ CASES = [
 
 @pytest.mark.parametrize("B,T,H,KV,hd,starts", CASES)
 def test_kernel_matches_gathered_sdpa(B, T, H, KV, hd, starts):
-    args = paged(B, T, H, KV, hd, starts)
+    args = paged_inputs(B, T, H, KV, hd, starts)
     got = cpu.prefill_attention(*args)
     torch.testing.assert_close(got.transpose(1, 2), sdpa(*args), atol=1e-5, rtol=0)
     # a work item's rows are one thread's: the bits do not depend on the thread count
@@ -70,7 +70,7 @@ def test_kernel_matches_gathered_sdpa(B, T, H, KV, hd, starts):
 def test_rows_follow_their_own_positions():
     """Positions need not be a run: repeated, out of order and past other lanes' (the mask is kpos <= pos)."""
     pos = torch.tensor([[9, 3, 3, 40, 0, 17], [2, 2, 2, 2, 2, 2]])
-    args = paged(2, 6, 8, 2, 64, [], pos=pos)
+    args = paged_inputs(2, 6, 8, 2, 64, [], pos=pos)
     torch.testing.assert_close(cpu.prefill_attention(*args).transpose(1, 2), sdpa(*args), atol=1e-5, rtol=0)
 
 

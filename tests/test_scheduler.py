@@ -35,7 +35,7 @@ def test_joins_and_leaves_keep_every_request_exact(make_artifact, mode):
             seqs.append(sched.submit(prompts[len(seqs)], cfgs[len(seqs)]))
         if step == 2:  # (after its first decode step: a greedy lane alone draws up to a block of tokens a step)
             seqs[0].cancel()
-        depths.add(len({s.loops for s in sched.runner.admitted}))
+        depths.add(len({s.loops for s in sched.runner.scheduler.admitted}))
         sched.step()
         if sched.idle() and len(seqs) == len(cfgs):
             break
@@ -85,7 +85,7 @@ def test_admission_waits_for_free_blocks_and_preempts_exactly(make_artifact):
     seqs = [sched.submit(ids(6 + 3 * i, 40 + i), c) for i, c in enumerate(cfgs)]
     waited = 0
     while not sched.idle():
-        waited += bool(sched.runner.waiting and sched.runner.free_lanes)
+        waited += bool(sched.runner.scheduler.waiting and sched.runner.scheduler.free_lanes)
         sched.step()
         assert model.pool.used <= model.pool.num_blocks
     assert waited > 0 and sum(s.stats.preempted for s in seqs) > 0
@@ -246,9 +246,9 @@ def test_prompts_that_come_together_are_prefilled_in_shared_calls_each_as_alone(
     seqs = [sched.submit(p, c) for p, c in zip(prompts, cfgs)]
     runner = sched.runner
     with caplog.at_level("DEBUG", logger="tinyloop.scheduler"):
-        runner.steps += 1
-        plan = runner.schedule([])
-        assert sorted(n for _, n in plan.pieces) == sorted(map(len, prompts))  # every prompt in this step
+        runner.scheduler.steps += 1
+        plan = runner.scheduler.schedule([])
+        assert sorted(len(p.tokens) for p in plan.pieces) == sorted(map(len, prompts))  # every prompt in this step
         runner.execute(plan)
     shared = [r.getMessage() for r in caplog.records if "piece(s)" in r.getMessage()]
     assert sorted(shared) == ["step 1: 1 piece(s) at 8 loops ran as 9 rows in 1 call(s)",

@@ -116,7 +116,7 @@ def test_verification_has_the_bits_of_plain_decode(make_artifact, monkeypatch):
             verified.update((p, out[0, i].clone()) for i, p in enumerate(positions))
         return out
 
-    monkeypatch.setattr(cached, "decode_rows", rows)
+    monkeypatch.setattr(paged, "decode_rows", rows)
     monkeypatch.setattr(paged.LoopForward, "lane", lane)
     _, spec = same_as_plain(model, SpeculativeConfig(D, V, 4), max_tokens=30)
     committed = range(len(PROMPT), len(PROMPT) + spec.stats.generated_tokens - 1)

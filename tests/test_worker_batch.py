@@ -183,7 +183,7 @@ def test_a_failed_shared_forward_fails_only_its_steps_lanes(engine):
     clean, _ = run_batch(engine, [(f"c{i}", "generate", {"prompt": p, "max_tokens": 10}, None)
                                   for i, p in enumerate(prompts)])
     runner = engine.scheduler.runner
-    runner.fail_at_step = runner.steps + 3  # decode steps of the first four (4 lanes); the fifth waits for a lane
+    runner.fail_at_step = runner.scheduler.steps + 3  # decode steps of the first four (4 lanes); the fifth waits for a lane
     try:
         for i, p in enumerate(prompts):
             assert engine.join(f"r{i}", "generate", {"prompt": p, "max_tokens": 10}, None, never)

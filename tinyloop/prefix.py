@@ -120,7 +120,7 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
         seq = Sequence(model, ids, cfg, on_token)
         runner = Runner(model, cache, seq.loops, seq.exit)
         if prefixes is not None:
-            runner.prefixes = prefixes
+            runner.scheduler.prefixes = prefixes
         if pc is None or not hit or (len(ids) == 1 and runner.adaptive):
             # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
             return runner.run([seq])[0]
@@ -129,7 +129,7 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
             pc.restore(lane, hit)
             return None if hit == len(ids) else (model.cfg.slots_written(seq.loops), hit, len(ids) - 1)
 
-        def rest(seq: Sequence, lane: KVCache) -> torch.Tensor:
+        def rest(lane: KVCache) -> torch.Tensor:
             return pc.logits[-1] if hit == len(ids) else runner.prefill(ids[hit:], hit)[-1]  # all loops, as generate's
 
         seq.stats.prefix_hit_tokens = hit

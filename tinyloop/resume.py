@@ -230,7 +230,7 @@ def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken
         with nullcontext() if held else handle.held(model):  # freed meanwhile: HandleError, for this request alone
             return handle.lend(lane, L)
 
-    def run(seq: Sequence, lane: KVCache) -> torch.Tensor:
+    def run(lane: KVCache) -> torch.Tensor:
         with nullcontext() if held else handle.held(model):
             return handle.prefill(lane, L, seq.stats)[-1]
 

@@ -1,7 +1,8 @@
 """The engine's C backend: how a step's rows are spoken to kernels/cpu_block.c, apart from what the scheduler decides.
 
-The runner (engine/runner.py) decides which rows run, at which loop range and exit rule, and how many greedy tokens
-a row may draw inside a call. This module turns that into the C step's terms and back:
+The scheduler (engine/scheduler.py) decides which rows run, at which loop range and exit rule, and how many greedy
+tokens a row may draw inside a call; the executor (engine/executor.py) hands the rows C can run to this module, which
+turns them into the C step's terms and back:
 
 - the exit rules C decides, as `tl_exit_t` rows of 8 numbers (`exit_row`): a loop count, `latent` (with the exit
   gate), a forced depth (`exit_schedule`), Ouro's `cdf`; a row's rule state between calls lives in its InFlight
@@ -11,7 +12,7 @@ a row may draw inside a call. This module turns that into the C step's terms and
 - prefill pieces as rows of shared calls (`prefill_rows`), each call at one loop count.
 
 Where C cannot run a step (another device, cache mode or dtype, a rule that reads each loop's logits) `passes`
-returns None and the runner takes the torch passes (engine/iteration.py).
+returns None and the executor takes the torch passes (engine/iteration.py).
 """
 from __future__ import annotations
 
@@ -24,16 +25,17 @@ from ..cache import KVCache
 from ..exits import ExitRule, Track
 from ..kernels import cpu_block
 from . import forward as paged
-from .sequence import InFlight, Sequence
+from .plan import Piece, Row
+from .sequence import InFlight
 
 # the exit rules C decides, as cpu_block.c's tl_exit_t numbers them
 C_RULES = {"latent": 1, "schedule": 2, "cdf": 3}
 
-log = logging.getLogger("tinyloop.scheduler")  # (the runner's decisions and how they ran: one log)
+log = logging.getLogger("tinyloop.scheduler")  # (the scheduler's decisions and how they ran: one log)
 
 
 class CBackend:
-    """The C calls of one runner over its cache; it owns the lane latent buffer."""
+    """The C calls of one executor over its cache; it owns the lane latent buffer."""
 
     max_draws = cpu_block.RUN_AHEAD  # the most tokens a row draws inside one call
 
@@ -63,19 +65,20 @@ class CBackend:
         return paged.c_chunk(self.net, self.cache, n, exits) is not None
 
     # --- exit rules in C's terms ------------------------------------------------------------------------------
-    def exit_row(self, seq: Sequence, adaptive: bool) -> list | None:
-        """seq's token's exit rule as a tl_exit_t row: [rule, loops, min_loops, threshold, chosen, used, cdf, rest];
+    @staticmethod
+    def exit_row(row: Row, flight: InFlight | None) -> list | None:
+        """A row's token's exit rule as a tl_exit_t row: [rule, loops, min_loops, threshold, chosen, used, cdf, rest];
         None for a rule C does not decide."""
-        rule, flight = seq.exit, seq.place.token
-        if not adaptive:
-            return [0, seq.loops, 1, 0.0, 0, seq.loops, 0.0, 1.0]
+        rule = row.exit
+        if not row.adaptive:
+            return [0, row.loops, 1, 0.0, 0, row.loops, 0.0, 1.0]
         if rule.rule not in C_RULES:
             return None
         if flight is not None and flight.c_exit is not None:
             return flight.c_exit
         track = flight.track if flight is not None else None
-        return [C_RULES[rule.rule], seq.loops, rule.min_loops, rule.threshold, int(flight is not None and flight.chosen),
-                seq.loops if flight is None else flight.used, 0.0 if track is None else float(track.cdf),
+        return [C_RULES[rule.rule], row.loops, rule.min_loops, rule.threshold, int(flight is not None and flight.chosen),
+                row.loops if flight is None else flight.used, 0.0 if track is None else float(track.cdf),
                 1.0 if track is None else float(track.rest)]
 
     def track_of(self, flight: InFlight) -> None:
@@ -97,78 +100,77 @@ class CBackend:
         return self.buffer, self.views
 
     # --- the calls --------------------------------------------------------------------------------------------
-    def iterate(self, rows: list[Sequence], adaptive: list[bool], ahead) -> list[tuple[Sequence, torch.Tensor, int]] | None:
+    def iterate(self, rows: list[Row], flights: dict[int, InFlight], budget, drawn: dict[int, list]
+                ) -> list[tuple[Row, torch.Tensor, int]] | None:
         """Loop iterations of every row until some row's token ends, with every row's exit decided after each pass,
-        in one C call (cpu_block.DecodeStep.iterate_until). ahead(rows, cells, positions): how many greedy tokens
-        each row may draw inside the call (the scheduler's decision). Updates each row's InFlight, position, loop
-        counts and drawn tokens; returns (row, logits, loops used) of each row whose token ended with logits to
-        sample, or None (nothing run) where the rows need the torch passes."""
+        in one C call (cpu_block.DecodeStep.iterate_until). budget(rows, positions): the greedy tokens each row draws
+        inside the call, as their forced depths. Updates the tokens in flight (`flights`, by lane) and appends each
+        row's drawn tokens with their loops to drawn[lane]; returns (row, logits, loops used) of each row whose token
+        ended with logits to sample, or None (nothing run) where the rows need the torch passes."""
         cache, cfg = self.cache, self.model.cfg
         c = self.passes(len(rows))
         if c is None:
             return None
         step, gate = c
-        exits = [self.exit_row(seq, a) for seq, a in zip(rows, adaptive)]
+        exits = [self.exit_row(row, flights.get(row.lane)) for row in rows]
         if any(x is None for x in exits):
             return None
         latent, views = self.latent()
         e, s, out = latent
-        tokens, done, lanes = [], [], [seq.place.lane for seq in rows]
-        for seq, lane in zip(rows, lanes):
-            flight = seq.place.token
-            tokens.append(seq.token if flight is None else None)
+        tokens, done, lanes = [], [], [row.lane for row in rows]
+        for row in rows:
+            flight = flights.get(row.lane)
+            tokens.append(row.token if flight is None else None)
             done.append(0 if flight is None else flight.done)
-            if flight is not None and flight.s is not views[lane][1]:  # its last pass ran in Python
-                e[lane], s[lane] = flight.e.reshape(-1), flight.s.reshape(-1)
+            if flight is not None and flight.s is not views[row.lane][1]:  # its last pass ran in Python
+                e[row.lane], s[row.lane] = flight.e.reshape(-1), flight.s.reshape(-1)
                 if flight.out is not None:
-                    out[lane] = flight.out.reshape(-1)
-        positions = [seq.pos - seq.place.prompt_row for seq in rows]
-        budget = ahead(rows, positions, step.positions)
-        eos = -1 if any(seq.cfg.ignore_eos for seq, a in zip(rows, budget) if a) else self.model.eos_id
+                    out[row.lane] = flight.out.reshape(-1)
+        positions = [row.position for row in rows]
+        ahead = budget(rows, step.positions)
+        eos = -1 if any(row.ignore_eos for row, a in zip(rows, ahead) if a) else self.model.eos_id
         with paged.torch_threads(paged.decode_threads(len(rows), cfg, c_blocks=True)):
             got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
-                                     compute=cfg.exit_kv == "compute", ahead=budget, eos=eos,
+                                     compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
                                      wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0)
-        for b, seq in enumerate(rows):
-            for token, used in got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
-                seq.place.token, seq.pos = None, seq.pos + 1
-                seq.loop_counts.append(used)
-                seq.place.drawn.append(token)
+        for b, row in enumerate(rows):
+            if got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
+                flights.pop(row.lane, None)
+                drawn.setdefault(row.lane, []).extend(got.drawn[b])
             if b not in got.finished and not got.starts[b]:
-                flight, lane, x = seq.place.token, lanes[b], exits[b]
+                flight, x = flights.get(row.lane), exits[b]
                 if flight is None:
-                    flight = seq.place.token = InFlight(0, None, None, x[0] != 0)
-                flight.done, (flight.e, flight.s, kept) = got.done[b], views[lane]
+                    flight = flights[row.lane] = InFlight(0, None, None, x[0] != 0)
+                flight.done, (flight.e, flight.s, kept) = got.done[b], views[row.lane]
                 flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
                 flight.out, flight.c_exit = (kept if x[0] else None), x
-        return [(rows[b], row, exits[b][5]) for b, row in zip(got.finished, got.logits)]
+        return [(rows[b], logits, exits[b][5]) for b, logits in zip(got.finished, got.logits)]
 
-    def prefill_rows(self, pieces: list[tuple[Sequence, int]], step: int
-                     ) -> list[tuple[Sequence, int, torch.Tensor, float]]:
+    def prefill_rows(self, pieces: list[Piece], step: int) -> list[tuple[Piece, torch.Tensor, float]]:
         """Prefill pieces (each one `chunk_rows` accepts) as the C step's rows, those at the same loop count sharing
         calls of up to MAX_LANES rows: each weight streams once per call instead of once per prompt. A row has the
         bits of its token decoded alone, so each piece's logits are those of its prompt prefilled alone, however the
         pieces are packed; a piece may span two calls (the first call's cells are written before the second reads
-        them). Returns per piece (sequence, tokens, logits of its last row, its rows' share of the calls' seconds)."""
+        them). Returns per piece (piece, logits of its last row, its rows' share of the calls' seconds)."""
         plan = paged.c_step(self.net, self.cache)
-        by_loops: dict[int, list[tuple[Sequence, int]]] = {}
-        for seq, n in pieces:
-            by_loops.setdefault(seq.loops, []).append((seq, n))
+        by_loops: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_loops.setdefault(piece.loops, []).append(piece)
         done = []
         for loops, group in by_loops.items():
-            rows = [(seq, at) for seq, n in group for at in range(seq.place.cached, seq.place.cached + n)]
-            last: dict[int, torch.Tensor] = {}  # id(seq) -> the logits of its piece's last row
-            took: dict[int, float] = {}  # id(seq) -> its rows' share of the calls' seconds
+            rows = [(piece, i) for piece in group for i in range(len(piece.tokens))]
+            last: dict[int, torch.Tensor] = {}  # id(piece) -> the logits of its last row
+            took: dict[int, float] = {}  # id(piece) -> its rows' share of the calls' seconds
             for i in range(0, len(rows), cpu_block.MAX_LANES):
                 call = rows[i:i + cpu_block.MAX_LANES]
                 t = time.perf_counter()
-                logits = plan.run(self.cache, [at for _, at in call], 0, loops, lanes=[s.place.lane for s, _ in call],
-                                  tokens=[s.prompt[at] for s, at in call])
+                logits = plan.run(self.cache, [p.start + j for p, j in call], 0, loops, lanes=[p.lane for p, _ in call],
+                                  tokens=[p.tokens[j] for p, j in call])
                 share = (time.perf_counter() - t) / len(call)
-                for r, (seq, at) in enumerate(call):
-                    took[id(seq)] = took.get(id(seq), 0.0) + share
-                    last[id(seq)] = logits[r]
+                for r, (piece, _) in enumerate(call):
+                    took[id(piece)] = took.get(id(piece), 0.0) + share
+                    last[id(piece)] = logits[r]
             log.debug("step %d: %d piece(s) at %d loops ran as %d rows in %d call(s)", step, len(group), loops,
                       len(rows), -(-len(rows) // cpu_block.MAX_LANES))
-            done += [(seq, n, last[id(seq)], took[id(seq)]) for seq, n in group]
+            done += [(piece, last[id(piece)], took[id(piece)]) for piece in group]
         return done

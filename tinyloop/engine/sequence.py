@@ -27,34 +27,32 @@ Writes = tuple[list[int], int, int]
 
 @dataclasses.dataclass
 class Start:
-    """What replaces a prompt's prefill when a handle holds its first tokens (a prefix cache, a resume handle). In the
+    """What replaces a prompt's prefill when a handle holds its first tokens (a resume handle, a prefix cache). In the
     step that schedules it, `lend(lane)` gives the handle's blocks to the lane (no forward) and returns the cells the
     rest of the prompt writes (None: none), so the scheduler takes their blocks with the step's others; the step's
-    execute then calls `run(seq, lane)`, which runs the rest and returns the logits [V] of the prompt's last
-    position."""
+    execute then calls `run(lane)`, which runs the rest and returns the logits [V] of the prompt's last position."""
     lend: Callable[[KVCache], Writes | None]
-    run: Callable[["Sequence", KVCache], torch.Tensor]
+    run: Callable[[KVCache], torch.Tensor]
 
 
 @dataclasses.dataclass
 class Place:
-    """Where a sequence stands in a runner: the lane state the runner keeps, apart from the request's own (Sequence).
-    Reset when the sequence is preempted; a beam hypothesis gets its own copy."""
+    """Where a sequence stands in the engine: the lane state the scheduler keeps, apart from the request's own
+    (Sequence). Reset when the sequence is preempted; a beam hypothesis gets its own copy."""
     lane: int | None = None  # the cache lane it holds while admitted
     cached: int = 0  # prompt tokens in the lane's cache
     first: Start | None = None  # what replaces its prefill (a handle's, the prefix cache's)
     logits: torch.Tensor | None = None  # fresh logits to sample from
     prompt_row: bool = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
-    drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (Runner.ahead)
+    drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (a Row's draws)
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
     came: int = 0  # the runner's step count when it arrived (the same for requests that came between two steps)
-    token: "InFlight | None" = None  # the token it is looping, when the runner schedules loop iterations
 
 
 @dataclasses.dataclass
 class InFlight:
-    """A token between loop iterations (continuous-depth batching, Runner.iterate): the passes it has run, its latent
+    """A token between loop iterations (continuous-depth batching, Executor.iterate): the passes it has run, its latent
     rows (the prelude's output e and the state s, [1, 1, d] each), and, for a lane that may exit early, what the
     model's ExitState keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
     used, what its rule remembers between loops (exits.Track, one row), and the logits of its exit loop where its
@@ -68,7 +66,7 @@ class InFlight:
     used: int = 0
     track: Track | None = None
     logits: torch.Tensor | None = None
-    c_exit: list | None = None  # its exit rule's state while its passes run in C (Runner.iterate_in_c)
+    c_exit: list | None = None  # its exit rule's state while its passes run in C (Executor.iterate_in_c)
 
 
 class Sequence:
@@ -97,7 +95,7 @@ class Sequence:
         # with cfg.logprobs: per token taken, its log-probability and the most likely (token, log-probability) pairs
         self.scores: list[tuple[float, list[tuple[int, float]]]] = []
         self.t_prefilled = self.t_end = self.t_call
-        self.place = Place()  # where it stands in a runner (engine/runner.py): the runner's state of it
+        self.place = Place()  # where it stands in the engine (engine/scheduler.py): the scheduler's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
         self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
@@ -244,5 +242,5 @@ class Sequence:
         child.matcher = self.matcher.fork()
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.history, child.loop_counts, child.scores = list(self.history), list(self.loop_counts), list(self.scores)
-        child.place = dataclasses.replace(self.place, decided=[], token=None)
+        child.place = dataclasses.replace(self.place, decided=[])
         return child

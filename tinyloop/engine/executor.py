@@ -1,0 +1,312 @@
+"""Executor: runs a step's plan (engine/plan.py) over the paged cache, and owns every tensor and buffer of it.
+
+The plan says which prefill pieces and decode rows run, at which loop counts and exit rules, over blocks the
+scheduler already took; the executor picks the backend for each part and gives back logits by lane:
+- prefill pieces: up to 32 tokens as rows of shared C calls, one loop count a call (CBackend.prefill_rows), else
+  the model's one forward over a chunk (engine/forward.py), or a handle's own forward;
+- decode rows at one fixed depth: one forward of every loop (the token step);
+- decode rows at different depths, exiting early, or drawing greedily inside C: loop iterations (continuous-depth
+  batching), in one C call with the exit decisions in C (`iterate_in_c`), else one forward per pass (`one_pass`,
+  engine/iteration.py) with the decisions here. A token between passes is in flight (`flights`, by lane): its
+  latent rows and exit state stay here until its loops are done.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..cache import KVCache
+from ..errors import TinyLoopError
+from ..exits import TRACKED, ExitRule, Track, exit_stops
+from . import forward as paged
+from . import iteration
+from .c_backend import CBackend
+from .options import EngineOptions
+from .plan import Outputs, Piece, Plan, Row
+from .sequence import InFlight
+
+log = logging.getLogger("tinyloop.scheduler")  # (the scheduler's decisions and how they ran: one log)
+
+
+class Executor:
+    def __init__(self, model, cache: KVCache, loops: int, early_exit: ExitRule, options: EngineOptions):
+        self.model, self.net, self.cache, self.options = model, model.net, cache, options
+        # defaults for callers that feed the forwards themselves (beam search, resume); plans bring their own
+        self.loops, self.early_exit = loops, early_exit
+        self.views: dict[int, KVCache] = {}
+        self.flights: dict[int, InFlight] = {}  # lane -> the token it is looping (continuous-depth batching)
+        # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
+        # step (`iterate`); off for cores that need token ids (value embeddings)
+        self.iterative = not model.cfg.value_embeds and options.depth_steps
+        # the C calls (passes with their exit decisions, prefill rows) and the latent rows they keep between calls;
+        # a greedy row whose token ended may wait a pass or two there to share its head with batch-mates'
+        self.c = CBackend(model, cache, options.coalesce)
+
+    def is_adaptive(self, rule: ExitRule) -> bool:
+        return self.net.adaptive(rule)
+
+    def lane(self, i: int) -> KVCache:
+        """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same)."""
+        if self.cache.lanes == 1:
+            return self.cache
+        view = self.views.get(i)
+        if view is None:
+            view = self.views[i] = self.cache.lane_view(i)
+        return view
+
+    def forget(self, lane: int) -> None:
+        """The lane was given back (finished, failed, preempted): its token in flight goes with it."""
+        self.flights.pop(lane, None)
+
+    # --- forwards -----------------------------------------------------------------------------------------
+    def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
+                exits: ExitRule | None = None, all_rows: bool = False) -> torch.Tensor:
+        """Logits [1, V] of a chunk's last position at positions start.. in `lane` ([T, V], every position's, with
+        all_rows): all loops (a chunk does not exit early)."""
+        dev = self.model.device
+        x = torch.tensor([ids], device=dev)
+        step = self.net.make_step(torch.arange(start, start + len(ids), device=dev).unsqueeze(0), start + len(ids))
+        exits = self.early_exit if exits is None else exits
+        return paged.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=exits,
+                             last_only=not all_rows)[0]
+
+    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
+               loops: list[int] | int | None = None, exits: list[ExitRule] | ExitRule | None = None
+               ) -> tuple[torch.Tensor, list[int]]:
+        """One token per lane (lanes 0..B-1 of `cache`, default the whole cache), each lane at its own loop count and
+        exit rule (lists, or one value for all): logits [B, V] and the loops each lane ran."""
+        cache = self.cache if cache is None else cache
+        B = len(tokens)
+        loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
+        exits = [self.early_exit if exits is None else exits] * B if not isinstance(exits, list) else exits
+        if len(set(loops)) == 1 and not any(self.is_adaptive(e) for e in exits):
+            return paged.decode_rows(self.net, tokens, positions, loops[0], cache), loops
+        dev = self.model.device
+        ids = torch.tensor([[t] for t in tokens], device=dev)
+        pos = torch.tensor([[p] for p in positions], device=dev)
+        out, used = paged.forward_adaptive(self.net, ids, loops, self.net.make_step(pos, max(positions) + 1), cache,
+                                           exits)
+        return out[:, -1], list(used)
+
+    # --- a step -------------------------------------------------------------------------------------------
+    def execute(self, plan: Plan) -> Outputs:
+        """The plan's forwards: its prefill pieces, then its decode rows in one forward (or loop iterations), each
+        lane at its own loop count and exit rule. A driven lane's forwards are its driver's (the runner calls it)."""
+        out = Outputs()
+        rows = [p for p in plan.pieces if self.in_rows(p)]
+        if rows:
+            for piece, logits, seconds in self.c.prefill_rows(rows, plan.step):
+                out.pieces.append((piece.lane, len(piece.tokens), logits.clone(), piece.loops, seconds))
+        for piece in plan.pieces:
+            if not any(piece is other for other in rows):
+                try:
+                    self.run_piece(piece, out)
+                except TinyLoopError as exc:  # its own fault (a handle freed before its prefill): it fails alone
+                    out.failed[piece.lane] = exc
+        if plan.rows:
+            self.decode_step(plan, out)
+        return out
+
+    def in_rows(self, piece: Piece) -> bool:
+        """Whether the piece runs as C rows (forward.c_chunk: up to MAX_LANES tokens), so that pieces of several
+        prompts can share a call."""
+        return bool(piece.tokens) and piece.handle is None and not piece.whole \
+            and not (piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit)) \
+            and self.c.chunk_rows(len(piece.tokens), piece.exit)
+
+    def run_piece(self, piece: Piece, out: Outputs) -> None:
+        """A piece that is not C rows: its handle's forward, a one-token prompt with early exit (it decodes adaptively,
+        as any one-token forward), or a chunk forward."""
+        t, used = time.perf_counter(), piece.loops
+        if piece.handle is not None:
+            logits = piece.handle.run(self.lane(piece.lane))
+        elif piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit):
+            row, ran = self.decode(piece.tokens, [0], self.lane(piece.lane), piece.loops, piece.exit)
+            logits, used = row[0], ran[0]
+        else:
+            logits = self.prefill(piece.tokens, piece.start, piece.lane, piece.loops, piece.exit)[-1]
+        # (a copy: not a view pinning [T, V])
+        out.pieces.append((piece.lane, len(piece.tokens), logits.clone(), used, time.perf_counter() - t))
+
+    def decode_step(self, plan: Plan, out: Outputs) -> None:
+        rows = plan.rows
+        if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
+            log.debug("step %d: decode %d lane(s) at loops %s: lanes %s", plan.step, len(rows),
+                      ",".join(str(r.loops) for r in rows), ",".join(str(r.lane) for r in rows))
+        if self.iterative and self.by_iteration(rows):
+            self.iterate(rows, out)
+            return
+        view = self.cache.select([r.lane for r in rows])
+        t = time.perf_counter()
+        try:
+            logits, used = self.decode([r.token for r in rows], [r.position for r in rows], view,
+                                       [r.loops for r in rows], [r.exit for r in rows])
+        finally:
+            view.commit()
+        if len(rows) == 1:
+            out.lone_row_seconds = time.perf_counter() - t
+        for r, row in enumerate(rows):
+            out.tokens[row.lane] = (logits[r], used[r])
+
+    # --- continuous-depth batching: a step is one loop iteration of every row ------------------------------------
+    def by_iteration(self, rows: list[Row]) -> bool:
+        """Whether this step's rows advance by loop iterations: a token is in flight, or the rows' depths differ, or
+        one may exit early, or every row draws its next tokens in C (one call then runs several tokens of each row,
+        where a token step runs one: greedy decoding at fixed depth 1.1-1.25x faster at batch 1). Otherwise, all at
+        one fixed depth, one forward of every loop per step does the same work in fewer calls."""
+        return any(r.lane in self.flights for r in rows) or len({r.loops for r in rows}) > 1 \
+            or any(r.adaptive for r in rows) \
+            or all(r.greedy for r in rows) and self.c.passes(len(rows)) is not None
+
+    def iterate(self, rows: list[Row], out: Outputs) -> None:
+        """Loop iterations of every row until some row's token is done: that lane samples at this step's
+        postprocess and starts its next token at the next step, while deeper lanes keep looping. Between two passes
+        where no token ends there is nothing to schedule (no lane frees, nothing is sampled), so they run in one
+        step: at batch 1 a token is one step, as at fixed depth. Where every row's exit rule can be decided in C,
+        the passes and their exit decisions are one C call (`iterate_in_c`); otherwise one forward per pass
+        (`one_pass`) with the decisions here."""
+        if not self.iterate_in_c(rows, out):
+            while not self.one_pass(rows, out):
+                pass
+
+    def iterate_in_c(self, rows: list[Row], out: Outputs) -> bool:
+        """The passes of `iterate` as one C call (CBackend.iterate) where the C step runs the model over this cache and
+        C decides every row's exit rule (a loop count, the latent rule with the exit gate, a forced depth, Ouro's
+        cdf), the greedy rows drawing their `draws` inside it. False (nothing run) where the rows need `one_pass`."""
+        ended = self.c.iterate(rows, self.flights, self.budget, out.drawn)
+        if ended is None:
+            return False
+        for row, logits, used in ended:
+            self.token_done(row, logits, used, out)
+        return True
+
+    def budget(self, rows: list[Row], positions: int) -> list[list[float]]:
+        """The tokens each row draws inside the C call: its `draws`, up to the end of its cell's block (reserved) and
+        the cache's (and the C step's) positions."""
+        bt, cells = self.cache.bt, min(self.cache.cells, positions)
+        return [r.draws[:max(0, min(bt - 1 - r.position % bt, cells - 1 - r.position))] for r in rows]
+
+    def one_pass(self, rows: list[Row], out: Outputs) -> bool:
+        """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight
+        starts its next one (prelude and loop 0), the others run their next loop, each at its own loop index; a token
+        whose loops are done (its loop count, or its exit rule fired) gets its logits. An exited token's skipped
+        loops get copies of its last loop's K/V (the family's exit_kv "copy"; "compute" runs them and keeps the exit
+        state's logits). True when some row's token is done."""
+        net, dev = self.net, self.model.device
+        starting = [r.lane not in self.flights for r in rows]
+        for row, new in zip(rows, starting):
+            if new:
+                fresh = paged.Latent.empty(1, 1, net)
+                self.flights[row.lane] = InFlight(0, fresh.e, fresh.s, row.adaptive, used=row.loops)
+        flights = [self.flights[r.lane] for r in rows]
+        for f in flights:
+            self.c.track_of(f)  # its last passes ran in C (iterate_in_c): its rule's state as a Track
+        latent = paged.Latent(torch.cat([f.e for f in flights]), torch.cat([f.s for f in flights]))
+        adaptive = [b for b, f in enumerate(flights) if f.adaptive]
+        before = latent.s[adaptive].clone() if adaptive else None
+        # a fixed-depth token's last pass ends with its coda and head in the same call
+        finish = [not f.adaptive and f.done + 1 == r.loops for r, f in zip(rows, flights)]
+        positions = [r.position for r in rows]
+        logits = iteration.iterate(net, self.cache, positions, [f.done for f in flights],
+                                   [r.token if new else None for r, new in zip(rows, starting)], finish, latent,
+                                   lanes=[r.lane for r in rows])
+        heads = iter(logits)
+        done = False
+        for b, (row, f) in enumerate(zip(rows, flights)):
+            f.e, f.s, f.done = latent.e[b:b + 1], latent.s[b:b + 1], f.done + 1
+            if finish[b]:
+                self.token_done(row, next(heads), row.loops, out)
+                done = True
+        if adaptive:
+            for i, b in enumerate(adaptive):
+                if starting[b]:  # the state loop 0 started from: the initial state of its prelude output
+                    at = torch.tensor([[positions[b]]], device=dev)
+                    before[i:i + 1] = net.init_state(flights[b].e, net.make_step(at, positions[b] + 1))
+            ended = self.exits([rows[b] for b in adaptive], before, latent.s[adaptive])
+            if ended:
+                self.exit_heads(ended, out)
+                done = True
+        return done
+
+    def exits(self, rows: list[Row], s_old: torch.Tensor, s_new: torch.Tensor) -> list[Row]:
+        """The exit rule of every early-exit row after its pass, in one go (exits.exit_stops, what model.ExitState
+        does for a token); a rule that reads logits (Huginn's) gets this loop's, from the coda and head of the rows
+        whose exit is not yet chosen. Returns the rows whose token's loops are done."""
+        net, dev = self.net, s_new.device
+        flights = [self.flights[r.lane] for r in rows]
+        reading = [i for i, (r, f) in enumerate(zip(rows, flights)) if r.exit.reads_logits and not f.chosen]
+        logits = None
+        if reading:
+            logits = torch.zeros(len(rows), net.cfg.vocab_size, device=dev)
+            logits[reading] = self.heads([rows[i] for i in reading], s_new[reading]).float()
+        last = torch.tensor([[f.done == r.loops] for r, f in zip(rows, flights)], device=dev)
+        track = None  # (only the rules that remember something between loops keep a Track)
+        if any(r.exit.rule in TRACKED for r in rows):
+            track = Track.cat([f.track if f.track is not None else Track.start(1, 1, net.cfg.vocab_size, dev)
+                               for f in flights])
+        stop = exit_stops(net, [r.exit for r in rows], [f.done for f in flights], last, s_old, s_new, track, logits)
+        stops_of = stop.all(dim=1).tolist()
+        ended = []
+        for i, (row, f, state, stops) in enumerate(zip(rows, flights, s_new, stops_of)):
+            if track is not None:
+                f.track = track.rows(torch.tensor([i], device=dev))
+            if not f.chosen:
+                f.out = state.unsqueeze(0).clone()
+                if stops and i in reading:  # (its coda K/V are this loop's: they stay, with no head run again)
+                    f.logits = logits[i]
+            f.chosen |= stops
+            if stops and f.used == row.loops and f.done < row.loops:
+                f.used = f.done
+            if f.done == row.loops or f.used <= f.done and net.cfg.exit_kv == "copy":
+                ended.append(row)
+        return ended
+
+    def heads(self, rows: list[Row], s: torch.Tensor) -> torch.Tensor:
+        """Logits [len(rows), V] of the rows' tokens from states s [len(rows), 1, d]: their coda and head, in one
+        forward (it writes their coda K/V)."""
+        net, dev = self.net, self.model.device
+        view = self.cache.select([r.lane for r in rows])
+        positions = torch.tensor([[r.position] for r in rows], device=dev)
+        latent = paged.Latent(torch.cat([self.flights[r.lane].e for r in rows]), s.contiguous())
+        try:
+            return paged.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
+                                       latent)[:, -1]
+        finally:
+            view.commit()
+
+    def exit_heads(self, rows: list[Row], out: Outputs) -> None:
+        """Early-exit tokens whose loops are done take their logits: from the state they exited with, by one coda and
+        head forward (or the logits their rule read at that loop); their skipped loops' K/V are copied from the last
+        loop they ran."""
+        if self.model.cfg.exit_kv == "copy":
+            for row in rows:
+                self.cache.fill_skipped(row.lane, row.position, self.flights[row.lane].used, row.loops)
+        unread = [r for r in rows if self.flights[r.lane].logits is None]
+        logits = iter(self.heads(unread, torch.cat([self.flights[r.lane].out for r in unread])) if unread else [])
+        for row in rows:
+            flight = self.flights[row.lane]
+            self.token_done(row, flight.logits if flight.logits is not None else next(logits), flight.used, out)
+
+    def token_done(self, row: Row, logits: torch.Tensor, used: int, out: Outputs) -> None:
+        """A fed token's forward is done (its last loop iteration): its logits are the lane's fresh logits."""
+        self.flights.pop(row.lane, None)
+        out.tokens[row.lane] = (logits, used)
+
+    # --- rebuilding a preempted request's cache ------------------------------------------------------------------
+    def rebuild(self, lane: int, prompt: list[int], chunk: int, loops: int, exits: ExitRule) -> None:
+        """Refill a lane's prompt with the chunks that first built it (its blocks taken)."""
+        for start in range(0, len(prompt), chunk or len(prompt)):
+            self.prefill(prompt[start:start + (chunk or len(prompt))], start, lane, loops, exits)
+
+    def refeed(self, lane: int, tokens: list[int], start: int, loops: int, exits: list[ExitRule]) -> None:
+        """Feed tokens one at a time at positions start.., each under its exit rule, as they were first fed: by loop
+        iterations where an early-exit token's depth is decided (its exits decided again, the same), else a decode
+        forward each (their blocks taken)."""
+        for j, (token, rule) in enumerate(zip(tokens, exits)):
+            adaptive = self.is_adaptive(rule)
+            if self.iterative and adaptive:
+                self.iterate([Row(lane, token, start + j, loops, rule, adaptive)], Outputs())
+            else:
+                self.decode([token], [start + j], self.lane(lane), loops, rule)

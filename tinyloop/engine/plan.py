@@ -1,0 +1,71 @@
+"""A step's plan: what the scheduler (engine/scheduler.py) hands the executor (engine/executor.py), and what comes back.
+
+A plan is plain data: which lanes run, at which positions, which tokens they feed, their loop counts and exit rules,
+and how many greedy tokens a row may draw inside a C call. Every block it writes was taken when it was made, so the
+executor takes none. Requests are named by their lane (a beam request by each hypothesis's); the executor never sees
+a Sequence. The one thing that is not data is a handle's `run` (a resume handle or a prefix cache that runs the loops
+it lacks itself): the handle lent its blocks at schedule, and its forward runs at execute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..exits import ExitRule
+from .sequence import Start
+
+
+@dataclass
+class Piece:
+    """A prefill piece: the prompt tokens `tokens` at positions start.. of the lane, all loops (a chunk does not exit
+    early)."""
+    lane: int
+    start: int
+    tokens: list[int]
+    loops: int
+    exit: ExitRule
+    whole: bool = False  # one forward over the piece, never C rows (a prefix hit's rest: as generate's prefill)
+    handle: Start | None = None  # a handle runs it instead (Start.run: it lent its blocks at schedule)
+
+
+@dataclass
+class Row:
+    """One token a lane feeds in this step's decode (or its next loop iterations, when its token is in flight)."""
+    lane: int
+    token: int
+    position: int
+    loops: int
+    exit: ExitRule
+    adaptive: bool  # its depth is decided per token: an early-exit rule, the exit gate, a forced depth
+    greedy: bool = False  # its next token is a plain argmax that C may draw, and nothing waits for a lane or a prefill
+    # greedy tokens it may draw inside a C call after this one, as their forced depths (each its exit threshold where
+    # it has no schedule); empty: it returns to the sampler (Runner.ahead)
+    draws: list[float] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Plan:
+    """What one step's forwards run, their blocks already taken."""
+    step: int
+    pieces: list[Piece] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    driven: list[int] = field(default_factory=list)  # lanes whose driver runs their own forwards (speculation)
+
+    def lanes(self) -> list[int]:
+        """The lanes whose forwards the step runs."""
+        return [p.lane for p in self.pieces] + [r.lane for r in self.rows] + self.driven
+
+
+@dataclass
+class Outputs:
+    """What a step's forwards gave back, by lane."""
+    # a fed token's forward done (a decode row, or its last loop iteration): its logits [V] and the loops it ran
+    tokens: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # greedy tokens the C passes drew, with the loops of each (taken before any fresh logits)
+    drawn: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # a prefill piece done: (lane, tokens it covered, logits [V] of its last position, loops it ran, seconds)
+    pieces: list[tuple[int, int, torch.Tensor, int, float]] = field(default_factory=list)
+    failed: dict[int, Exception] = field(default_factory=dict)  # a piece's own fault (its handle was freed)
+    lone_row_seconds: float | None = None  # a decode forward of one row: its time (a speculative driver learns it)
