@@ -156,7 +156,7 @@ class Scheduler:
         except BudgetError as exc:
             finished += self.out_of_blocks(exc)
             return self.still_admitted(plan)
-        ahead = self.may_run_ahead()
+        ahead = self.may_run_ahead(plan)
         plan.rows = [self.row(s, ahead) for s in rows]
         plan.driven = [s.place.lane for s in driven]
         return plan
@@ -176,11 +176,13 @@ class Scheduler:
         return Row(seq.place.lane, seq.token, seq.pos - seq.place.prompt_row, seq.loops, rule,
                    self.executor.is_adaptive(rule), greedy, draws, c.ignore_eos)
 
-    def may_run_ahead(self) -> bool:
-        """Whether rows may draw tokens inside a C call now: not while other work waits for a lane or a prefill (a
-        call that runs ahead would hold it back)."""
-        return self.executor.options.run_ahead and not any(self.prefilling(s) for s in self.admitted) \
-            and not (self.waiting and self.free_lanes)
+    def may_run_ahead(self, plan: Plan) -> bool:
+        """Whether rows may draw tokens inside a C call in this step: not while other work waits for a lane or a
+        prefill after the plan's pieces (a call that runs ahead would hold it back)."""
+        by_lane = self.by_lane()
+        done = {p.lane for p in plan.pieces if p.handle is not None or p.start + len(p.tokens) == len(by_lane[p.lane].prompt)}
+        return self.executor.options.run_ahead and not (self.waiting and self.free_lanes) \
+            and not any(self.prefilling(s) and s.place.lane not in done for s in self.admitted)
 
     def still_admitted(self, plan: Plan) -> Plan:
         """The plan less the work of requests preempted while it was made (no decode rows: the step goes on with its
