@@ -62,7 +62,7 @@ HOLD_SCRIPT = textwrap.dedent("""
 
 def baseline_tree(rev: str) -> Path | None:
     """A directory holding the baseline revision's `tinyloop` package, or None without git or that revision."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the repository: scripts/bench/engine.py
     out = Path(tempfile.mkdtemp(prefix="tinyloop-baseline-"))
     try:
         archive = subprocess.run(["git", "-C", str(root), "archive", rev, "tinyloop"], capture_output=True, check=True)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from scripts.bench.batch import bench_batch
+from scripts.bench.core import bench_core
 from scripts.bench.depth import bench_depth
 from scripts.bench.detokenize import bench_detokenize
 from scripts.bench.gguf import bench_gguf
@@ -111,13 +112,14 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "speculative": bench_speculative,
     "detokenize": bench_detokenize,
     "engine": bench_engine,
+    "core": bench_core,
     "logprobs": bench_logprobs,
     "depth": bench_depth,
     "service": bench_service,
     "peers": bench_peers,
     "gguf": bench_gguf,
 }
-OPT_IN = ("peers", "gguf")  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)
+OPT_IN = ("peers", "gguf", "core")  # minutes long (peers and gguf also need the optional peers): run only when asked for
 
 
 def run_bench(model_path: str | None = None, sections: list[str] | None = None, quick: bool = False,
