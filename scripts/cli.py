@@ -257,10 +257,13 @@ def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> 
 
 @main.command()
 def modes() -> None:
-    """Print the mode matrix (which runtime modes compose with which calls) as a markdown table."""
-    from tinyloop.modes import markdown_table
+    """Print the mode matrix (which runtime modes compose with which calls) as a markdown table, and the modes a
+    depth range (elastic depth) is refused with."""
+    from tinyloop.modes import depth_range_table, markdown_table
 
     click.echo(markdown_table())
+    click.echo()
+    click.echo(depth_range_table())
 
 
 @main.command()
