@@ -107,3 +107,31 @@ def test_bad_input_is_refused_clearly(bundled_model, make_artifact):
     # under early exit min_loops stays the exit rule's floor, as before: no range, no refusal
     assert GenerateConfig(loops=8, min_loops=2, early_exit_threshold=0.1).validate(m).depth_floor(m) is None
     assert depth_range_table() in open("docs/modes.md").read()
+
+
+def test_served_through_the_gateway_with_stats_usage_and_metrics(bundled_model):
+    """`tinyloop serve --tpot-slo 1us` (always over target) behind the gateway: a request with a floor gives up depth
+    down to it and says so in its usage and the metrics; one without a range is the fixed-depth answer."""
+    from test_gateway import free_port
+    from test_service_model_facts import Served
+
+    metrics = free_port()
+    with Served(["--tpot-slo", "1us", "--ttft-slo", "30s", "--metrics-port", str(metrics)],
+                env={"TINYLOOP_RUN_AHEAD": "0"}) as svc:  # (a step a token: the controller acts while it runs)
+        body = {"prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0, "loops": 8}
+        ranged = svc.post("/v1/completions", {**body, "min_loops": 3})
+        fixed = svc.post("/v1/completions", body)
+        bad = httpx.post(svc.url + "/v1/completions", json={**body, "min_loops": 9}, timeout=60)
+        text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text
+    loops = ranged["usage"]["loops"]
+    assert loops["min"] == 3 and 3 < loops["mean"] < 8 and loops["below_asked"] > 0  # the floor held
+    assert sum(loops["histogram"].values()) == 32 and loops["loss_increase"] >= 0
+    assert fixed["usage"]["loops"] == {"mean": 8, "min": 8, "below_asked": 0, "histogram": {"8": 32},
+                                       "loss_increase": 0}
+    assert fixed["choices"][0]["text"] == generate(bundled_model, PROMPTS[0], GenerateConfig(max_tokens=32,
+                                                                                               loops=8)).text
+    assert bad.status_code == 400 and "9 is more than the 8 loops" in bad.text and "min_loops" in bad.text
+    below = next(line for line in text.splitlines() if line.startswith("tinyloop_tokens_below_asked_loops_total"))
+    assert float(below.split()[-1]) == loops["below_asked"]
+    assert 'tinyloop_token_loops_bucket{le="3.0"} ' in text and "tinyloop_token_loops_count 64.0" in text
+    assert "tinyloop_recent_loops_mean" in text and "tinyloop_recent_below_asked_loops_ratio" in text

@@ -221,8 +221,10 @@ class GenerateStats:
     def line(self) -> str:
         return (f"[{self.generated_tokens} tokens, stop={self.stop_reason}, prefill {self.prefill_ms:.1f} ms, "
                 f"first token {self.first_token_ms:.1f} ms, decode {self.decode_ms:.1f} ms "
-                f"({self.generated_tokens / max(self.decode_ms, 1e-9) * 1000:.1f} tok/s), loops {self.loops_mean:.2f}, "
-                f"cache {self.cache_mode}]")
+                f"({self.generated_tokens / max(self.decode_ms, 1e-9) * 1000:.1f} tok/s), loops {self.loops_mean:.2f}"
+                + (f" (min {self.loops_min}, {self.tokens_below_loops} tokens below the asked loops, estimated loss "
+                   f"+{self.loss_increase:.4f} nats/token)" if self.tokens_below_loops else "")
+                + f", cache {self.cache_mode}]")
 
 
 @dataclass

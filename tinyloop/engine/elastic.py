@@ -16,6 +16,7 @@ forced_depth) in notches: NOTCHES steps across [floor, loops].
   - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
 A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
 A lane once capped leaves the prefix cache alone (Sequence.cacheable): its K/V are not the fixed-depth K/V.
+This module imports no torch (the CLI parses the targets with it).
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .sequence import Sequence
+if TYPE_CHECKING:  # (this module imports no torch: the CLI reads parse_seconds and Targets without it)
+    from .sequence import Sequence
 
 NOTCHES = 8  # steps across a lane's range [floor, loops]
 LOWER_EVERY = 4  # steps between two lowerings
