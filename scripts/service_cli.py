@@ -552,6 +552,10 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--kv-routing", is_flag=True,
               help="Start services itself and compare two 1-worker replicas behind a router fed by their KV-cache "
                    "events with round robin (8 shared prefixes x 8 suffixes), and the events' cost.")
+@click.option("--elastic", is_flag=True,
+              help="Start 1- and 2-worker services with latency targets and compare fixed depth with elastic depth "
+                   "(loops 16, floor 4) under open-loop load at 0.5x-2x the fixed-depth capacity (docs/engine.md, "
+                   "'Elastic depth').")
 @click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
               help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
@@ -563,7 +567,7 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
                    "int8, int4 or int4:GROUP.")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
                      plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, kv_routing,
-                     model_path, threads, curve_dir, weights) -> None:
+                     elastic, model_path, threads, curve_dir, weights) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     import os
 
@@ -599,6 +603,11 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         from scripts.load.behind import behind_long_side_by_side
 
         results = behind_long_side_by_side(before=before, echo=click.echo)
+    elif elastic:
+        from scripts.load.elastic import elastic_side_by_side
+
+        results = elastic_side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
+                                       threads=threads, echo=click.echo)
     elif kv_routing:
         from scripts.load.kv_routing import kv_routing_side_by_side
 

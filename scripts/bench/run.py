@@ -13,6 +13,7 @@ import torch
 from scripts.bench.batch import bench_batch
 from scripts.bench.depth import bench_depth
 from scripts.bench.detokenize import bench_detokenize
+from scripts.bench.elastic import bench_elastic
 from scripts.bench.gguf import bench_gguf
 from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from tinyloop.cache import CACHE_MODES
@@ -116,8 +117,11 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "service": bench_service,
     "peers": bench_peers,
     "gguf": bench_gguf,
+    "elastic": bench_elastic,
 }
-OPT_IN = ("peers", "gguf")  # minutes long and needs the optional peers: runs only when asked for (--peers or --section)
+# minutes long (and peers, gguf need optional peers; elastic starts four services): run only when asked for (--peers
+# or --section)
+OPT_IN = ("peers", "gguf", "elastic")
 
 
 def run_bench(model_path: str | None = None, sections: list[str] | None = None, quick: bool = False,
