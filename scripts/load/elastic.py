@@ -9,8 +9,9 @@ each printing TTFT and TPOT p50 / p99, goodput (requests meeting both targets pe
 generated tokens, the estimated loss increase (the model's loss-by-loops table), and at 0.5x whether the elastic
 run's tokens are identical to fixed depth's (no depth given up when it is not needed).
 
-The targets default to what the capacity run measured (TPOT: 1.25x its p50; TTFT: 4x an unloaded request's
-latency), so the figure means the same on a fast and a slow machine. Request loops are bounded (`loops`, `floor`),
+The targets default to what fixed depth meets at half its capacity, with a margin (TPOT: 1.25x its p99; TTFT: 2x its
+p99, at least 4x an unloaded request's latency), measured on a service without targets before the runs, so the
+figure means the same on a fast and a slow machine. Request loops are bounded (`loops`, `floor`),
 every service listens on loopback (ipc) only.
 """
 from __future__ import annotations
@@ -113,10 +114,12 @@ def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, .
             alone, _ = asyncio.run(open_loop(svc.frontend, 0, 3, fixed_p, 0, 600, closed=1))
             records, seconds = asyncio.run(open_loop(svc.frontend, 0, n_requests, fixed_p, 0, 600,
                                                      closed=lanes * n_workers))
-        capacity = len(records) / seconds
+            capacity = len(records) / seconds
+            # the targets: what fixed depth meets at half its capacity, with a margin (so at 0.5x no depth is needed)
+            half, _ = asyncio.run(open_loop(svc.frontend, capacity / 2, n_requests, fixed_p, 3, 600))
         unloaded = min(r["ttft"] + (r["tpot"] or 0) * (len(r["tokens"]) - 1) for r in alone)
-        tpot = tpot_slo or 1.25 * summarize([r["tpot"] for r in records if r["tpot"]])["p50"]
-        ttft = ttft_slo or 4 * unloaded
+        tpot = tpot_slo or 1.25 * summarize([r["tpot"] for r in half if r["tpot"]])["p99"]
+        ttft = ttft_slo or max(4 * unloaded, 2 * summarize([r["ttft"] for r in half])["p99"])
         echo(f"  {n_workers} worker(s), {lanes} lanes each, threads {threads or 1}: fixed-depth capacity "
              f"{capacity:.2f} req/s ({loops} loops, {max_tokens} tokens); targets TPOT {tpot * 1000:.1f} ms, "
              f"TTFT {ttft * 1000:.0f} ms")

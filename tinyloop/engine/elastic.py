@@ -13,6 +13,8 @@ forced_depth) in notches: NOTCHES steps across [floor, loops].
     least lowered (so lanes come down together); never below a floor;
   - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
+  - a ranged lane starts at the controller's level (the median notch of the ranged lanes, one lower after every
+    RAISE_AFTER calm steps), so a request that arrives under sustained load does not start at full depth;
   - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
 A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
 A lane once capped leaves the prefix cache alone (Sequence.cacheable): its K/V are not the fixed-depth K/V.
@@ -79,6 +81,11 @@ class DepthController:
         self.pressure = 0.0  # the last step's
         self.tpot = 0.0  # measured over the window
         self.lowered = self.raised = 0  # notches given up and given back, in all
+        # the notch a ranged lane starts at when it is first steered: the median of the ranged lanes' after the last
+        # step, one lower after every RAISE_AFTER calm steps (a request lives a few dozen steps: one that starts at
+        # full depth under sustained load would be lowered only a notch or two before it ends)
+        self.level = 0
+        self.seen: set[int] = set()  # id(seq) of the lanes steered so far (those still admitted)
 
     # --- measuring ----------------------------------------------------------------------------------------------
     def measure(self, admitted: list[Sequence], waiting: list[Sequence]) -> float:
@@ -131,6 +138,16 @@ class DepthController:
         self.since_lowered += 1
         self.pressure = self.measure(admitted, waiting)
         ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
+        for seq in ranged:
+            if id(seq) not in self.seen and self.level:
+                self.move(seq, self.level)
+        self.seen = {id(s) for s in ranged}
+        self.adjust(ranged)
+        notches = sorted(s.depth_notch for s in ranged)
+        if notches:
+            self.level = notches[len(notches) // 2]
+
+    def adjust(self, ranged: list[Sequence]) -> None:
         if self.pressure > 1.0:
             self.calm = 0
             down = sorted((s for s in ranged if s.depth_notch < NOTCHES), key=self.tolerance)
@@ -146,6 +163,7 @@ class DepthController:
             for seq in up[:math.ceil(len(up) / 2)]:
                 self.shift(seq, -1)
                 self.raised += 1
+            self.level = max(0, self.level - 1)
             self.calm = 0
 
     def snapshot(self, admitted: list[Sequence]) -> dict:
