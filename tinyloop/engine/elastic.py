@@ -8,8 +8,8 @@ the pressure, the largest of
   - the age of the oldest waiting request (no lane yet) / Targets.queue_s (ttft_s when no queue_s is given),
 and steers each lane's depth cap (Sequence.depth_cap; the scheduler forces each token's loops to it, Sequence.
 forced_depth) in notches: NOTCHES steps across [floor, loops].
-  - over target (pressure > 1): at most every LOWER_EVERY steps, the most tolerant half of the lanes that are above
-    their floor go one notch down: lowest priority first (where a request has one), then the widest range, then the
+  - over target (pressure > 1) for LOWER_EVERY steps in a row, and at most every LOWER_EVERY steps: the most
+    tolerant half of the lanes that are above their floor go one notch down: lowest priority first (where a request has one), then the widest range, then the
     least lowered (so lanes come down together); never below a floor;
   - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
@@ -77,7 +77,7 @@ class DepthController:
         self.last: float | None = None  # when the last step was steered
         self.counts: dict[int, int] = {}  # id(seq) -> tokens it had at the last step
         self.window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW)  # (seconds, tokens, decoding lanes)
-        self.steps = self.since_lowered = self.calm = 0
+        self.steps = self.since_lowered = self.calm = self.over = 0  # (over, calm: steps in a row)
         self.pressure = 0.0  # the last step's
         self.tpot = 0.0  # measured over the window
         self.lowered = self.raised = 0  # notches given up and given back, in all
@@ -149,14 +149,16 @@ class DepthController:
 
     def adjust(self, ranged: list[Sequence]) -> None:
         if self.pressure > 1.0:
-            self.calm = 0
+            self.calm, self.over = 0, self.over + 1
             down = sorted((s for s in ranged if s.depth_notch < NOTCHES), key=self.tolerance)
-            if down and self.since_lowered >= LOWER_EVERY:
+            # (over target for LOWER_EVERY steps in a row: one slow step, a long prompt's piece, lowers nothing)
+            if down and self.since_lowered >= LOWER_EVERY and self.over >= LOWER_EVERY:
                 for seq in down[:math.ceil(len(down) / 2)]:
                     self.shift(seq, 1)
                     self.lowered += 1
                 self.since_lowered = 0
             return
+        self.over = 0
         self.calm = self.calm + 1 if self.pressure < CALM else 0
         if self.calm >= RAISE_AFTER:
             up = sorted((s for s in ranged if s.depth_notch > 0), key=self.tolerance, reverse=True)
