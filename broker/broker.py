@@ -702,6 +702,7 @@ class Broker:
             params=req.params,
             stream=req.stream,
             timeout_s=max(0.0, req.deadline - now),
+            queued_s=min(max(0.0, now - req.arrived), protocol.MAX_TIMEOUT_S),
             **continuation,
         )
 
@@ -754,6 +755,7 @@ class Broker:
                 self.metrics.ttft.observe(req.dispatched_at - req.arrived + stats["first_token_ms"] / 1000)
             if generated > 1 and stats.get("decode_ms") is not None:
                 self.metrics.tpot.observe(stats["decode_ms"] / 1000 / (generated - 1))
+            self.metrics.depth(stats)
         # counted before the reply goes out: a client that reads /metrics on its answer finds its request there
         self.send_client(req.client, "done", id=req.client_id, result=result)
         self.log_request(req, "done", result.get("worker"), stats=stats)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +29,9 @@ STALLED_AFTER_S = 5.0
 # Buckets in seconds: from sub-millisecond broker round trips to minute-long CPU generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Loops a generated token ran (elastic depth, early exit): every count up to 16, then the usual depths of big models.
+LOOP_BUCKETS = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128)
+RECENT_S = 30.0  # the window of the tinyloop_recent_* depth gauges
 
 
 class BrokerMetrics:
@@ -77,6 +81,19 @@ class BrokerMetrics:
         self.worker_kv_usage = Gauge("tinyloop_worker_kv_cache_usage_ratio", "Share of a worker's KV blocks held by "
                                      "running requests and handles, 0 to 1", ["worker"], registry=r)
         self.worker_series: set[str] = set()
+        # The depth tokens ran (elastic depth: docs/engine.md; early exit), from each finished request's stats: what
+        # quality was traded for latency
+        self.token_loops = Histogram("tinyloop_token_loops", "Loops each generated token ran", buckets=LOOP_BUCKETS,
+                                     registry=r)
+        self.tokens_below = Counter("tinyloop_tokens_below_asked_loops", "Generated tokens that ran fewer loops than "
+                                    "their request asked (elastic depth's cap, early exit)", registry=r)
+        self.recent_loops = Gauge("tinyloop_recent_loops_mean", f"Mean loops per generated token over the last "
+                                  f"{RECENT_S:.0f} s of finished requests", registry=r)
+        self.recent_below = Gauge("tinyloop_recent_below_asked_loops_ratio", f"Share of generated tokens below "
+                                  f"their asked loops over the last {RECENT_S:.0f} s", registry=r)
+        self.recent_loss = Gauge("tinyloop_recent_loss_increase", f"Estimated rise of loss per token (nats, the "
+                                 f"model's loss_vs_loops) over the last {RECENT_S:.0f} s", registry=r)
+        self.recent: deque[tuple[float, int, float, int, float]] = deque()  # (at, tokens, loops, below, loss)
         # Written by the broker loop, read by the HTTP thread; replaced whole, so no lock is needed.
         self.health: dict = {"at": time.monotonic(), "uptime_s": 0.0, "instance": None,
                              "readiness": {"ready": False, "problems": ["the broker is starting"]}}
@@ -96,6 +113,33 @@ class BrokerMetrics:
         for w in workers:
             self.worker_running.labels(w.name).set(len(w.running))
             self.worker_kv_usage.labels(w.name).set(w.used_blocks / w.total_blocks if w.total_blocks else 0.0)
+
+    def depth(self, stats: dict, now: float | None = None) -> None:
+        """Count the loops a finished request's tokens ran (its stats' loops_histogram) and refresh the recent
+        gauges."""
+        hist = stats.get("loops_histogram")
+        if not isinstance(hist, dict) or not hist:
+            return
+        tokens = loops = 0
+        for depth, count in hist.items():
+            try:
+                depth, count = int(depth), int(count)
+            except (TypeError, ValueError):
+                continue
+            for _ in range(min(count, 1 << 16)):
+                self.token_loops.observe(depth)
+            tokens, loops = tokens + count, loops + depth * count
+        below = int(stats.get("tokens_below_loops") or 0)
+        self.tokens_below.inc(below)
+        now = time.monotonic() if now is None else now
+        self.recent.append((now, tokens, float(loops), below, float(stats.get("loss_increase") or 0.0) * tokens))
+        while self.recent and self.recent[0][0] < now - RECENT_S:
+            self.recent.popleft()
+        n = sum(r[1] for r in self.recent)
+        if n:
+            self.recent_loops.set(sum(r[2] for r in self.recent) / n)
+            self.recent_below.set(sum(r[3] for r in self.recent) / n)
+            self.recent_loss.set(sum(r[4] for r in self.recent) / n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

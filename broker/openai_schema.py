@@ -18,7 +18,8 @@ from tinyloop.fields import (DEFAULT_MAX_TOKENS, GENERATE_FIELDS, SPECULATIVE_FI
                              list_of, number_in, plain_map, template_variables, text)
 
 # Extra body fields: the looped-model knobs (docs/gateway.md). Each maps 1:1 to a wire field, checked there.
-EXTRA_FIELDS = ("loops", "early_exit_threshold", "exit_rule", "min_loops", "cache_window", *SPECULATIVE_FIELDS)
+EXTRA_FIELDS = ("loops", "early_exit_threshold", "exit_rule", "min_loops", "max_loss_increase", "cache_window",
+                *SPECULATIVE_FIELDS)
 # the name looped-model servers (a vLLM fork for Ouro) give `loops` beside min_loops: the most loops a token runs
 ALIASES = {"max_loops": "loops"}
 # Sampler fields (OpenAI's penalties and logit_bias, vLLM's extra sampling parameters) that map 1:1 onto the wire's
@@ -472,7 +473,34 @@ def usage(results: list[tuple[int, int, dict]], plan: Plan) -> dict:
         prompt_tokens[p] = stats.get("prompt_tokens", 0)
         completion += 0 if plan.score_only else stats.get("generated_tokens", len(result.get("tokens", [])))
     prompt = sum(prompt_tokens.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    loops = usage_loops([result.get("stats", {}) for _i, _p, result in results])
+    if loops is not None and not plan.score_only:
+        out["loops"] = loops
+    return out
+
+
+def usage_loops(stats: list[dict]) -> dict | None:
+    """The depth the choices' tokens ran (elastic depth, early exit: docs/gateway.md): mean and fewest loops, the
+    tokens below their asked loops, a histogram {loops: tokens}, and the estimated loss increase per token (nats,
+    from the model's loss-by-loops table); None when no result says."""
+    hist: dict[str, int] = {}
+    below, loss, tokens = 0, 0.0, 0
+    for st in stats:
+        h = st.get("loops_histogram") if isinstance(st, dict) else None
+        if not isinstance(h, dict) or not h:
+            continue
+        n = sum(int(c) for c in h.values())
+        for depth, count in h.items():
+            hist[str(depth)] = hist.get(str(depth), 0) + int(count)
+        below += int(st.get("tokens_below_loops") or 0)
+        loss += float(st.get("loss_increase") or 0.0) * n
+        tokens += n
+    if not tokens:
+        return None
+    return {"mean": round(sum(int(d) * c for d, c in hist.items()) / tokens, 4), "min": min(int(d) for d in hist),
+            "below_asked": below, "histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "loss_increase": round(loss / tokens, 6)}
 
 
 def running_usage(results: list[tuple[int, int, dict]], streamed: dict[int, int], plan: Plan) -> dict:

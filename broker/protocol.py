@@ -264,6 +264,9 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             "timeout_s": Field(optional(number_in(0.0, MAX_TIMEOUT_S))),
             # A continuation: these tokens were already delivered to the client; generate what follows them.
             "delivered": Field(token_list(1 << 16), required=False),
+            # Seconds it waited in the broker's queue before this dispatch (elastic depth's controller counts it
+            # in a request's time to first token: docs/engine.md, "Elastic depth").
+            "queued_s": Field(number_in(0.0, MAX_TIMEOUT_S), required=False),
         },
         "cancel": {"id": REQUEST_ID},
         "heartbeat": {},

@@ -41,8 +41,12 @@ def fail(err: Exception) -> None:
 @click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
               help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
                    "(default: the model's own).")
-@click.option("--min-loops", type=click.IntRange(1), default=1, show_default=True,
-              help="No token stops looping before this many loops.")
+@click.option("--min-loops", type=click.IntRange(1), default=None,
+              help="No token runs fewer loops: early exit's floor; at a fixed depth, a depth range the service's "
+                   "load controller may use (elastic depth; in process no controller runs: every token at --loops).")
+@click.option("--max-loss-increase", type=click.FloatRange(0), default=None,
+              help="Elastic depth's quality floor: the fewest loops whose expected loss (the model's loss-by-loops "
+                   "table) is at most this many nats/token above --loops'.")
 @click.option("--beam-size", type=int, default=1, show_default=True, help="Beam search width (greedy only).")
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
@@ -57,8 +61,8 @@ def fail(err: Exception) -> None:
               help="Weight format: fp32, bf16, int8, int4 or int4:GROUP (default: the artifact's own). On the CPU "
                    "int8 / int4 products quantise activations to int8 (TINYLOOP_ACT_QUANT=off: weight-only).")
 def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, top_k, top_p, repetition_penalty, seed,
-             stop, cache_mode, cache_window, early_exit, exit_rule, min_loops, beam_size, grammar, speculative, chat,
-             system, dtype, init_scale, weights) -> None:
+             stop, cache_mode, cache_window, early_exit, exit_rule, min_loops, max_loss_increase, beam_size, grammar,
+             speculative, chat, system, dtype, init_scale, weights) -> None:
     """Generate a continuation of PROMPT, streamed, then print the stats line.
 
     stdout carries the prompt and the answer only; the stats line and errors go to stderr. Everything
@@ -85,7 +89,8 @@ def generate(prompt, model_path, max_tokens, max_seq_len, loops, temperature, to
         cfg = tinyloop.GenerateConfig(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
                                       stop_sequences=list(stop), beam_size=beam_size, grammar=grammar,
-                                      exit_rule=exit_rule, min_loops=min_loops)
+                                      exit_rule=exit_rule, min_loops=min_loops,
+                                      max_loss_increase=max_loss_increase)
         if cache_window is not None:
             cfg.cache_window = cache_window
         if early_exit is not None:
@@ -257,10 +262,13 @@ def bench(model_path, sections, quick, peers, json_path, plot_path, weights) -> 
 
 @main.command()
 def modes() -> None:
-    """Print the mode matrix (which runtime modes compose with which calls) as a markdown table."""
-    from tinyloop.modes import markdown_table
+    """Print the mode matrix (which runtime modes compose with which calls) as a markdown table, and the modes a
+    depth range (elastic depth) is refused with."""
+    from tinyloop.modes import depth_range_table, markdown_table
 
     click.echo(markdown_table())
+    click.echo()
+    click.echo(depth_range_table())
 
 
 @main.command()

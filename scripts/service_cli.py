@@ -95,16 +95,35 @@ def worker_options(fn):
         click.option("--kv-events-seed", default="", show_default=True,
                      help="Seed of the block hashes (llm-d's HashSeed, vLLM's PYTHONHASHSEED): the same on every "
                           "replica and across restarts."),
+        click.option("--tpot-slo", default=None, callback=latency, metavar="TIME",
+                     help="Elastic depth: target time per output token, e.g. 40ms; over it, requests with a depth "
+                          "range (min_loops, max_loss_increase) run fewer loops (docs/engine.md, 'Elastic depth')."),
+        click.option("--ttft-slo", default=None, callback=latency, metavar="TIME",
+                     help="Elastic depth: target time to first token (broker queue included), e.g. 2s."),
+        click.option("--queue-slo", default=None, callback=latency, metavar="TIME",
+                     help="Elastic depth: target time a request waits for a lane (default: --ttft-slo)."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
+def latency(ctx, param, value):
+    """A latency target ('40ms', '0.04s', '0.04') in seconds (tinyloop/engine/elastic.py's parse_seconds)."""
+    if value is None:
+        return None
+    from tinyloop.engine.elastic import parse_seconds  # (no torch)
+
+    try:
+        return parse_seconds(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
                 heartbeat_interval, threads, curve_dir, max_lanes=16, weights=None, prefill_chunk=None,
                 kv_events_endpoint=None, kv_events_replay_endpoint=None, kv_events_topic=None,
-                kv_events_seed="") -> list[str]:
+                kv_events_seed="", tpot_slo=None, ttft_slo=None, queue_slo=None) -> list[str]:
     """The same options as command-line arguments, for child processes."""
     args = ["--max-seq-len", str(max_seq_len), "--max-handles", str(max_handles),
             "--heartbeat-interval", str(heartbeat_interval), "--max-lanes", str(max_lanes)]
@@ -113,7 +132,8 @@ def worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_b
                         ("--curve-dir", curve_dir), ("--weights", weights), ("--prefill-chunk", prefill_chunk),
                         ("--kv-events-endpoint", kv_events_endpoint),
                         ("--kv-events-replay-endpoint", kv_events_replay_endpoint),
-                        ("--kv-events-topic", kv_events_topic), ("--kv-events-seed", kv_events_seed or None)):
+                        ("--kv-events-topic", kv_events_topic), ("--kv-events-seed", kv_events_seed or None),
+                        ("--tpot-slo", tpot_slo), ("--ttft-slo", ttft_slo), ("--queue-slo", queue_slo)):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -218,8 +238,8 @@ def broker_command(frontend, backend, max_queue, heartbeat_interval, default_tim
 @log_level_option
 def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, max_handles, vram_budget,
                    prefix_file, heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk,
-                   kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_seed, kv_events_rank,
-                   plan_only, log_level) -> None:
+                   kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_seed, tpot_slo,
+                   ttft_slo, queue_slo, kv_events_rank, plan_only, log_level) -> None:
     """Run one worker: load the model, check its memory plan, serve requests from the broker."""
     import os
 
@@ -232,7 +252,8 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
                          threads=threads, curve_dir=curve_dir, plan_only=plan_only, max_lanes=max_lanes,
                          weights=weights, prefill_chunk=prefill_chunk, kv_events_endpoint=kv_events_endpoint,
                          kv_events_replay=kv_events_replay_endpoint, kv_events_topic=kv_events_topic,
-                         kv_events_seed=kv_events_seed, kv_events_rank=kv_events_rank)
+                         kv_events_seed=kv_events_seed, kv_events_rank=kv_events_rank, tpot_slo=tpot_slo,
+                         ttft_slo=ttft_slo, queue_slo=queue_slo)
     sys.exit(run_worker(opts))
 
 
@@ -267,7 +288,7 @@ def worker_command(connect, name, model_path, max_seq_len, cache_mode, device, m
 def serve_command(n_workers, frontend, backend, max_queue, metrics_port, metrics_host, model_path, max_seq_len,
                   cache_mode, device, max_handles, vram_budget, prefix_file, heartbeat_interval, threads, curve_dir,
                   max_lanes, weights, prefill_chunk, kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic,
-                  kv_events_seed, device_budget, max_attempts, skip_plan_check, log_dir,
+                  kv_events_seed, tpot_slo, ttft_slo, queue_slo, device_budget, max_attempts, skip_plan_check, log_dir,
                   startup_timeout, log_level, http_port, http_host, api_key_file) -> None:
     """Start the broker and N workers; restart workers that die; stop cleanly on Ctrl-C or SIGTERM."""
     from broker.launcher import threads_per_worker
@@ -278,7 +299,7 @@ def serve_command(n_workers, frontend, backend, max_queue, metrics_port, metrics
         threads = threads_per_worker(n_workers)  # N workers share the cores instead of oversubscribing
     wargs = worker_args(model_path, max_seq_len, cache_mode, device, max_handles, vram_budget, prefix_file,
                         heartbeat_interval, threads, curve_dir, max_lanes, weights, prefill_chunk, kv_events_endpoint,
-                        kv_events_replay_endpoint, kv_events_topic, kv_events_seed)
+                        kv_events_replay_endpoint, kv_events_topic, kv_events_seed, tpot_slo, ttft_slo, queue_slo)
     gateway = None
     if http_port is not None:  # the gateway waits for the broker by itself (its /health says when it is ready)
         if "*" in frontend:
@@ -345,7 +366,12 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
               help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
                    "(default: the model's own).")
-@click.option("--min-loops", type=click.IntRange(1), default=None, help="No token stops looping before this many loops.")
+@click.option("--min-loops", type=click.IntRange(1), default=None,
+              help="No token runs fewer loops: early exit's floor; at a fixed depth, a depth range the workers' load "
+                   "controller may use under load (elastic depth: serve --tpot-slo / --ttft-slo).")
+@click.option("--max-loss-increase", type=click.FloatRange(0), default=None,
+              help="Elastic depth's quality floor: the most the expected loss per token may rise (nats, the model's "
+                   "loss-by-loops table).")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode (op speculative): draft loops, verify loops, draft-ahead, tree width.")
 @click.option("--chat", is_flag=True, help="PROMPT is a user message: the worker renders it with the model's chat "
@@ -357,8 +383,8 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, speculative, chat, system, timeout,
-                   no_stream, as_json, curve_dir) -> None:
+                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, max_loss_increase, speculative,
+                   chat, system, timeout, no_stream, as_json, curve_dir) -> None:
     """Send one request to a running service and stream the answer.
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
@@ -367,7 +393,8 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
 
     config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
-                  cache_window=cache_window, early_exit_threshold=early_exit, exit_rule=exit_rule, min_loops=min_loops)
+                  cache_window=cache_window, early_exit_threshold=early_exit, exit_rule=exit_rule, min_loops=min_loops,
+                  max_loss_increase=max_loss_increase)
     config = {k: v for k, v in config.items() if v is not None}
     if stop:
         config["stop_sequences"] = list(stop)
@@ -443,6 +470,9 @@ def stats_line(reply: "Reply") -> str:  # noqa: F821 - broker.client.Reply, impo
         drafted, accepted = stats["drafted"], stats.get("accepted") or 0
         line += (f", speculative {accepted}/{drafted} drafted tokens accepted ({accepted / drafted if drafted else 0:.0%}), "
                  f"{stats.get('tokens_per_verify') or 0:.2f} tokens per verify step")
+    if stats.get("tokens_below_loops"):  # elastic depth (or early exit) gave up depth: say what was traded
+        line += (f" (min {stats.get('loops_min')}, {stats['tokens_below_loops']} tokens below the asked loops, "
+                 f"estimated loss +{stats.get('loss_increase') or 0:.4f} nats/token)")
     if stats.get("continued_after"):
         line += f", continued after {stats['continued_after']} tokens on another worker"
     return line + "]"
@@ -522,6 +552,10 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
 @click.option("--kv-routing", is_flag=True,
               help="Start services itself and compare two 1-worker replicas behind a router fed by their KV-cache "
                    "events with round robin (8 shared prefixes x 8 suffixes), and the events' cost.")
+@click.option("--elastic", is_flag=True,
+              help="Start 1- and 2-worker services with latency targets and compare fixed depth with elastic depth "
+                   "(loops 16, floor 4) under open-loop load at 0.5x-2x the fixed-depth capacity (docs/engine.md, "
+                   "'Elastic depth').")
 @click.option("--model", "model_path", default=None, type=click.Path(exists=True, resolve_path=True),
               help="Model for --side-by-side (default: bundled).")
 @click.option("--threads", type=int, default=None,
@@ -533,7 +567,7 @@ def status_command(connect, as_json, timeout, curve_dir) -> None:
                    "int8, int4 or int4:GROUP.")
 def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_tokens, op, timeout, seed, json_path,
                      plot_path, soak, side_by_side, batching, before, behind_long, prefix_routing, kv_routing,
-                     model_path, threads, curve_dir, weights) -> None:
+                     elastic, model_path, threads, curve_dir, weights) -> None:
     """Load a running service (or, with --side-by-side or --soak, services it starts) and report latency and throughput."""
     import os
 
@@ -569,6 +603,11 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
         from scripts.load.behind import behind_long_side_by_side
 
         results = behind_long_side_by_side(before=before, echo=click.echo)
+    elif elastic:
+        from scripts.load.elastic import elastic_side_by_side
+
+        results = elastic_side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
+                                       threads=threads, echo=click.echo)
     elif kv_routing:
         from scripts.load.kv_routing import kv_routing_side_by_side
 

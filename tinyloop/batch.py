@@ -94,10 +94,11 @@ class Scheduler:
 
     The model is held (BusyError otherwise) only during a step, so other calls may run between steps."""
 
-    def __init__(self, model, lanes: int = DEFAULT_LANES):
+    def __init__(self, model, lanes: int = DEFAULT_LANES, depth_control=None):
         model.check_alive()
         self.model = model
-        self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len))
+        # depth_control: elastic depth's controller (tinyloop/engine/elastic.py), None: every lane at its asked depth
+        self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len), depth_control=depth_control)
         self.windowed: dict[int, Runner] = {}  # id(seq) -> the runner of a windowed request
         self.pools: dict[int, PrefixPool] = {}  # id(seq) -> the pool a request goes through
 

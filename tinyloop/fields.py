@@ -199,7 +199,11 @@ GENERATE_FIELDS: dict[str, Check] = {
     "cache_window": int_in(0, 1 << 20),
     "early_exit_threshold": number_in(0.0, 1e6),
     "exit_rule": optional(choice(EXIT_RULES)),
-    "min_loops": int_in(1, MAX_LOOPS),
+    # the fewest loops a token runs: under early exit its rule's floor; otherwise, with `loops` above it, a depth
+    # range the worker's load controller may use (elastic depth, docs/engine.md). None: no floor (fixed depth)
+    "min_loops": optional(int_in(1, MAX_LOOPS)),
+    # elastic depth's quality floor: the most the expected loss per token may rise (nats, the model's loss_vs_loops)
+    "max_loss_increase": optional(number_in(0.0, 100.0)),
     # the sampler's further controls (the ones vLLM's clients send, docs/gateway.md)
     "min_p": number_in(0.0, 1.0),
     "presence_penalty": number_in(-2.0, 2.0),

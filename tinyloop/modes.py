@@ -45,6 +45,45 @@ def check_modes(call: str, cache_mode: str, cfg) -> None:
                             f"(mode matrix: {mode} x {call} is rejected)")
 
 
+# Elastic depth (a depth range: GenerateConfig.min_loops below loops at a fixed depth, or max_loss_increase; the
+# worker's load controller picks each token's loops in it, docs/engine.md) against the modes where the range means
+# nothing. Each row: what it is, whether a config (or the model) has it, and why the range is meaningless there.
+DEPTH_RANGE = "depth range (min_loops below loops, or max_loss_increase)"
+DEPTH_RANGE_ROWS: dict[str, tuple[str, str]] = {
+    "beam": ("Beam search (beam_size > 1)", "its hypotheses are ranked by scores at one depth"),
+    "cache_window": ("cache_window > 0", "a windowed request runs alone in a ring cache, out of the batch the "
+                     "controller steers"),
+    "early_exit": ("early exit (early_exit_threshold > 0, an exit_rule, or the model's exit gate)",
+                   "its rule chooses each token's depth (min_loops is then the rule's floor)"),
+    "exit_schedule": ("exit_schedule", "it forces every token's depth itself"),
+    "exit_kv_compute": ("exit_kv 'compute' (this model's family)", "a token below its loops still runs them all "
+                        "for their K/V, so fewer loops save nothing"),
+    "speculative": ("speculative decoding", "its drafts and verification run at depths of their own"),
+}
+
+
+def depth_range_conflicts(model, cfg, speculative: bool = False) -> list[str]:
+    """The DEPTH_RANGE_ROWS a config (on this model) has."""
+    has = {"beam": cfg.beam_size > 1, "cache_window": cfg.cache_window > 0,
+           "early_exit": cfg.max_loss_increase is not None and cfg.exits_early(model),
+           "exit_schedule": bool(cfg.exit_schedule), "exit_kv_compute": model.cfg.exit_kv == "compute",
+           "speculative": speculative}
+    return [name for name in DEPTH_RANGE_ROWS if has[name]]
+
+
+def check_depth_range(model, cfg, speculative: bool = False) -> None:
+    """ModeError naming both sides when a config asks a depth range where it means nothing."""
+    for name in depth_range_conflicts(model, cfg, speculative):
+        title, why = DEPTH_RANGE_ROWS[name]
+        raise ModeError(f"a {DEPTH_RANGE} cannot be combined with {title}: {why}")
+
+
+def depth_range_table() -> str:
+    lines = ["| Mode | Depth range |", "|---|---|"]
+    lines += [f"| {title} | ❌ {why} |" for title, why in DEPTH_RANGE_ROWS.values()]
+    return "\n".join(lines)
+
+
 def markdown_table() -> str:
     mark = {"yes": "✅", "partial": "⚠ partial", "no": "❌"}
     lines = ["| Mode | " + " | ".join(CALL_TITLES[c] for c in CALLS) + " |",

@@ -31,7 +31,13 @@ class GenerateConfig:
     cache_window: int = field(default_factory=lambda: env_number("TINYLOOP_CACHE_WINDOW", int, 0, 0))
     early_exit_threshold: float = field(default_factory=lambda: env_number("TINYLOOP_EARLY_EXIT", float, 0.0, 0.0))
     exit_rule: str | None = None  # what early exit compares (tinyloop/exits.py); None: the model's own rule
-    min_loops: int = 1  # no token stops looping before this many loops (`loops` is the most it runs)
+    # the fewest loops a token runs (`loops` is the most): under early exit, its rule's floor; at a fixed depth with
+    # loops above it, a depth range the worker's load controller may use (elastic depth, docs/engine.md, "Elastic
+    # depth"). None: no floor, fixed depth
+    min_loops: int | None = None
+    # elastic depth's quality floor: the depth range reaches down to the fewest loops whose expected loss (the
+    # model's loss_vs_loops table) is at most this many nats/token above that of `loops`. None: no such floor
+    max_loss_increase: float | None = None
     # a forced exit pattern (benchmarks, research; in process only): generated token i stops after
     # exit_schedule[i % len] loops whatever the rule says (tinyloop/exits.py, "schedule")
     exit_schedule: Sequence = ()
@@ -85,7 +91,8 @@ class GenerateConfig:
         """ModeError for a looped feature asked of a dense model (one pass of its layers per token)."""
         asked = [f"loops={self.loops}"] if self.loops not in (None, 1) else []
         asked += [f"early_exit_threshold={self.early_exit_threshold}"] if self.early_exit_threshold > 0 else []
-        asked += [f"min_loops={self.min_loops}"] if self.min_loops > 1 else []
+        asked += [f"min_loops={self.min_loops}"] if (self.min_loops or 1) > 1 else []
+        asked += [f"max_loss_increase={self.max_loss_increase}"] if self.max_loss_increase is not None else []
         asked += ["exit_schedule"] if any(n != 1 for n in self.exit_schedule) else []
         if asked:
             raise ModeError(f"{', '.join(asked)}: this is a dense model (its layers run once per token, loops 1), "
@@ -104,18 +111,85 @@ class GenerateConfig:
         if any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= loops for n in self.exit_schedule):
             raise ConfigError(f"GenerateConfig.exit_schedule must hold loop counts in 1..{loops}, got "
                               f"{list(self.exit_schedule)[:8]!r}")
-        if self.min_loops > loops:
+        if self.min_loops is not None and self.min_loops > loops:
             raise ConfigError(f"GenerateConfig.min_loops {self.min_loops} is more than the {loops} loops the request "
                               f"runs at most (loops)")
+        if self.max_loss_increase is not None and not loss_table(model):
+            raise ConfigError(f"GenerateConfig.max_loss_increase {self.max_loss_increase}: this model has no "
+                              f"loss-by-loops table (loss_vs_loops in its artifact; `tinyloop inspect` prints it), so "
+                              f"a quality floor cannot be read; give min_loops instead")
+        if self.depth_range_asked(model):
+            from .modes import check_depth_range
+
+            check_depth_range(model, self)
 
     def exit(self, model):
         """This request's ExitRule (tinyloop/exits.py)."""
         from .exits import ExitRule
 
-        return ExitRule(self.exit_rule or model.cfg.exit_rule, self.early_exit_threshold, self.min_loops)
+        return ExitRule(self.exit_rule or model.cfg.exit_rule, self.early_exit_threshold, self.min_loops or 1)
 
     def resolved_loops(self, model) -> int:
         return self.loops if self.loops is not None else model.cfg.default_loops
+
+    # --- elastic depth (tinyloop/engine/elastic.py) ---------------------------------------------------------------
+    def exits_early(self, model) -> bool:
+        """Whether its tokens' depth is its exit rule's choice (then min_loops is that rule's floor)."""
+        return model.net.adaptive(self.exit(model))
+
+    def depth_range_asked(self, model) -> bool:
+        """Whether the request asks for a depth range: max_loss_increase, or min_loops below its loops without early
+        exit (under early exit min_loops is the rule's floor, as before)."""
+        if self.max_loss_increase is not None:
+            return True
+        return self.min_loops is not None and self.min_loops < self.resolved_loops(model) \
+            and not self.exits_early(model)
+
+    def depth_floor(self, model) -> int | None:
+        """The fewest loops the load controller may give its tokens (elastic depth), or None: fixed depth (no range
+        asked, early exit, or a floor at its loops). With both floors, the higher one holds."""
+        if not self.depth_range_asked(model) or self.exits_early(model):
+            return None
+        loops = self.resolved_loops(model)
+        floor = self.min_loops or 1
+        if self.max_loss_increase is not None:
+            floor = max(floor, loss_floor(loss_table(model), loops, self.max_loss_increase))
+        return floor if floor < loops else None
+
+
+def loss_table(model) -> dict[int, float]:
+    """The model's loss-by-loops table (held-out loss per token at each measured loop count; {} when it has none)."""
+    info = getattr(model, "info", None)
+    return dict(getattr(info, "loss_vs_loops", None) or {})
+
+
+def loss_at(table: dict[int, float], loops: float) -> float:
+    """Expected loss per token at `loops` from the table: linear between measured loop counts, the end values
+    beyond them."""
+    keys = sorted(table)
+    if loops <= keys[0]:
+        return table[keys[0]]
+    if loops >= keys[-1]:
+        return table[keys[-1]]
+    hi = next(k for k in keys if k >= loops)
+    lo = max(k for k in keys if k <= loops)
+    if hi == lo:
+        return table[lo]
+    return table[lo] + (table[hi] - table[lo]) * (loops - lo) / (hi - lo)
+
+
+def loss_floor(table: dict[int, float], loops: int, max_increase: float) -> int:
+    """The fewest loops whose expected loss is at most max_increase above that of `loops` (loops itself at worst)."""
+    top = loss_at(table, loops)
+    return next((n for n in range(1, loops + 1) if loss_at(table, n) - top <= max_increase + 1e-12), loops)
+
+
+def loss_increase(table: dict[int, float], asked: int, ran: list[int]) -> float:
+    """Estimated rise of expected loss per token when tokens ran `ran` loops instead of `asked` (0 without a table)."""
+    if not table or not ran:
+        return 0.0
+    top = loss_at(table, asked)
+    return sum(max(0.0, loss_at(table, n) - top) for n in ran) / len(ran)
 
 
 @dataclass
@@ -134,6 +208,12 @@ class GenerateStats:
     draft_reused_tokens: int = 0  # resume_generate: answer tokens taken from drafts (docs/cache-reuse.md)
     preempted: int = 0  # times the sequence gave its blocks back to the pool and was recomputed (docs/engine.md)
     draft_accept_rate: float = 0.0
+    # the loops its tokens actually ran (elastic depth, early exit): fewest, how many ran below the asked loops, the
+    # count at each depth ({loops: tokens}), and the estimated rise of loss per token (the model's loss_vs_loops)
+    loops_min: int = 0
+    tokens_below_loops: int = 0
+    loops_histogram: dict = field(default_factory=dict)
+    loss_increase: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,8 +221,10 @@ class GenerateStats:
     def line(self) -> str:
         return (f"[{self.generated_tokens} tokens, stop={self.stop_reason}, prefill {self.prefill_ms:.1f} ms, "
                 f"first token {self.first_token_ms:.1f} ms, decode {self.decode_ms:.1f} ms "
-                f"({self.generated_tokens / max(self.decode_ms, 1e-9) * 1000:.1f} tok/s), loops {self.loops_mean:.2f}, "
-                f"cache {self.cache_mode}]")
+                f"({self.generated_tokens / max(self.decode_ms, 1e-9) * 1000:.1f} tok/s), loops {self.loops_mean:.2f}"
+                + (f" (min {self.loops_min}, {self.tokens_below_loops} tokens below the asked loops, estimated loss "
+                   f"+{self.loss_increase:.4f} nats/token)" if self.tokens_below_loops else "")
+                + f", cache {self.cache_mode}]")
 
 
 @dataclass

@@ -96,10 +96,11 @@ def load_prefix_file(path: str | Path) -> list[dict]:
 
 class ModelEngine:
     def __init__(self, model: "tinyloop.Model", *, max_handles: int, plan_bytes: int, model_name: str,
-                 prefixes: list[dict] | None = None, lanes: int = DEFAULT_LANES):
+                 prefixes: list[dict] | None = None, lanes: int = DEFAULT_LANES, targets: Any = None):
         self.model = model
         self.slots = lanes
-        self.scheduler = tinyloop.Scheduler(model, lanes)
+        self.targets = targets  # elastic depth's latency targets (engine/elastic.py Targets; None: fixed depth)
+        self.scheduler = self.new_scheduler()
         # test-only: the forwards of the batch's Nth step raise (a fault no request caused; tests/test_hard_to_break.py)
         self.scheduler.runner.fail_at_step = env_number("TINYLOOP_TEST_FAIL_STEP", int, None, 1)
         self.batch: dict[int, Batched] = {}  # id(seq) -> the request it serves
@@ -139,6 +140,15 @@ class ModelEngine:
         self.ops_table: dict[str, Callable[..., dict]] = {"build_handle": self.op_build_handle,
                                                           "release_handle": self.op_release_handle}
         self.ops = ["ping", *BATCHED_OPS, *self.ops_table]
+
+    def new_scheduler(self) -> "tinyloop.Scheduler":
+        """The batch's scheduler, with elastic depth's controller when the worker has latency targets."""
+        control = None
+        if self.targets is not None:
+            from tinyloop.engine.elastic import DepthController
+
+            control = DepthController(self.targets)
+        return tinyloop.Scheduler(self.model, self.slots, depth_control=control)
 
     def set_identity(self, identity: str) -> None:
         """Handle ids start with the worker identity so the broker can route by them."""
@@ -191,7 +201,7 @@ class ModelEngine:
     # ---------------------------------------------------------------- the batch
 
     def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
-             delivered: list[int] | None = None) -> bool:
+             delivered: list[int] | None = None, queued_s: float = 0.0) -> bool:
         """Add a request to the batch: generate, chat, pool, speculative and resume requests, continued or not. False
         for one that runs between two steps instead (`run`: the handle ops, a continuation with nothing left)."""
         if op not in BATCHED_OPS:
@@ -203,6 +213,7 @@ class ModelEngine:
             if op == "resume":
                 handle = self.handles.get(params["handle"])
                 seq = self.scheduler.resume(handle, cfg, self.callback(on_token, should_stop))
+                seq.queued_s = queued_s
                 self.batch[id(seq)] = Batched(key, seq, params, handle.ids, should_stop, None,
                                               {"handle": params["handle"]})
                 return True
@@ -218,6 +229,7 @@ class ModelEngine:
                                         pool=self.pool if op == "generate_pool" else None,
                                         speculative=tinyloop.SpeculativeConfig(**spec) if spec or op == "speculative"
                                         else None)
+        seq.queued_s = queued_s  # (elastic depth counts it in the request's time to first token)
         self.remember(params["prompt"], ids, seq.loops)  # its prompt's blocks stay in the prefix cache (routing digests)
         self.batch[id(seq)] = Batched(key, seq, params, ids, should_stop, cont, {})
         return True
@@ -235,7 +247,7 @@ class ModelEngine:
             failed = [(job.key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}"))
                       for job in self.batch.values()]
             self.batch.clear()
-            self.scheduler = tinyloop.Scheduler(self.model, self.slots)
+            self.scheduler = self.new_scheduler()
             return failed
         now = time.monotonic()
         if done or now - self.used_counted_at > USED_BLOCKS_EVERY_S:

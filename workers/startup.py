@@ -45,6 +45,10 @@ class WorkerOptions:
     kv_events_topic: str | None = None  # default kv@<name>@<model>
     kv_events_seed: str = ""  # the block hashes' seed (llm-d's HashSeed, vLLM's PYTHONHASHSEED)
     kv_events_rank: int = 0  # data_parallel_rank in each batch; bound endpoints' ports move up by it
+    # elastic depth's latency targets in seconds (tinyloop/engine/elastic.py); none: every lane at its asked depth
+    tpot_slo: float | None = None
+    ttft_slo: float | None = None
+    queue_slo: float | None = None
 
 
 def refuse(opts: WorkerOptions, why: BaseException) -> int:
@@ -159,8 +163,11 @@ def run_worker(opts: WorkerOptions) -> int:
     events = publish_kv_events(opts, model, path) if opts.kv_events_endpoint else None  # before any scaffold is kept
     warm_up(model)
     try:
+        from tinyloop.engine.elastic import Targets
+
+        targets = Targets(opts.tpot_slo, opts.ttft_slo, opts.queue_slo)
         engine = ModelEngine(model, max_handles=opts.max_handles, plan_bytes=plan.total_bytes, model_name=model_name,
-                             prefixes=prefixes, lanes=opts.max_lanes)
+                             prefixes=prefixes, lanes=opts.max_lanes, targets=targets if targets else None)
     except (SystemExit, tinyloop.TinyLoopError) as exc:  # scaffolds past --max-handles, a scaffold's loops, lanes
         return refuse(opts, exc)
     process = WorkerProcess(engine, opts.connect, name=opts.name, heartbeat_interval=opts.heartbeat_interval,

@@ -70,8 +70,9 @@ class Batching(Protocol):
     slots: int
 
     def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
-             delivered: list[int] | None = None) -> bool:
-        """Add a request to the batch (False: it must run alone, through `run`). Raises EngineError for a bad one."""
+             delivered: list[int] | None = None, queued_s: float = 0.0) -> bool:
+        """Add a request to the batch (False: it must run alone, through `run`). Raises EngineError for a bad one.
+        queued_s: the seconds it has waited so far (broker queue included)."""
         ...
 
     def step(self) -> list[tuple[str, dict | EngineError]]:
@@ -90,6 +91,12 @@ class Job:
     deadline: float | None
     delivered: list[int] | None = None  # a continuation of a stream whose worker was lost
     cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_s: float = 0.0  # seconds it waited in the broker's queue before it was sent here
+    received: float = field(default_factory=time.perf_counter)  # when it reached this worker
+
+    def waited(self) -> float:
+        """Seconds since it reached the broker (its queue there, and here until now)."""
+        return self.queued_s + time.perf_counter() - self.received
 
     def should_stop(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
@@ -271,7 +278,7 @@ class WorkerProcess:
                 return None
             timeout = msg["timeout_s"]
             job = Job(msg["id"], msg["op"], msg["params"], msg["stream"], None if timeout is None else time.monotonic() + timeout,
-                      msg.get("delivered"))
+                      msg.get("delivered"), queued_s=msg.get("queued_s") or 0.0)
             self.running[job.key] = job
             self.jobs.put(job)
         elif msg.type == "cancel":
@@ -360,7 +367,7 @@ class WorkerProcess:
         try:
             continuation = {"delivered": job.delivered} if job.delivered else {}
             return self.engine.join(job.key, job.op, job.params, self.batch_sink(job), job.should_stop,
-                                    **continuation)
+                                    queued_s=job.waited(), **continuation)
         except Exception as exc:  # noqa: BLE001 (EngineError, or an engine bug: answered, never fatal)
             self.reply(job, exc, emit)
             return True

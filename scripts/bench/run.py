@@ -14,6 +14,7 @@ from scripts.bench.batch import bench_batch
 from scripts.bench.core import bench_core
 from scripts.bench.depth import bench_depth
 from scripts.bench.detokenize import bench_detokenize
+from scripts.bench.elastic import bench_elastic
 from scripts.bench.gguf import bench_gguf
 from scripts.bench.reuse import bench_cache_reuse, bench_prefix_cache, bench_warm_start
 from tinyloop.cache import CACHE_MODES
@@ -112,14 +113,17 @@ SECTIONS: dict[str, Callable[[str | None, bool], list[str]]] = {
     "speculative": bench_speculative,
     "detokenize": bench_detokenize,
     "engine": bench_engine,
-    "core": bench_core,
     "logprobs": bench_logprobs,
     "depth": bench_depth,
     "service": bench_service,
     "peers": bench_peers,
     "gguf": bench_gguf,
+    "elastic": bench_elastic,
+    "core": bench_core,
 }
-OPT_IN = ("peers", "gguf", "core")  # minutes long (peers and gguf also need the optional peers): run only when asked for
+# minutes long (peers and gguf need the optional peers; elastic starts four services; core runs two trees): run
+# only when asked for (--peers or --section)
+OPT_IN = ("peers", "gguf", "elastic", "core")
 
 
 def run_bench(model_path: str | None = None, sections: list[str] | None = None, quick: bool = False,

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from ..cache import KVCache
 from ..errors import ConfigError
-from ..modes import check_modes
+from ..modes import check_depth_range, check_modes
 from ..request import GenerateConfig
 
 # Lanes of an in-process batch: more prompts than this wait for a lane (a list of 1,000 prompts holds 32 lanes of
@@ -19,6 +19,8 @@ def checked(model, cfg: GenerateConfig | None, call: str) -> GenerateConfig:
     """The call's config, validated against the model and the mode matrix's column for `call`."""
     cfg = (cfg or GenerateConfig()).validate(model)
     check_modes(call, model.cache_mode, cfg)
+    if call in ("speculative", "tree_speculative") and cfg.depth_range_asked(model):
+        check_depth_range(model, cfg, speculative=True)
     if cfg.beam_size > 1 and (cfg.temperature != 0 or cfg.top_k != 0 or cfg.top_p != 1.0):
         raise ConfigError("beam search is deterministic: GenerateConfig.temperature must be 0 and top_k/top_p off "
                           f"when beam_size > 1 (got temperature={cfg.temperature}, top_k={cfg.top_k}, top_p={cfg.top_p})")

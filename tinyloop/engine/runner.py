@@ -3,7 +3,8 @@
 Sequences may be added at any time (`add`); one `step()` is one scheduling iteration (iteration-level scheduling,
 as in Orca and vLLM), and both the in-process calls (`run`: add, then step until done) and the worker drive it.
 One step, schedule -> execute -> postprocess (the shape of nano-vllm's and vLLM v1's engine step):
-  1. retire: drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back;
+  1. retire: drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back; then, with a
+     depth controller (engine/elastic.py), steer the depth caps of the lanes with a depth range;
   2. schedule (engine/scheduler.py): admit waiting sequences and make the step's plan (engine/plan.py), plain data:
      prefill pieces, decode rows with their loop counts and exit rules, lanes whose driver runs its own forwards;
      every block they write is taken here;
@@ -27,6 +28,7 @@ from ..cache import KVCache
 from ..errors import ForwardError, TinyLoopError
 from ..exits import ExitRule
 from ..memory import release_freed_memory
+from .elastic import DepthController
 from .executor import Executor
 from .options import EngineOptions
 from .plan import Outputs, Plan
@@ -38,8 +40,11 @@ log = logging.getLogger("tinyloop.scheduler")
 
 class Runner:
     def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: "ExitRule | float" = 0.0,
-                 chunk: int | None = None, options: EngineOptions | None = None):
+                 chunk: int | None = None, options: EngineOptions | None = None,
+                 depth_control: DepthController | None = None):
         self.model, self.cache = model, cache
+        # elastic depth (engine/elastic.py): steers the depth caps of lanes with a depth range once per step
+        self.depth_control = depth_control
         options = options or EngineOptions.from_env()
         # defaults for callers that feed the forwards themselves (beam search, resume); sequences bring their own
         loops, rule = loops or model.cfg.default_loops, ExitRule.of(early_exit, model.cfg.exit_rule)
@@ -79,6 +84,8 @@ class Runner:
         of its own)."""
         self.scheduler.steps += 1
         finished = self.scheduler.retire()
+        if self.depth_control is not None:
+            self.depth_control.steer(self.scheduler.admitted, self.scheduler.waiting)
         plan = self.scheduler.schedule(finished)
         try:
             finished += self.execute(plan)

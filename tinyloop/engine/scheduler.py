@@ -166,13 +166,18 @@ class Scheduler:
         inside a C call after it (up to `max_draws` and one token before max_tokens: its last token returns to the
         sampler, and its lane frees at that step; the executor also stops them at the end of the cell's block),
         as their forced depths (each its exit threshold where it has no schedule)."""
-        c, rule = seq.cfg, seq.exit
+        c = seq.cfg
         greedy = may_run_ahead and draws_plainly(seq)
+        n = min(self.executor.c.max_draws, c.max_tokens - seq.count - 1) if greedy else 0
+        if seq.place.prompt_row:  # the prompt's last token: at its asked depth, as a prefill piece
+            rule = seq.prefill_exit
+        else:
+            # (a lane with a depth range: its cap now, noted for each token)
+            seq.plan_depths(1 + n, seq.place.lane in self.executor.flights)
+            rule = seq.exit
         draws: list[float] = []
         if greedy:
-            n = min(self.executor.c.max_draws, c.max_tokens - seq.count - 1)
-            schedule = c.exit_schedule
-            draws = [float(schedule[(seq.count + 1 + i) % len(schedule)]) if schedule else 0.0 for i in range(n)]
+            draws = [float(d) if (d := seq.forced_depth(seq.count + 1 + i)) is not None else 0.0 for i in range(n)]
         return Row(seq.place.lane, seq.token, seq.pos - seq.place.prompt_row, seq.loops, rule,
                    self.executor.is_adaptive(rule), greedy, draws, c.ignore_eos)
 
@@ -200,7 +205,7 @@ class Scheduler:
         whole = False
         if at.first is None and not at.cached and prefixes is not None:
             hit = self.reuse(prefixes, seq)  # the longest cached prefix's blocks, its rest's cells taken
-            if hit and hit == len(seq.prompt) - 1 and not self.executor.is_adaptive(seq.exit):
+            if hit and hit == len(seq.prompt) - 1 and not self.executor.is_adaptive(seq.prefill_exit):
                 # Only the prompt's last token is left: it goes in as a row of this step's decode forward (the same
                 # forward at that position) instead of a forward of its own, which costs about a decode step of a
                 # few lanes (a repeated prompt at 8 lanes: ~10 % of a worker's time).
@@ -224,7 +229,7 @@ class Scheduler:
         seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
         log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, at.arrival, at.cached,
                   at.cached + n, len(seq.prompt), at.lane)
-        return Piece(at.lane, at.cached, seq.prompt[at.cached:at.cached + n], seq.loops, seq.exit,
+        return Piece(at.lane, at.cached, seq.prompt[at.cached:at.cached + n], seq.loops, seq.prefill_exit,
                      whole, handle)
 
     def reuse(self, prefixes, seq: Sequence) -> int:
@@ -323,7 +328,7 @@ class Scheduler:
         time, each under the exit rule it was first fed with; the token a lane was about to feed comes next."""
         first, P, ex = members[0], len(members[0].prompt), self.executor
         self.reserve([first], [0], [P - 1])
-        ex.rebuild(first.place.lane, first.prompt, self.chunk, first.loops, first.exit)
+        ex.rebuild(first.place.lane, first.prompt, self.chunk, first.loops, first.prefill_exit)
         if len(members) > 1:
             self.cache.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
         fed = [m for m in members if len(m.history) - 2 >= P]
@@ -336,8 +341,8 @@ class Scheduler:
     @staticmethod
     def exit_of(seq: Sequence, count: int) -> ExitRule:
         """The exit rule seq's forward ran under when it had sampled `count` tokens (Sequence.exit then)."""
-        schedule = seq.cfg.exit_schedule
-        return ExitRule("schedule", schedule[count % len(schedule)]) if schedule else seq.rule
+        forced = seq.forced_depth(count)
+        return ExitRule("schedule", forced) if forced is not None else seq.rule
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
         """Preempt the youngest request none of whose lanes holds fresh logits (they would be lost); a beam request

@@ -18,7 +18,8 @@ from ..cache import KVCache
 from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..exits import ExitRule, Track
-from ..request import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+from ..request import (GenerateConfig, GenerateResult, GenerateStats, OnToken, loss_increase, loss_table,
+                       make_generator)
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
@@ -105,6 +106,15 @@ class Sequence:
         self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
+        # elastic depth (engine/elastic.py): the fewest loops the load controller may give its tokens (None: fixed
+        # depth, never touched), the notch it stands at (0: its loops) and the cap that gives (None: untouched), the
+        # forced depth of each token the scheduler planned under a cap (by index), and the seconds it waited before it
+        # reached this runner (a broker's queue)
+        self.floor = cfg.depth_floor(model)
+        self.depth_notch = 0
+        self.depth_cap: int | None = None
+        self.depths: dict[int, int | None] = {}
+        self.queued_s = 0.0
 
     # --- sampling -----------------------------------------------------------------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
@@ -211,9 +221,32 @@ class Sequence:
 
     @property
     def exit(self) -> ExitRule:
-        """The exit rule of the token it produces next: its own, or the exit_schedule's depth for that token."""
+        """The exit rule of the token it produces next: its own, or its forced depth (exit_schedule, a depth cap)."""
+        forced = self.forced_depth(self.count)
+        return ExitRule("schedule", forced) if forced is not None else self.rule
+
+    @property
+    def prefill_exit(self) -> ExitRule:
+        """The exit rule of its prompt's pieces: a depth cap leaves the prompt at its asked depth (docs/engine.md)."""
+        return self.exit if self.cfg.exit_schedule else self.rule
+
+    def forced_depth(self, i: int) -> int | None:
+        """The loops its i-th generated token is forced to (exit_schedule's, or the depth cap it was planned under,
+        else the cap now); None: its own exit rule decides (a fixed depth: every loop)."""
         schedule = self.cfg.exit_schedule
-        return ExitRule("schedule", schedule[self.count % len(schedule)]) if schedule else self.rule
+        if schedule:
+            return schedule[i % len(schedule)]
+        return self.depths[i] if i in self.depths else self.depth_cap
+
+    def plan_depths(self, n: int, in_flight: bool = False) -> None:
+        """Note the forced depth of its next n tokens (the one it feeds now and the greedy ones it may draw after it)
+        under its cap now (None: uncapped), so a preempted lane is rebuilt as it ran; a token already in flight keeps
+        the depth it started under. Nothing for a lane without a range."""
+        if self.floor is None:
+            return
+        for i in range(self.count, self.count + n):
+            if not (i == self.count and in_flight and i in self.depths):
+                self.depths[i] = self.depth_cap
 
     def result(self) -> GenerateResult:
         if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
@@ -228,6 +261,7 @@ class Sequence:
         st.total_ms = (self.t_end - self.t_call) * 1000
         counts = self.loop_counts
         st.loops_mean = sum(counts) / len(counts) if counts else float(self.loops)
+        depth_stats(st, counts, self.loops, loss_table(self.model))
         res = GenerateResult(tokens, self.text, st, loops_used=list(counts[:len(tokens)]))
         if self.cfg.logprobs is not None:  # (the output is a prefix of the tokens taken: EOS and stops come last)
             res.logprobs = [lp for lp, _ in self.scores[:len(tokens)]]
@@ -244,3 +278,14 @@ class Sequence:
         child.history, child.loop_counts, child.scores = list(self.history), list(self.loop_counts), list(self.scores)
         child.place = dataclasses.replace(self.place, decided=[])
         return child
+
+
+def depth_stats(st: GenerateStats, counts: list[int], asked: int, table: dict[int, float]) -> None:
+    """The depth its tokens ran: fewest loops, tokens below the asked loops, a histogram, the estimated loss rise."""
+    st.loops_min = min(counts) if counts else asked
+    st.tokens_below_loops = sum(n < asked for n in counts)
+    hist: dict[str, int] = {}
+    for n in counts:
+        hist[str(n)] = hist.get(str(n), 0) + 1
+    st.loops_histogram = hist
+    st.loss_increase = loss_increase(table, asked, counts)

@@ -1,0 +1,176 @@
+"""Elastic depth: under load, lanes with a depth range spend fewer loops per token instead of making requests wait.
+
+A request gives a depth range beside its `loops` (GenerateConfig.min_loops at a fixed depth, or max_loss_increase:
+Sequence.floor). The runner calls `DepthController.steer(admitted, waiting)` once per step, after retire. It measures
+the pressure, the largest of
+  - time per output token (TPOT) of the decoding lanes over the last WINDOW steps / Targets.tpot_s,
+  - the age of the oldest request still without a first token (its broker queue time included) / Targets.ttft_s,
+  - the age of the oldest waiting request (no lane yet) / Targets.queue_s (ttft_s when no queue_s is given),
+and steers each lane's depth cap (Sequence.depth_cap; the scheduler forces each token's loops to it, Sequence.
+forced_depth) in notches: NOTCHES steps across [floor, loops].
+  - over target (pressure > 1) for LOWER_EVERY steps in a row, and at most every LOWER_EVERY steps: the most
+    tolerant half of the lanes that are above their floor go one notch down: lowest priority first (where a request has one), then the widest range, then the
+    least lowered (so lanes come down together); never below a floor;
+  - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
+    capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
+  - a ranged lane starts at the controller's level (the median notch of the ranged lanes, one lower after every
+    RAISE_AFTER calm steps), so a request that arrives under sustained load does not start at full depth;
+  - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
+A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
+A lane once capped leaves the prefix cache alone (Sequence.cacheable): its K/V are not the fixed-depth K/V.
+This module imports no torch (the CLI parses the targets with it).
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (this module imports no torch: the CLI reads parse_seconds and Targets without it)
+    from .sequence import Sequence
+
+NOTCHES = 8  # steps across a lane's range [floor, loops]
+LOWER_EVERY = 4  # steps between two lowerings
+RAISE_AFTER = 24  # calm steps in a row before depth climbs a notch
+CALM = 0.6  # pressure under which a step counts as calm
+WINDOW = 8  # steps the TPOT is measured over
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Latency targets (seconds; None: not watched)."""
+    tpot_s: float | None = None  # time per output token of a decoding lane
+    ttft_s: float | None = None  # time to first token, broker queue included
+    queue_s: float | None = None  # time a request waits for a lane (default: ttft_s)
+
+    def __bool__(self) -> bool:
+        return any(t is not None for t in (self.tpot_s, self.ttft_s, self.queue_s))
+
+
+def parse_seconds(value: str | float | None) -> float | None:
+    """'40ms', '0.04s', '0.04' (seconds), 40e-3 -> seconds; None stays None. ValueError names the form."""
+    if value is None or isinstance(value, (int, float)):
+        seconds = None if value is None else float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|us)?\s*", str(value), re.IGNORECASE)
+        if not m:
+            raise ValueError(f"a latency target must look like '40ms' or '0.04s', got {value!r}")
+        seconds = float(m.group(1)) * {"ms": 1e-3, "us": 1e-6, "s": 1.0, None: 1.0}[(m.group(2) or "").lower() or None]
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"a latency target must be a positive time, got {value!r}")
+    return seconds
+
+
+def notch_cap(seq: Sequence, notch: int) -> int | None:
+    """The depth cap of a lane at `notch` (0: its loops, uncapped; NOTCHES: its floor)."""
+    cap = max(seq.floor, seq.loops - round(notch * (seq.loops - seq.floor) / NOTCHES))
+    return None if notch <= 0 or cap >= seq.loops else cap
+
+
+class DepthController:
+    def __init__(self, targets: Targets, clock: Callable[[], float] = time.perf_counter):
+        self.targets, self.clock = targets, clock
+        self.last: float | None = None  # when the last step was steered
+        self.counts: dict[int, int] = {}  # id(seq) -> tokens it had at the last step
+        self.window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW)  # (seconds, tokens, decoding lanes)
+        self.steps = self.since_lowered = self.calm = self.over = 0  # (over, calm: steps in a row)
+        self.pressure = 0.0  # the last step's
+        self.tpot = 0.0  # measured over the window
+        self.lowered = self.raised = 0  # notches given up and given back, in all
+        # the notch a ranged lane starts at when it is first steered: the median of the ranged lanes' after the last
+        # step, one lower after every RAISE_AFTER calm steps (a request lives a few dozen steps: one that starts at
+        # full depth under sustained load would be lowered only a notch or two before it ends)
+        self.level = 0
+        self.seen: set[int] = set()  # id(seq) of the lanes steered so far (those still admitted)
+
+    # --- measuring ----------------------------------------------------------------------------------------------
+    def measure(self, admitted: list[Sequence], waiting: list[Sequence]) -> float:
+        now = self.clock()
+        decoding = [s for s in admitted if s.count and id(s) in self.counts]
+        if self.last is not None and decoding:
+            tokens = sum(max(0, s.count - self.counts[id(s)]) for s in decoding)
+            self.window.append((now - self.last, tokens, len(decoding)))
+        self.last = now
+        self.counts = {id(s): s.count for s in admitted}
+        seconds = sum(w[0] for w in self.window)
+        tokens = sum(w[1] for w in self.window)
+        lanes = sum(w[2] for w in self.window) / len(self.window) if self.window else 0
+        self.tpot = seconds * lanes / tokens if tokens else 0.0
+        t = self.targets
+        ratios = [self.tpot / t.tpot_s] if t.tpot_s and tokens else []
+        first = [s for s in admitted if s.count == 0] + list(waiting)
+        if t.ttft_s and first:
+            ratios.append(max(now - s.t_call + s.queued_s for s in first) / t.ttft_s)
+        queue = t.queue_s or t.ttft_s
+        if queue and waiting:
+            ratios.append(max(now - s.t_call + s.queued_s for s in waiting) / queue)
+        return max(ratios, default=0.0)
+
+    # --- steering -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def tolerance(seq: Sequence) -> tuple:
+        """Sort key, most tolerant first: lowest priority (where a request has one), widest range, least lowered."""
+        return (getattr(seq.cfg, "priority", 0) or 0, -(seq.loops - seq.floor), seq.depth_notch, seq.place.arrival)
+
+    @staticmethod
+    def move(seq: Sequence, notch: int) -> None:
+        """Put a lane at `notch` (0: uncapped)."""
+        seq.depth_notch, seq.depth_cap = notch, notch_cap(seq, notch)
+        if seq.depth_cap is not None:
+            seq.cacheable = False  # its K/V are not the fixed-depth K/V: kept out of the prefix cache
+
+    def shift(self, seq: Sequence, way: int) -> None:
+        """One notch down (way 1) or up (-1): to the next notch whose cap differs (a narrow range has fewer caps)."""
+        cap, notch = seq.depth_cap, seq.depth_notch
+        while 0 <= notch + way <= NOTCHES:
+            notch += way
+            if notch_cap(seq, notch) != cap:
+                break
+        self.move(seq, notch)
+
+    def steer(self, admitted: list[Sequence], waiting: list[Sequence]) -> None:
+        """Once per step (the runner's, after retire): measure, then lower or raise the depth caps of ranged lanes."""
+        self.steps += 1
+        self.since_lowered += 1
+        self.pressure = self.measure(admitted, waiting)
+        ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
+        for seq in ranged:
+            if id(seq) not in self.seen and self.level:
+                self.move(seq, self.level)
+        self.seen = {id(s) for s in ranged}
+        self.adjust(ranged)
+        notches = sorted(s.depth_notch for s in ranged)
+        if notches:
+            self.level = notches[len(notches) // 2]
+
+    def adjust(self, ranged: list[Sequence]) -> None:
+        if self.pressure > 1.0:
+            self.calm, self.over = 0, self.over + 1
+            down = sorted((s for s in ranged if s.depth_notch < NOTCHES), key=self.tolerance)
+            # (over target for LOWER_EVERY steps in a row: one slow step, a long prompt's piece, lowers nothing)
+            if down and self.since_lowered >= LOWER_EVERY and self.over >= LOWER_EVERY:
+                for seq in down[:math.ceil(len(down) / 2)]:
+                    self.shift(seq, 1)
+                    self.lowered += 1
+                self.since_lowered = 0
+            return
+        self.over = 0
+        self.calm = self.calm + 1 if self.pressure < CALM else 0
+        if self.calm >= RAISE_AFTER:
+            up = sorted((s for s in ranged if s.depth_notch > 0), key=self.tolerance, reverse=True)
+            for seq in up[:math.ceil(len(up) / 2)]:
+                self.shift(seq, -1)
+                self.raised += 1
+            self.level = max(0, self.level - 1)
+            self.calm = 0
+
+    def snapshot(self, admitted: list[Sequence]) -> dict:
+        """What it is doing now (a worker's heartbeat, metrics): pressure, measured TPOT, capped lanes, their caps."""
+        caps = [s.depth_cap for s in admitted if s.depth_cap is not None]
+        return {"pressure": round(self.pressure, 3), "tpot_s": round(self.tpot, 5), "capped_lanes": len(caps),
+                "mean_cap": round(sum(caps) / len(caps), 2) if caps else None, "lowered": self.lowered,
+                "raised": self.raised}
