@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..cache import KVCache, decode_entries, encode_entries
 from ..errors import ConfigError
 from ..exits import ExitRule
+from ..formats import QMatrix
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights
 from ..rotary import rope_factors, rotate
@@ -254,15 +255,21 @@ class Cached:
 
 
 class _KVProxy:
-    """What the Triton attention needs of an Attention module: wk and wv (views of the fused weights)."""
+    """What the Triton attention needs of an Attention module: wk and wv (views of the fused weights). Only the int4
+    store-h cache reads them (it recomputes K and V from h by fp32 wk and wv), and `context` keeps a model holding
+    quantised matrices (formats.QMatrix, no tensor to slice) off that path: its wk and wv are None."""
 
     def __init__(self, w: BlockWeights):
-        kv = w.wkv.shape[0] // 2
-        self.wk, self.wv = _W(w.wkv[:kv]), _W(w.wkv[kv:])
+        wkv = w.wkv
+        if isinstance(wkv, QMatrix):
+            self.wk = self.wv = _W(None)
+            return
+        kv = wkv.shape[0] // 2
+        self.wk, self.wv = _W(wkv[:kv]), _W(wkv[kv:])
 
 
 class _W:
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor | None):
         self.weight = weight
 
 
