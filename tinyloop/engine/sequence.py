@@ -11,6 +11,8 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,9 @@ from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..exits import ExitRule, Track
 from ..request import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+
+if TYPE_CHECKING:
+    from ..speculative import Speculator
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
@@ -101,13 +106,13 @@ class Sequence:
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
         # tokens it decided (or [] with seq.place.logits set), plain_row(seconds), finish()
-        self.driver = None
+        self.driver: Speculator | None = None
         self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
     # --- sampling -----------------------------------------------------------------------------------------
-    def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
+    def penalised(self, logits: torch.Tensor, extra: Seq[int] = ()) -> torch.Tensor:
         """Logits [V] after every adjustment the config asks for (penalties, logit bias, tokens banned until
         min_tokens), with `extra` tokens taken after the history (speculative drafts pass their path)."""
         lane = self.sampling(extra)
@@ -115,7 +120,7 @@ class Sequence:
             return logits
         return adjust(logits.unsqueeze(0), [lane])[0]
 
-    def sampling(self, extra: list[int] = ()) -> LaneSampling:
+    def sampling(self, extra: Seq[int] = ()) -> LaneSampling:
         c = self.cfg
         seen = self.history + list(extra) if extra else self.history
         early = self.count + len(extra) < c.min_tokens  # EOS and stop tokens may not end the output yet
@@ -148,7 +153,7 @@ class Sequence:
             return
         logp = torch.log_softmax(torch.stack([logits[i] for i in asking]).float(), dim=-1)
         chosen = logp[torch.arange(len(asking)), torch.tensor([tokens[i] for i in asking])].tolist()
-        k = max(seqs[i].cfg.logprobs for i in asking)
+        k = max(seqs[i].cfg.logprobs or 0 for i in asking)  # (not None: asking)
         top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
         for r, i in enumerate(asking):
             n = seqs[i].cfg.logprobs
