@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -21,9 +21,6 @@ from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..exits import ExitRule, Track
 from ..request import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
-
-if TYPE_CHECKING:
-    from ..speculative import Speculator
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
@@ -54,6 +51,11 @@ class Place:
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
     came: int = 0  # the runner's step count when it arrived (the same for requests that came between two steps)
 
+    def fresh(self) -> torch.Tensor:
+        """The fresh logits, where the caller knows there are some."""
+        assert self.logits is not None
+        return self.logits
+
 
 @dataclasses.dataclass
 class InFlight:
@@ -72,6 +74,27 @@ class InFlight:
     track: Track | None = None
     logits: torch.Tensor | None = None
     c_exit: list | None = None  # its exit rule's state while its passes run in C (Executor.iterate_in_c)
+
+    def exit_state(self) -> torch.Tensor:
+        """The state it exits with (chosen by its exit rule)."""
+        assert self.out is not None
+        return self.out
+
+
+class Driver(Protocol):
+    """What runs a sequence's own forwards (Sequence.driver): a speculative round (speculative.Speculator), a
+    refine's verified piece of its guess (resume.GuessFollower)."""
+    chosen_from: torch.Tensor | None  # [len(decided), V]: the logits each token of the last step was chosen from
+
+    def runs(self, alone: bool) -> bool: ...
+
+    def span(self) -> int: ...
+
+    def plain_row(self, seconds: float) -> None: ...
+
+    def step(self, cache: KVCache) -> list[int]: ...
+
+    def finish(self) -> None: ...
 
 
 class Sequence:
@@ -106,8 +129,9 @@ class Sequence:
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
         # tokens it decided (or [] with seq.place.logits set), plain_row(seconds), finish()
-        self.driver: Speculator | None = None
-        self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
+        self.driver: Driver | None = None
+        # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
+        self.on_result: Callable[[GenerateResult], None] | None = None
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
 
