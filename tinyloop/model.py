@@ -300,6 +300,16 @@ def matrices(W: Weights) -> dict[str, formats.Matrix]:
     return out
 
 
+def quantized_matrices(W: Weights | None) -> dict[str, formats.QMatrix]:
+    """matrices() of a model holding its matrices in a weight format (net.quantized, not None): each a QMatrix."""
+    assert W is not None
+    out = {}
+    for name, m in matrices(W).items():
+        assert isinstance(m, formats.QMatrix)
+        out[name] = m
+    return out
+
+
 def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GROUP,
                      stored: dict[str, formats.QMatrix] | None = None, act_quant: bool = False) -> None:
     """Hold every matrix of the forward (the linear layers and the head) in weight format `fmt` and release the
