@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,6 +21,9 @@ from ..sampling import LaneSampling, adjust, sample
 from ..stops import StopMatcher
 from ..exits import ExitRule, Track
 from ..request import GenerateConfig, GenerateResult, GenerateStats, OnToken, make_generator
+
+if TYPE_CHECKING:
+    from .beam import BeamGroup
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
@@ -125,7 +128,7 @@ class Sequence:
         self.t_prefilled = self.t_end = self.t_call
         self.place = Place()  # where it stands in the engine (engine/scheduler.py): the scheduler's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
-        self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
+        self.beam: BeamGroup | None = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
         # tokens it decided (or [] with seq.place.logits set), plain_row(seconds), finish()
@@ -247,6 +250,7 @@ class Sequence:
     def result(self) -> GenerateResult:
         if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
             self.beam.cancel()
+            assert self.beam.outcome is not None  # (cancel ends the search)
             return self.beam.outcome
         if self.driver is not None:
             self.driver.finish()
