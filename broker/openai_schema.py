@@ -279,7 +279,7 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
         raise bad("stream_options", "must be an object, and is only allowed with stream: true")
     include_usage = bool(options and get_bool(options, "include_usage"))
     # vLLM's: every chunk carries the usage so far (only together with include_usage, as in vLLM)
-    continuous_usage = include_usage and get_bool(options, "continuous_usage_stats")
+    continuous_usage = include_usage and options is not None and get_bool(options, "continuous_usage_stats")
     params: dict[str, Any] = {
         # OpenAI's defaults, not TinyLoop's: temperature 1 (sampling), top_p 1.
         "temperature": get_num(body, "temperature", 0.0, 2.0, 1.0),
