@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from tinyloop.fields import (DEFAULT_MAX_TOKENS, GENERATE_FIELDS, SPECULATIVE_FIELDS, Check, boolean, int_in, is_int,
                              list_of, number_in, plain_map, template_variables, text)
@@ -49,10 +49,10 @@ class APIError(Exception):
              504: "timeout_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
+        self.headers = dict(headers) if headers else {}
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
