@@ -48,10 +48,8 @@ class Executor:
     def is_adaptive(self, rule: ExitRule) -> bool:
         return self.net.adaptive(rule)
 
-    def lane(self, i: int | None) -> KVCache:
-        """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same).
-        (i: an admitted sequence's Place.lane, which is not None.)"""
-        assert i is not None
+    def lane(self, i: int) -> KVCache:
+        """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same)."""
         if self.cache.lanes == 1:
             return self.cache
         view = self.views.get(i)

@@ -44,7 +44,9 @@ class Start:
 class Place:
     """Where a sequence stands in the engine: the lane state the scheduler keeps, apart from the request's own
     (Sequence). Reset when the sequence is preempted; a beam hypothesis gets its own copy."""
-    lane: int | None = None  # the cache lane it holds while admitted
+    # the cache lane it holds while admitted, None while it holds none (waiting, preempted, done). Typed int: the
+    # engine reads it only of admitted sequences, an invariant mypy cannot follow.
+    lane: int = None  # type: ignore[assignment]  # the cache lane it holds while admitted
     cached: int = 0  # prompt tokens in the lane's cache
     first: Start | None = None  # what replaces its prefill (a handle's, the prefix cache's)
     logits: torch.Tensor | None = None  # fresh logits to sample from
