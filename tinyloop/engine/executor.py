@@ -12,9 +12,9 @@ scheduler already took; the executor picks the backend for each part and gives b
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
