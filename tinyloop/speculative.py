@@ -445,10 +445,10 @@ class Speculator:
                 t = best[node] if best is not None else int(torch.argmax(self.penalised(logits[node], out)))
                 nxt = next((c for c in kids if toks[c] == t), None)
             else:
-                target, nxt, qn = self.probs(logits[node], out), None, q[node]
-                assert qn is not None  # (sampled: the children were drawn from it)
+                target, nxt = self.probs(logits[node], out), None
                 for c in kids:  # candidates in turn; each rejection leaves the residual max(0, p - q)
-                    x = toks[c]
+                    x, qn = toks[c], q[node]
+                    assert qn is not None  # (sampled: the children were drawn from it)
                     if float(torch.rand((), generator=self.gen)) * float(qn[x]) < float(target[x]):
                         nxt = c
                         break

@@ -271,8 +271,6 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
                 lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
         return y
     fmt, data, scale = w.fmt, w.data, w.scale
-    if scale is None and fmt in ("int8", "int4"):
-        raise ConfigError(f"the {fmt} weight has no scale")
     N = data.shape[0]
     if act_quant is None:
         act_quant = w.act_quant
@@ -290,7 +288,7 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
         lib.tl_linear_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), B, N, K, t)
     elif fmt == "int8":
         _check(data, torch.int8, (N, K), "int8 weight data")
-        assert scale is not None
+        assert scale is not None  # (an int8 matrix has one)
         _check(scale, torch.float32, (N,), "int8 weight scale")
         if tiled:
             lib.tl_gemm(2, x.data_ptr(), data.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K, 0,
@@ -302,7 +300,7 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
         if w.group <= 0 or w.group % INT4_BLOCK or K % w.group:
             raise ConfigError(f"int4 group {w.group} must be a positive multiple of {INT4_BLOCK} dividing K={K}")
         _check(data, torch.uint8, (N, K // 2), "int4 weight data")
-        assert scale is not None
+        assert scale is not None  # (an int4 matrix has one)
         _check(scale, torch.float32, (N, K // w.group), "int4 weight scale")
         if tiled:
             lib.tl_gemm(3, x.data_ptr(), data.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
