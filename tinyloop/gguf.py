@@ -283,7 +283,10 @@ def _fused(mats: dict[str, formats.QMatrix], cfg: ModelConfig) -> dict[str, form
     quantize_weights takes stored matrices."""
     def rows(*names: str) -> formats.QMatrix:
         parts = [mats[n] for n in names]
-        scales = [p.scale for p in parts if p.scale is not None]  # (every int4 matrix has one)
+        scales = []
+        for p in parts:
+            assert p.scale is not None  # (every int4 matrix has one)
+            scales.append(p.scale)
         return formats.QMatrix("int4", torch.cat([p.data for p in parts]), torch.cat(scales),
                                Q4_BLOCK, parts[0].width)
 
