@@ -214,8 +214,8 @@ class Broker:
         self.frontend = self._router(frontend, "client")
         self.backend = self._router(backend, "worker")
         # The endpoints actually bound (a tcp port of 0 or "*" becomes a real port).
-        self.frontend_endpoint = self.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.backend_endpoint = self.backend.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
 
         self.workers: dict[bytes, Worker] = {}
         self.queue: deque[Request] = deque()  # requests waiting for any worker
@@ -260,7 +260,7 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
-        drain_deadline = None
+        drain_deadline = float("inf")  # set when the shutdown begins
         while True:
             if self.stop_requested.is_set() and not self.stopping:
                 self.begin_shutdown()
@@ -658,7 +658,8 @@ class Broker:
             return free[0], head
         window = list(itertools.islice(self.queue, AFFINITY_WINDOW))
         pairs = [(w.holds(r.digests) if r.digests else 0, w, r) for r in window for w in free]
-        depth, worker, req = max(pairs, key=lambda p: p[0])  # the first of equals: oldest request, LRU worker
+        depth, worker, best = max(pairs, key=lambda p: p[0])  # the first of equals: oldest request, LRU worker
+        req: Request | None = best
         if not depth:
             worker, req = free[0], None
             free_ids = {w.identity for w in free}
@@ -680,6 +681,7 @@ class Broker:
                 break
             r.passed_over += 1
         self.metrics.routed.labels("affinity" if depth else "least_loaded").inc()
+        assert req is not None  # (the affinity pick, or the one chosen above)
         return worker, req
 
     def start(self, worker: Worker, req: Request) -> None:

@@ -39,7 +39,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,7 @@ class BadEndpoint(ServiceError, ValueError):
 def check_endpoint(endpoint: str) -> None:
     """Raise BadEndpoint when ZeroMQ cannot connect to `endpoint` at all (tcp://HOST:PORT, ipc://PATH, ...). A broker
     that is merely not up yet is not an error here: the connection is retried."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     try:
         sock.connect(endpoint)
@@ -319,6 +319,7 @@ class Outgoing:
         if self.op is None:
             return protocol.encode(CLIENT_TO_BROKER, "status", id=request_id)
         remaining = max(self.deadline - now, 0.001)
+        assert self.params is not None  # (a request's: only a status request has none)
         return build_request(self.op, self.params, self.stream, remaining, request_id, list(self.received))[1]
 
 
@@ -365,8 +366,8 @@ class _Core:
         self.socket, self.monitor = _connect(self.ctx, self.endpoint, self.curve_dir, self.identity)
         # Plain views of the same two sockets, for the calls that must not wait: on an asyncio socket these
         # would return a Future (holding any error) instead of the answer.
-        self._plain = zmq.Socket.shadow(self.socket.underlying)
-        self._plain_monitor = zmq.Socket.shadow(self.monitor.underlying)
+        self._plain: zmq.Socket = zmq.Socket.shadow(self.socket.underlying)
+        self._plain_monitor: zmq.Socket = zmq.Socket.shadow(self.monitor.underlying)
         self.poller = self.poller_class()
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -388,6 +389,7 @@ class _Core:
             request_id = new_request_id()
             frames = protocol.encode(CLIENT_TO_BROKER, "status", id=request_id)
         else:
+            assert params is not None  # (a request's: only a status request has none)
             request_id, frames = build_request(op, params, stream, timeout, request_id)
         now = time.monotonic()
         if not self.open:
@@ -653,6 +655,7 @@ class Pending:
             self._next()
         if self.error is not None:
             raise self.error
+        assert self.final is not None
         return self.final
 
     def cancel(self) -> None:
@@ -692,6 +695,7 @@ class AsyncClient(_Core):
 
     context_class = zmq.asyncio.Context
     poller_class = zmq.asyncio.Poller
+    poller: zmq.asyncio.Poller
     _new_box, _put = asyncio.Queue, staticmethod(asyncio.Queue.put_nowait)
     reader: asyncio.Task | None = None  # started by the first request
 
@@ -762,7 +766,7 @@ class AsyncClient(_Core):
         raise ServiceError("the reply stream ended without a final reply")  # unreachable by protocol
 
     async def _messages(self, op: str | None, params: dict | None, stream: bool,
-                        timeout: float | None) -> AsyncIterator[protocol.Message]:
+                        timeout: float | None) -> AsyncGenerator[protocol.Message, None]:
         """Send one request (op None: a status request) and yield its messages up to and including the final one."""
         request_id, frames, deadline = self._start(op, params, stream, timeout)
         box = self.inbox[request_id]

@@ -25,7 +25,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
@@ -121,7 +121,8 @@ def service_error(err: bc.ServiceError, kind: str = "completion") -> APIError:
     # empty"), and say it in the gateway's own words ("'loops' must be ..."): one dialect, whoever refused it.
     found = NAMED_FIELD.search(message)
     param = next((g for g in found.groups() if g), None) if found else None
-    if found and found.start() == len(OP_PREFIX.match(message).group()):  # the message starts with the field's name
+    prefix = OP_PREFIX.match(message)  # (it matches any message: its one group is optional)
+    if found and prefix is not None and found.start() == len(prefix.group()):  # the message starts with the field's name
         message = f"'{param}'{message[found.end():]}"
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return APIError(status, message, param=param, code=err.code, headers=headers)
@@ -148,7 +149,7 @@ class GatewayMetrics:
 class Gateway:
     """One gateway: a broker connection, readiness, auth and the ASGI app (`self.app`)."""
 
-    def __init__(self, connect: str, *, api_keys: list[str] = (), model_name: str | None = None,
+    def __init__(self, connect: str, *, api_keys: Sequence[str] = (), model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, timeout: float = 300.0, curve_dir: str | None = None,
                  limits: WorkLimits = WorkLimits(), metrics_on_api_port: bool = True):
         self.connect = connect
@@ -176,8 +177,13 @@ class Gateway:
                   for path, handler, method in endpoints for tail in ("", "/")]
         self.app = Starlette(routes=[
             *routes, Route("/v1/models/{name:path}", self.model, methods=["GET"]),
-        ], lifespan=self.lifespan, exception_handlers={APIError: self.on_api_error, ClientDisconnect: self.on_gone,
-                                                       HTTPException: self.on_http_error, Exception: self.on_crash})
+        ], lifespan=self.lifespan, exception_handlers=self.exception_handlers())
+
+    def exception_handlers(self) -> dict[Any, Any]:
+        """The answer to each kind of error (Starlette calls each handler with its own exception type, narrower than
+        the Exception its annotations take)."""
+        return {APIError: self.on_api_error, ClientDisconnect: self.on_gone, HTTPException: self.on_http_error,
+                Exception: self.on_crash}
 
     # ------------------------------------------------------------------ lifecycle and readiness
 
@@ -192,10 +198,16 @@ class Gateway:
             ticker.cancel()
             await self.client.close()
 
+    @property
+    def broker(self) -> bc.AsyncClient:
+        """The broker connection (made when the app starts: lifespan)."""
+        assert self.client is not None
+        return self.client
+
     async def poll_status(self) -> None:
         while True:
             try:
-                self.status = await self.client.status(timeout=2.0)
+                self.status = await self.broker.status(timeout=2.0)
                 self.status_at = time.monotonic()
                 self.seen_models.update(model_id(w["model"]) for w in self.status.get("workers", []) if w.get("model"))
             except bc.ServiceError:
@@ -384,7 +396,7 @@ class Gateway:
 
         async def one(index: int, p: int, params: dict) -> tuple[int, int, dict]:
             async with gate:
-                reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
+                reply = await self.broker.submit(plan.op, params, timeout=plan.timeout or self.timeout)
             return index, p, reply.result
 
         try:
@@ -447,7 +459,7 @@ class Gateway:
         try:
             async with gate:
                 if token_stream:
-                    messages = self.client._messages(plan.op, params, True, plan.timeout or self.timeout)
+                    messages = self.broker._messages(plan.op, params, True, plan.timeout or self.timeout)
                     try:
                         async for msg in messages:
                             if msg.type == "error":
@@ -459,7 +471,7 @@ class Gateway:
                     finally:
                         await messages.aclose()  # a cancelled pump cancels its broker request
                 else:
-                    reply = await self.client.submit(plan.op, params, timeout=plan.timeout or self.timeout)
+                    reply = await self.broker.submit(plan.op, params, timeout=plan.timeout or self.timeout)
                     await events.put((index, "done", reply.result))
         except bc.ServiceError as err:
             await events.put((index, "error", err))

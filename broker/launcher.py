@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from broker.protocol import WorkerExit
@@ -169,7 +170,7 @@ class LocalService:
             Client(svc.frontend).generate("x = ")
     """
 
-    def __init__(self, n_workers: int = 1, worker_args: list[str] = (), broker_args: list[str] = (),
+    def __init__(self, n_workers: int = 1, worker_args: Sequence[str] = (), broker_args: Sequence[str] = (),
                  heartbeat_interval: float = 1.0, startup_timeout: float = 180.0, log_dir: str | Path | None = None,
                  root: Path = REPO_ROOT):
         """root: the source tree whose broker and workers run (benchmarks compare an older revision)."""

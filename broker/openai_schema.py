@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from tinyloop.fields import (DEFAULT_MAX_TOKENS, GENERATE_FIELDS, SPECULATIVE_FIELDS, Check, boolean, int_in, is_int,
                              list_of, number_in, plain_map, template_variables, text)
@@ -50,10 +50,10 @@ class APIError(Exception):
              504: "timeout_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
+        self.headers = dict(headers) if headers else {}
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -280,7 +280,7 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
         raise bad("stream_options", "must be an object, and is only allowed with stream: true")
     include_usage = bool(options and get_bool(options, "include_usage"))
     # vLLM's: every chunk carries the usage so far (only together with include_usage, as in vLLM)
-    continuous_usage = include_usage and get_bool(options, "continuous_usage_stats")
+    continuous_usage = include_usage and options is not None and get_bool(options, "continuous_usage_stats")
     params: dict[str, Any] = {
         # OpenAI's defaults, not TinyLoop's: temperature 1 (sampling), top_p 1.
         "temperature": get_num(body, "temperature", 0.0, 2.0, 1.0),

@@ -159,7 +159,7 @@ def prefix_digests(prompt: str | list[int], limit: int | None = None) -> list[in
     out, done, n = [], 0, DIGEST_CHARS if text else DIGEST_TOKENS
     while n <= size:
         piece = prompt[done:n]
-        h.update(piece.encode("utf-8") if text else struct.pack(f"<{len(piece)}I", *piece))
+        h.update(piece.encode("utf-8") if isinstance(piece, str) else struct.pack(f"<{len(piece)}I", *piece))
         out.append(int.from_bytes(h.digest(), "big") >> 1)
         done, n = n, n * 2
     return out

@@ -112,6 +112,7 @@ class Supervisor:
 
     def start_gateway(self, timeout: float = 30.0) -> dict:
         """The HTTP gateway, listening once this returns (it reaches the broker by itself)."""
+        assert self.state_dir is not None and self.gateway_args is not None  # (start_broker ran; a gateway asked)
         ready_file = self.state_dir / "gateway.json"
         ready_file.unlink(missing_ok=True)
         self.gateway = launcher.spawn(["--ready-file", str(ready_file), "--log-level", self.log_level,

@@ -112,6 +112,17 @@ def test_a_grammar_string_that_is_not_json_says_how_it_was_read(tiny_model):
     assert "this one is not valid JSON: Expecting property name enclosed in double quotes at character 1" in message
 
 
+
+def test_a_grammar_string_with_a_huge_integer_is_a_config_error(tiny_model):
+    """json.loads refuses an integer of more than 4300 digits with a plain ValueError (not a JSONDecodeError, which
+    has .msg and .pos): the string is read as a regex, and its error says why it is not JSON, without crashing."""
+    grammar = '{"maximum": ' + "1" * 5000 + "}"
+    with pytest.raises(tinyloop.ConfigError) as err:
+        tinyloop.generate(tiny_model, "x", tinyloop.GenerateConfig(max_tokens=2, grammar=grammar))
+    message = str(err.value)
+    assert message.startswith("GenerateConfig.grammar: invalid regex: ")
+    assert "this one is not valid JSON: Exceeds the limit (4300 digits) for integer string conversion" in message
+
 @pytest.mark.parametrize("name", ["temperature", "top_p", "repetition_penalty", "early_exit_threshold"])
 def test_non_finite_numbers_are_refused_with_the_same_rule_in_process_and_on_the_wire(name):
     for bad in (float("inf"), float("nan")):

@@ -351,6 +351,20 @@ def test_decode_through_triton_kernels_matches_torch(mode, monkeypatch):
     torch.testing.assert_close(kernels, plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ("int8", "int4"))
+def test_decode_through_triton_kernels_with_quantised_weights(fmt, monkeypatch):
+    """A model holding its matrices in a weight format decodes rows through the kernel path too: the attention
+    kernel's view of the k|v rows (engine/forward.py's _KVProxy) once sliced the matrix as a tensor, and a quantised
+    matrix (formats.QMatrix) is not one (TypeError). Same tokens and logits as the torch path of the same model."""
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, n_core=1, max_loops=2)
+    monkeypatch.setenv("TINYLOOP_TRITON", "0")
+    plain, _ = cached_decode(cfg, "int8", 0, [6, 2], steps=3, loops=2, weights=fmt)
+    monkeypatch.setenv("TINYLOOP_TRITON", "1")
+    kernels, _ = cached_decode(cfg, "int8", 0, [6, 2], steps=3, loops=2, weights=fmt)
+    assert torch.equal(plain.argmax(-1), kernels.argmax(-1))
+    torch.testing.assert_close(kernels, plain, atol=1e-4, rtol=1e-4)
+
+
 def test_decode_threads_policy(monkeypatch):
     from tinyloop.kernels import cpu
     from tinyloop.engine.forward import decode_threads

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from .config import ModelConfig
 from .errors import ArtifactError, ConfigError
 from . import formats
-from .model import LoopedLM, matrices, quantize_weights, shapes_only
+from .model import LoopedLM, quantize_weights, quantized_matrices, shapes_only
 from .tokenizer import TextCodec
 
 FORMAT = "tinyloop"
@@ -63,7 +63,7 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
     fmt, group = "fp32", 0
     if model.quantized is not None:  # the matrices as they are held, not widened
         fmt = model.quantized.name
-        for name, m in matrices(model.quantized).items():
+        for name, m in quantized_matrices(model.quantized).items():
             group = m.group
             tensors[f"{QUANTIZED}{name}.data"] = m.data.detach().cpu().contiguous().clone()
             if m.scale is not None:
@@ -84,19 +84,19 @@ def save_artifact(path: str | Path, model: LoopedLM, codec: TextCodec, *, beta: 
 def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tensor]]:
     """Validate a .tinyloop file completely and return its metadata and tensors; ArtifactError on any fault."""
     path = Path(path)
-    expected = "expected a .tinyloop model file (a safetensors file with TinyLoop metadata)"
+    what = "expected a .tinyloop model file (a safetensors file with TinyLoop metadata)"
     if path.is_dir():
-        raise ArtifactError(f"{path}: is a directory; {expected}")
+        raise ArtifactError(f"{path}: is a directory; {what}")
     if not path.is_file():
-        raise ArtifactError(f"{path}: no such artifact file; {expected}")
+        raise ArtifactError(f"{path}: no such artifact file; {what}")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(9)
     if size < 9:
-        raise ArtifactError(f"{path}: truncated ({size} bytes; not even a safetensors header); {expected}")
+        raise ArtifactError(f"{path}: truncated ({size} bytes; not even a safetensors header); {what}")
     if head[8:9] != b"{":  # a safetensors file is an 8-byte length, then a JSON header
         raise ArtifactError(f"{path}: not a readable safetensors file (no safetensors header at its start), "
-                            f"so not a TinyLoop model; {expected}")
+                            f"so not a TinyLoop model; {what}")
     (header_len,) = struct.unpack("<Q", head[:8])
     if 8 + header_len > size:
         raise ArtifactError(f"{path}: truncated (header claims {header_len} bytes, file has {size})")
@@ -158,7 +158,7 @@ def read_artifact(path: str | Path) -> tuple[ArtifactInfo, dict[str, torch.Tenso
     info = ArtifactInfo(str(path), cfg, codec, beta, table, provenance, fmt, group)
     if fmt != "fp32":
         info.matrices = {}
-        for name, like in matrices(_meta_model(cfg, fmt, group).quantized).items():
+        for name, like in quantized_matrices(_meta_model(cfg, fmt, group).quantized).items():
             scale = tensors.pop(f"{QUANTIZED}{name}.scale", None)
             info.matrices[name] = formats.QMatrix(fmt, tensors.pop(f"{QUANTIZED}{name}.data"), scale, like.group, like.width)
     return info, tensors
@@ -176,7 +176,7 @@ def _expected_tensors(cfg: ModelConfig, fmt: str = "fp32", group: int = 0) -> di
     net = _meta_model(cfg, fmt, group)
     out = {k: v for k, v in net.state_dict().items() if v.numel()}
     if net.quantized is not None:
-        for name, m in matrices(net.quantized).items():
+        for name, m in quantized_matrices(net.quantized).items():
             out[f"{QUANTIZED}{name}.data"] = m.data
             if m.scale is not None:
                 out[f"{QUANTIZED}{name}.scale"] = m.scale

@@ -25,11 +25,15 @@ ceil(ring / BLOCK_TOKENS) blocks per slot however long it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import ModelConfig
 from .errors import BudgetError, ConfigError
+
+if TYPE_CHECKING:
+    from .prefix_tree import PrefixTree
 
 CACHE_MODES = ("fp16", "int8", "int4")
 INT4_GROUP = 32
@@ -151,7 +155,7 @@ class BlockPool:
         self.peak_used = 0
         # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
         # something. `room` counts them; `take` evicts its least recently used entries when nothing else is free.
-        self.prefixes = None
+        self.prefixes: PrefixTree | None = None  # the prefix cache whose blocks it may evict
 
     @property
     def free_count(self) -> int:
@@ -253,6 +257,9 @@ class Span:
 class KVCache:
     """K/V storage for `lanes` sequences of up to `max_len` tokens, one slot per (layer, loop), in blocks of `pool`
     (None: a private pool sized for every lane at full length, as a standalone cache in tests and benches)."""
+    # a view (lane_view, select): the cache it views, and for a selection the lanes it took, in its order
+    _view_of: KVCache | None = None
+    _index: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, lanes: int, max_len: int, mode: str = "fp16", *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, window: int = 0,
@@ -504,12 +511,13 @@ class KVCache:
 
     def commit(self) -> None:
         """Write a selection's block tables and ring positions back to the cache it was selected from."""
-        base = getattr(self, "_view_of", None)
-        if base is None or getattr(self, "_index", None) is None:
+        base, index = self._view_of, self._index
+        if base is None or index is None:
             return
-        base.table[:, self._index] = self.table
+        base.table[:, index] = self.table
         if self.cell_pos is not None:
-            base.cell_pos[:, self._index] = self.cell_pos
+            assert base.cell_pos is not None  # (a view of a ring)
+            base.cell_pos[:, index] = self.cell_pos
 
     def reorder_lanes(self, index: torch.Tensor) -> None:
         """Lane i takes the contents of lane index[i], for i < len(index)."""

@@ -105,7 +105,7 @@ class ModelConfig:
         return off + (["head_size"] if self.q_dim != self.d_model else [])  # the C blocks take q as wide as d
 
     def validate(self) -> "ModelConfig":
-        def need(ok: bool, msg: str) -> None:
+        def need(ok: object, msg: str) -> None:  # (ok: anything with a truth value)
             if not ok:
                 raise ConfigError(f"ModelConfig: {msg}")
 
@@ -153,7 +153,7 @@ class ModelConfig:
         if isinstance(d.get("value_embeds"), list):  # JSON has no tuples
             d["value_embeds"] = tuple(d["value_embeds"])
         for k, v in d.items():
-            want = known[k].type
+            want = str(known[k].type)  # (the annotation as written: `from __future__ import annotations`)
             ok = {"int": is_int(v), "float": is_int(v) or isinstance(v, float),
                   "bool": isinstance(v, bool), "str": isinstance(v, str),
                   "tuple[int, ...]": isinstance(v, tuple) and all(is_int(i) for i in v)}[want]

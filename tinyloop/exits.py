@@ -102,6 +102,7 @@ def exit_stops(net, rules: list[ExitRule], done: list[int], last: torch.Tensor, 
         idx = torch.tensor(rows, device=dev)
         t = thr[idx]
         if name == "cdf":
+            assert track is not None  # (the rules that remember something between loops come with a Track)
             lam = net.exit_prob(s_new[idx]).float()
             cdf = track.cdf[idx] + torch.where(last[idx], track.rest[idx], lam * track.rest[idx])
             track.cdf[idx], track.rest[idx] = cdf, track.rest[idx] * (1 - lam)
@@ -115,6 +116,7 @@ def exit_stops(net, rules: list[ExitRule], done: list[int], last: torch.Tensor, 
             on = [b for b in rows if rules[b].threshold > 0]
             if not on or logits is None:  # (no logits: every such row's exit is chosen already)
                 continue
+            assert track is not None  # (as for cdf)
             idx, t = torch.tensor(on, device=dev), thr[torch.tensor(on, device=dev)]
             row_logits = logits[idx].float()
             if name == "entropy":

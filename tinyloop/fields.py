@@ -90,8 +90,9 @@ def token_list(max_len: int, min_len: int = 0) -> Check:
 
 def one_of(*checks: Check) -> Check:
     def check(value: Any) -> str | None:
-        errors = [c(value) for c in checks]
-        return None if any(e is None for e in errors) else " or ".join(errors)
+        results = [c(value) for c in checks]
+        errors = [e for e in results if e is not None]
+        return None if len(errors) < len(results) else " or ".join(errors)
 
     return check
 

@@ -120,6 +120,7 @@ def dequantize(w: Matrix) -> torch.Tensor:
         return w.float()
     if w.fmt == "bf16":
         return w.data.float()
+    assert w.scale is not None  # (int8 and int4 have one)
     if w.fmt == "int8":
         return w.data.float() * w.scale[:, None]
     (N, K), Kp = w.shape, w.padded_width

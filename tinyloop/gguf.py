@@ -131,6 +131,7 @@ def read_gguf_config(path) -> ModelConfig:
     reader = open_gguf(path)
     raw = hf_config(reader, path)
     family = family_of(raw)
+    assert family is not None  # (hf_config took only the architectures a family reads)
     fields = family.config(Raw(path, raw, f"{raw['architecture']} (GGUF)"))
     bos, eos = special_ids(reader, fields["vocab_size"])
     try:
@@ -282,7 +283,11 @@ def _fused(mats: dict[str, formats.QMatrix], cfg: ModelConfig) -> dict[str, form
     quantize_weights takes stored matrices."""
     def rows(*names: str) -> formats.QMatrix:
         parts = [mats[n] for n in names]
-        return formats.QMatrix("int4", torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]),
+        scales = []
+        for p in parts:
+            assert p.scale is not None  # (every int4 matrix has one)
+            scales.append(p.scale)
+        return formats.QMatrix("int4", torch.cat([p.data for p in parts]), torch.cat(scales),
                                Q4_BLOCK, parts[0].width)
 
     out = {}
@@ -306,6 +311,7 @@ def load_gguf(path, fmt: str = "fp32", group: int = 0) -> tuple[ArtifactInfo, di
     codec = read_gguf_tokenizer(reader, cfg, path)
     raw = hf_config(reader, path)
     family = family_of(raw)
+    assert family is not None  # (read_gguf_config found it)
     expected = _expected_shapes(cfg)
     direct = fmt == "int4" and group == Q4_BLOCK
     tensors: dict[str, torch.Tensor] = {}
@@ -324,6 +330,7 @@ def load_gguf(path, fmt: str = "fp32", group: int = 0) -> tuple[ArtifactInfo, di
                 raise ArtifactError(f"{path}: tensor {t.name} has shape {_shape(t)}, the metadata implies {want}")
             if direct and ours != "embed.weight" and len(want) == 2:  # a matrix, held as int4
                 m = q4_0_matrix(t) if t.tensor_type.name == "Q4_0" else formats.quantize(dequantize(t), "int4", group)
+                assert isinstance(m, formats.QMatrix) and m.scale is not None  # (int4)
                 if heads:
                     m = formats.QMatrix("int4", interleaved_to_halves(m.data, heads),
                                         interleaved_to_halves(m.scale, heads), m.group, m.width)

@@ -91,8 +91,10 @@ def how_read(grammar: str) -> str:
     if grammar.lstrip().startswith("{"):  # it looks like JSON, so it failed to parse as JSON
         try:
             json.loads(grammar)
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             return f"{note}; this one is not valid JSON: {exc.msg} at character {exc.pos}"
+        except ValueError as exc:  # (not a syntax error: an integer past Python's digit limit)
+            return f"{note}; this one is not valid JSON: {exc}"
     return note
 
 
@@ -121,7 +123,10 @@ class GrammarState:
 
     def __init__(self, compiled: xgr.CompiledGrammar | None, vocab_size: int, eos_id: int,
                  matcher: xgr.GrammarMatcher | None = None):
-        self.matcher = matcher if matcher is not None else xgr.GrammarMatcher(compiled)
+        if matcher is None:
+            assert compiled is not None  # (a state gets its grammar, or the matcher it continues)
+            matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = matcher
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._allowed: torch.Tensor | None = None

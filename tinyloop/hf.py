@@ -175,10 +175,10 @@ def _shards(path: Path) -> dict[str, list[str] | None]:
             if missing:
                 raise ArtifactError(f"{path}: missing shard(s) {missing} listed in {index_name}")
             return dict(sorted(files.items()))
-    files = sorted(p.name for p in path.glob("*.safetensors")) or [n for n in PICKLES if (path / n).is_file()][:1]
-    if not files:
+    found = sorted(p.name for p in path.glob("*.safetensors")) or [n for n in PICKLES if (path / n).is_file()][:1]
+    if not found:
         raise ArtifactError(f"{path}: no weights (*.safetensors, or a torch pickle {' / '.join(PICKLES)})")
-    return {f: None for f in files}
+    return {f: None for f in found}
 
 
 class _Pickle:
@@ -227,6 +227,7 @@ def iter_weights(path, cfg: ModelConfig, dtype: torch.dtype | None = None
     path = Path(path)
     raw = read_raw(path)
     family = family_of(raw)
+    assert family is not None  # (read_hf_config found it)
     declared = checkpoint_dtype(raw)
     expected = _expected_shapes(cfg)
     seen: set[str] = set()
@@ -281,9 +282,9 @@ def config_and_dtype(path) -> tuple[ModelConfig, torch.dtype, tuple[str, int]]:
     cfg = read_config(path)
     with safe_open(str(path), framework="pt") as f:
         first = next(iter(f.keys()), None)
-        stored = f.get_slice(first).get_dtype() if first else ""
+        kind = f.get_slice(first).get_dtype() if first else ""
         weights = json.loads((f.metadata() or {}).get("weights") or '{"format": "fp32", "group": 0}')
-    return cfg, torch.bfloat16 if stored == "BF16" else torch.float32, (weights["format"], int(weights["group"]))
+    return cfg, torch.bfloat16 if kind == "BF16" else torch.float32, (weights["format"], int(weights["group"]))
 
 
 def _stored_dtype(path: Path) -> torch.dtype | None:

@@ -17,7 +17,7 @@ from .env import env_bytes, env_choice, env_number
 from .errors import BudgetError, BusyError, ConfigError, HandleError
 from .fields import is_int
 from .kernels import cpu as cpu_kernels
-from .formats import DEFAULT_GROUP, check_format, parse_spec
+from .formats import DEFAULT_GROUP, QMatrix, check_format, parse_spec
 from .memory import available_bytes, blocks_for, release_freed_memory, weight_bytes_of, workspace_bytes
 from .model import LoopedLM, quantize_weights, release_linears, shapes_only, weight_bytes, weight_format
 from .prefix_tree import PrefixTree
@@ -118,7 +118,7 @@ class Model:
     def act_quant(self) -> bool:
         """Whether the products quantise their input rows to int8 (int8 / int4 weights; load_model's act_quant)."""
         q = self.net.quantized
-        return q is not None and q.head.act_quant
+        return q is not None and isinstance(q.head, QMatrix) and q.head.act_quant
 
 
 def default_device() -> torch.device:
@@ -201,14 +201,14 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
         dtype = stored if stored == torch.bfloat16 else torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = info.config
     check_mode(cfg, cache_mode)
-    weights = weight_bytes_of(cfg, dtype, fmt, group)
-    blocks = pool_blocks_for(cfg, cache_mode, dtype, device, max_seq_len, weights, memory_budget)
+    held = weight_bytes_of(cfg, dtype, fmt, group)
+    blocks = pool_blocks_for(cfg, cache_mode, dtype, device, max_seq_len, held, memory_budget)
     need = blocks_for(cfg, max_seq_len, cfg.default_loops)
     if blocks < need:
         have = "memory_budget" if memory_budget is not None else "available memory"
         raise BudgetError(f"max_seq_len {max_seq_len} does not fit: one sequence of that length at "
                           f"{cfg.default_loops} loops needs {need} KV blocks, the {have} leaves room for "
-                          f"{max(blocks, 0)} after {weights / 2**20:.1f} MiB of weights; lower max_seq_len or raise "
+                          f"{max(blocks, 0)} after {held / 2**20:.1f} MiB of weights; lower max_seq_len or raise "
                           f"memory_budget")
     with shapes_only():  # no random init of weights about to be replaced (seconds and GBs for real models)
         net = LoopedLM(cfg, max_seq_len=1)
@@ -220,11 +220,11 @@ def load_model(path: str | Path | None = None, max_seq_len: int = 2048, *, devic
     net.set_max_seq_len(max_seq_len)  # position tables on the weights' device and dtype
     net = net.to(device=device).eval().requires_grad_(False)
     net.set_max_seq_len(max_seq_len)  # rebuilt on the final device
-    stored = None if info.matrices is None else {k: m.to(device) for k, m in info.matrices.items()}
+    mats = None if info.matrices is None else {k: m.to(device) for k, m in info.matrices.items()}
     info.matrices = None
     if act_quant is None:
         act_quant = env_choice("TINYLOOP_ACT_QUANT", ("on", "off"), "on" if device.type == "cpu" else "off") == "on"
-    quantize_weights(net, fmt, group, stored, act_quant=bool(act_quant))
+    quantize_weights(net, fmt, group, mats, act_quant=bool(act_quant))
     release_freed_memory(device)  # the fp32 matrices just released
     return Model(net, info, cache_mode, max_seq_len, blocks, bool(prefix_caching))
 
@@ -270,7 +270,8 @@ def free_model(model: Model) -> None:
     with model.busy():
         model.freed = True
         model.decode_cache.reset()
-        model.prefixes = None
-        model.net = None
-        model.decode_cache = None
-        model.pool = None
+        # a freed model holds nothing: every later use raises HandleError first (Model checks `freed`)
+        model.prefixes = None  # type: ignore[assignment]
+        model.net = None  # type: ignore[assignment]
+        model.decode_cache = None  # type: ignore[assignment]
+        model.pool = None  # type: ignore[assignment]

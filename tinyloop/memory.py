@@ -45,6 +45,7 @@ class MemoryPlan:
 
     def holds(self, tokens: int, loops: int) -> int:
         """How many sequences of `tokens` tokens at `loops` loops the pool holds at once."""
+        assert self.cfg is not None  # (a plan of a model: plan_memory)
         return self.pool_blocks // blocks_for(self.cfg, tokens, loops)
 
     def table(self) -> str:

@@ -17,6 +17,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -161,12 +162,12 @@ class Block(nn.Module):
 @dataclass
 class BlockWeights:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # [d + 2 kv_dim, d]: rows of wq, wk, wv
-    wkv: torch.Tensor   # the wk|wv rows, unpacked (the int4 store-h cache recomputes K and V from h)
-    wo: torch.Tensor
+    wqkv: formats.Matrix  # [d + 2 kv_dim, d]: rows of wq, wk, wv
+    wkv: formats.Matrix   # the wk|wv rows, unpacked (the int4 store-h cache recomputes K and V from h)
+    wo: formats.Matrix
     mlp_norm: torch.Tensor
-    wgu: torch.Tensor   # [2 ffn, d]: rows of w_gate, w_up
-    w_down: torch.Tensor
+    wgu: formats.Matrix   # [2 ffn, d]: rows of w_gate, w_up
+    w_down: formats.Matrix
     attn_out_norm: torch.Tensor | None
     mlp_out_norm: torch.Tensor | None
     bqkv: torch.Tensor | None = None  # qk_bias: biases of the q|k|v rows (v's part zero)
@@ -192,10 +193,11 @@ class Weights:
     prelude: list[BlockWeights]
     core: list[BlockWeights]
     coda: list[BlockWeights]
-    adapter: torch.Tensor | None
+    adapter: formats.Matrix | None
     final_norm: torch.Tensor
-    head: torch.Tensor
-    linear: Callable[[torch.Tensor, formats.Matrix], torch.Tensor] = F.linear
+    head: formats.Matrix
+    # F.linear over fp32 tensors; formats.linear (any format) when the matrices are QMatrix
+    linear: Callable[[torch.Tensor, formats.Matrix], torch.Tensor] = F.linear  # type: ignore[assignment]
     norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
     inject_decay: torch.Tensor | None = None  # diagonal injection: exp(-dt A) and dt per channel (B is `adapter`)
     inject_dt: torch.Tensor | None = None
@@ -203,14 +205,14 @@ class Weights:
     readout: formats.Matrix | None = None      # the d x d map of s_L before the coda
 
 
-def _fuse(linears: list[nn.Linear], rebind: bool) -> torch.Tensor:
+def _fuse(linears: list[nn.Linear | None], rebind: bool) -> torch.Tensor:
     """The linears' weights concatenated by rows. rebind: each linear's weight becomes a view of its rows of the
     result, so the fused matrix is the only copy (plan_memory counts the weights once)."""
-    linears = [lin for lin in linears if lin is not None]  # (relu2 has no gate)
-    fused = torch.cat([lin.weight for lin in linears])
+    present = [lin for lin in linears if lin is not None]  # (relu2 has no gate)
+    fused = torch.cat([lin.weight for lin in present])
     if rebind:
         row = 0
-        for lin in linears:
+        for lin in present:
             n = lin.weight.shape[0]
             lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
             row += n
@@ -230,13 +232,13 @@ def _block_weights(block: Block, rebind: bool) -> BlockWeights:
 
 
 def _all_weights(net: "LoopedLM", rebind: bool) -> Weights:
-    blocks = [[_block_weights(b, rebind) for b in part] for part in (net.prelude, net.core, net.coda)]
+    prelude, core, coda = ([_block_weights(cast(Block, b), rebind) for b in part] for part in (net.prelude, net.core, net.coda))
     head = net.embed.weight if net.lm_head is None else net.lm_head.weight
     decay = dt = None
     if net.decay is not None:  # the reference's order of operations: dt = softplus(dt_bias), exp(-dt * exp(A_log))
         dt = F.softplus(net.decay.dt_bias)
         decay = torch.exp(-dt * torch.exp(net.decay.a_log))
-    return Weights("fp32", *blocks, None if net.adapter is None else net.adapter.weight, net.norm.weight, head,
+    return Weights("fp32", prelude, core, coda, None if net.adapter is None else net.adapter.weight, net.norm.weight, head,
                    inject_decay=decay, inject_dt=dt,
                    prelude_norm=None if net.prelude_norm is None else net.prelude_norm.weight,
                    readout=None if net.readout is None else net.readout.weight)
@@ -298,6 +300,16 @@ def matrices(W: Weights) -> dict[str, formats.Matrix]:
     return out
 
 
+def quantized_matrices(W: Weights | None) -> dict[str, formats.QMatrix]:
+    """matrices() of a model holding its matrices in a weight format (net.quantized, not None): each a QMatrix."""
+    assert W is not None
+    out = {}
+    for name, m in matrices(W).items():
+        assert isinstance(m, formats.QMatrix)
+        out[name] = m
+    return out
+
+
 def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GROUP,
                      stored: dict[str, formats.QMatrix] | None = None, act_quant: bool = False) -> None:
     """Hold every matrix of the forward (the linear layers and the head) in weight format `fmt` and release the
@@ -312,7 +324,15 @@ def quantize_weights(net: "LoopedLM", fmt: str, group: int = formats.DEFAULT_GRO
         return
     with torch.no_grad():
         W = fused_weights(net) if stored is None else _all_weights(net, rebind=False)  # norms and biases from net
-        mats = stored if stored is not None else {k: formats.quantize(w, fmt, group) for k, w in matrices(W).items()}
+        if stored is not None:
+            mats = stored
+        else:
+            mats = {}
+            for k, w in matrices(W).items():
+                assert isinstance(w, torch.Tensor)  # the fp32 model's own matrices (net.quantized is None)
+                q = formats.quantize(w, fmt, group)
+                assert isinstance(q, formats.QMatrix)  # (fmt is not fp32)
+                mats[k] = q
         if fmt in ("int8", "int4"):
             mats = {k: dataclasses.replace(m, act_quant=act_quant) for k, m in mats.items()}
         q_rows = net.cfg.n_heads * net.cfg.head_dim
@@ -395,6 +415,7 @@ def value_embedding(w: BlockWeights, h: torch.Tensor, ctx) -> torch.Tensor:
         raise ModeError("this model's value embeddings need every token's id in every layer, and a forward that "
                         "continues latent states (speculative verification, warm start) does not carry them: "
                         "use plain decode for this model")
+    assert w.ve_gate is not None and w.value_embed is not None  # (a value-embedding layer's)
     gate = 2 * torch.sigmoid(F.linear(h[:, :VE_GATE_CHANNELS], w.ve_gate))  # [B*T, KV]
     table = F.embedding(ids, w.value_embed)
     return gate.unsqueeze(-1) * table.view(*gate.shape, -1)
@@ -440,12 +461,18 @@ def inject(kind: str, W: Weights, s: torch.Tensor, e: torch.Tensor) -> torch.Ten
         return s
     if kind == "add":
         return s + e
+    assert W.adapter is not None  # (the adapter and diagonal injections have one)
     if kind == "adapter":
         return W.linear(torch.cat((s, e), dim=-1), W.adapter)
+    assert W.inject_decay is not None and W.inject_dt is not None
     return s * W.inject_decay + W.inject_dt * W.linear(e, W.adapter)  # diagonal (Parcae): per-channel decay of s
 
 
 class LoopedLM(nn.Module):
+    rope_cos: torch.Tensor  # buffers (register_buffer)
+    rope_sin: torch.Tensor
+    init_noise: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_seq_len: int = 2048):
         super().__init__()
         self.cfg = cfg

@@ -100,6 +100,7 @@ class PrefixCache(Handle):
         """Lend the blocks of the first `cells` positions (shared: the suffix's first write into the last one copies
         it)."""
         n = -(-cells // BLOCK_TOKENS)
+        assert self.span is not None  # (built, not released: the caller holds it)
         cache.adopt(Span(self.span.pool, {s: ids[:n] for s, ids in self.span.blocks.items()}, cells))
 
 
@@ -130,7 +131,10 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
             return None if hit == len(ids) else (model.cfg.slots_written(seq.loops), hit, len(ids) - 1)
 
         def rest(lane: KVCache) -> torch.Tensor:
-            return pc.logits[-1] if hit == len(ids) else runner.prefill(ids[hit:], hit)[-1]  # all loops, as generate's
+            if hit == len(ids):
+                assert pc.logits is not None  # (built, not released)
+                return pc.logits[-1]
+            return runner.prefill(ids[hit:], hit)[-1]  # all loops, as generate's
 
         seq.stats.prefix_hit_tokens = hit
         return runner.run([seq], cached=hit, first=Start(lend, rest))[0]
@@ -225,7 +229,8 @@ class PrefixPool(Handle):
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.model, self.model_id = None, None  # bound on the first register_prefix
+        # bound on the first register_prefix (check knows a pool not bound yet)
+        self.model, self.model_id = None, None  # type: ignore[assignment]
         self.freed = False
         self._lock = threading.Lock()
         self.entries: OrderedDict[tuple, PinnedPrefix] = OrderedDict()  # least recently used first
@@ -274,7 +279,7 @@ class PrefixPool(Handle):
         self.hits, self.misses, self.hit_tokens = self.hits + (hit > 0), self.misses + (hit == 0), self.hit_tokens + hit
         if hit:
             shared = {k: common_length(e.ids, ids) for k, e in self.entries.items() if e.n_loops == loops}
-            best = max(shared, key=shared.get, default=None)
+            best = max(shared, key=lambda k: shared[k], default=None)
             if best is not None and shared[best]:
                 self.entries.move_to_end(best)
 

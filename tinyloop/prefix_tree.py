@@ -32,7 +32,7 @@ class Node:
 
     def __init__(self, tokens: tuple, parent: "Node | None", blocks: list[int]):
         self.tokens, self.parent, self.blocks = tokens, parent, blocks
-        self.depth = (parent.depth if parent is not None else 0) + len(tokens)
+        self.depth: int = (parent.depth if parent is not None else 0) + len(tokens)
         self.children: dict[tuple, Node] = {}
         self.by_first: dict[int, list[Node]] = {}  # children by their first token: a partial match scans only these
         self.pins = 0
@@ -190,6 +190,7 @@ class PrefixTree:
         if self.listener is not None:
             self.listener.removed(node)
         parent = node.parent
+        assert parent is not None  # (a stored node; the roots stay)
         del parent.children[node.tokens]
         parent.by_first[node.tokens[0]].remove(node)
         if not parent.by_first[node.tokens[0]]:

@@ -34,7 +34,7 @@ from .handle_base import Handle, encode_tokens, tensor_bytes
 from .engine import forward as paged
 from .modes import check_modes
 from .loader import Model
-from .speculative import SpeculativeConfig, speculative_sequence
+from .speculative import SpeculativeConfig, speculative_sequence, speculative_stats
 from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 REFINE_AHEAD = 6  # draft_ahead of a greedy refine (the best chain in `tinyloop bench --section speculative`)
@@ -120,6 +120,7 @@ class ResumeHandle(Handle):
         """Lend the kept blocks to `cache` for a run at `loops` loops (`prefill`); returns what that run writes: the
         slots of the loops the handle lacks and the coda's, over the prompt's cells."""
         start = self.depth if loops >= self.depth else 0
+        assert self.span is not None  # (built, not released: the caller holds it)
         # Only loops < start are lent: the recomputed ones must not find stale ring entries beside them.
         held = self.span if start == self.depth else self.span.only(self.slots(0))
         cache.adopt(held)
@@ -136,13 +137,16 @@ class ResumeHandle(Handle):
         Returns the logits [T, V] of the prompt's last piece; deepens the handle when `loops` > depth.
         """
         start = self.depth if loops >= self.depth else 0
+        assert self.e is not None and self.s is not None and self.span is not None  # (built, not released)
         latent = paged.Latent(self.e, self.s.clone() if start else torch.empty_like(self.s))
         logits = self.run_loops(cache, start, loops, latent, head=True)
+        assert logits is not None  # (with the head)
         stats.skipped_loops = start * len(self.ids)
         if loops > self.depth:
             new = cache.share(range(self.slots(self.depth).stop, self.slots(loops).stop), len(self.ids))
             self.span.blocks.update(new.blocks)
             if new.cell_pos is not None:
+                assert self.span.cell_pos is not None  # (a ring's span, as the new one)
                 self.span.cell_pos.update(new.cell_pos)
             self.s, self.depth = latent.s, loops
         return logits
@@ -159,7 +163,9 @@ class GuessFollower:
     def __init__(self, seq: Sequence, guess: list[int], loops: int):
         self.seq, self.guess, self.loops, self.base = seq, guess, loops, len(seq.prompt)
         self.following, self.reused = True, 0
-        self.piece, self.rows, self.rows_from = 4, None, 0
+        self.piece, self.rows_from = 4, 0
+        self.rows: torch.Tensor | None = None  # the verified piece's logits
+        self.chosen_from: torch.Tensor | None = None  # (its steps decide no tokens: Driver)
 
     def covered(self, i: int) -> bool:
         return self.rows is not None and self.rows_from <= i < self.rows_from + len(self.rows)
@@ -185,6 +191,7 @@ class GuessFollower:
                                  seq.pos + len(chunk))
             self.rows = paged.forward(net, torch.tensor([chunk], device=dev), self.loops, step, cache)[0]
             self.rows_from, self.piece = i, self.piece * 2
+        assert self.rows is not None  # (covered now)
         seq.place.logits = self.rows[i - self.rows_from]
         seq.pos += 1
         seq.loop_counts.append(self.loops)
@@ -223,7 +230,7 @@ def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken
 
     def done(res: GenerateResult) -> None:
         if sc is not None:  # the answer tokens a self-speculative refine took from drafts at the handle's depth
-            res.stats.draft_reused_tokens = res.stats.accepted
+            res.stats.draft_reused_tokens = speculative_stats(res).accepted
         handle.draft = res.tokens
 
     def lend(lane: KVCache) -> Writes:
@@ -282,7 +289,8 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
     Greedy output equals generate(model, prompt, cfg with loops); stats.skipped_loops counts the
     prompt-token-loops not recomputed (prompt tokens x loops skipped).
     """
-    cfg = check_resume(handle, dataclasses.replace(cfg or GenerateConfig(), **({} if loops is None else {"loops": loops})))
+    base = cfg or GenerateConfig()
+    cfg = check_resume(handle, base if loops is None else dataclasses.replace(base, loops=loops))
     model = handle.model
     with handle.using(model), lanes(model, [handle.ids], [cfg]) as cache:
         seq, cached_tokens, first = refine_sequence(handle, cfg, on_token, held=True)

@@ -70,7 +70,7 @@ def token_logprobs(model, context: list[int], targets: list[int], loops: int | N
         ids = seq[start:stop]
         rows = range(start - 1, stop - 1)
         values = [None if r < 0 else float(logp[r, t]) for r, t in zip(rows, ids)]
-        alts = []
+        alts: list[list[list[object]] | None] = []
         for r in rows:
             if r < 0 or top <= 0:
                 alts.append(None if r < 0 else [])

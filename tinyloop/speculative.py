@@ -42,7 +42,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -104,7 +104,10 @@ def parse_speculative(value: str, source: str = "speculative") -> SpeculativeCon
         nums = []
     if len(nums) not in (3, 4):
         raise ConfigError(f"{source}={value!r} must be draft:verify:ahead[:width], e.g. 2:8:4")
-    return SpeculativeConfig(*nums).validate()
+    sc = SpeculativeConfig(nums[0], nums[1], nums[2])
+    if len(nums) == 4:
+        sc.tree_width = nums[3]
+    return sc.validate()
 
 
 def speculative_from_env() -> SpeculativeConfig | None:
@@ -186,7 +189,8 @@ class Speculator:
 
     PROBE_ROUNDS = 3  # rounds measured before a greedy lane may decide its rounds do not pay
 
-    def __init__(self, model: Model, sc: SpeculativeConfig, seq: Sequence, verify_loops: int, guess: list[int] = ()):
+    def __init__(self, model: Model, sc: SpeculativeConfig, seq: Sequence, verify_loops: int,
+                 guess: Iterable[int] = ()):
         cfg = seq.cfg
         self.model, self.net, self.cfg, self.seq = model, model.net, cfg, seq
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
@@ -210,7 +214,14 @@ class Speculator:
         self.cache: KVCache | None = None  # the lane's cache, bound at each round (a preempted lane may move)
         self.fallback = sc.fallback
         self.chosen_from: torch.Tensor | None = None  # [len(out), V] of the last round (Sequence.score_all)
-        self.pays, self.plain_s, self.rounds_s, self.rounds_tokens, self.rounds = True, None, 0.0, 0, 0
+        self.plain_s: float | None = None
+        self.pays, self.rounds_s, self.rounds_tokens, self.rounds = True, 0.0, 0, 0
+
+    @property
+    def stats(self) -> SpeculativeStats:
+        st = self.seq.stats
+        assert isinstance(st, SpeculativeStats)  # (speculative_sequence gives its sequence these)
+        return st
 
     def bind(self, cache: KVCache) -> None:
         if cache is not self.cache:
@@ -239,7 +250,7 @@ class Speculator:
         """One round from the sequence's pending token (seq.token at seq.pos) over the lane's `cache`: the tokens it
         yields, for the runner to take in turn."""
         seq, cfg = self.seq, self.cfg
-        stats: SpeculativeStats = seq.stats
+        stats = self.stats
         self.bind(cache)
         t0 = time.perf_counter()
         P, p, left = len(seq.prompt), seq.pos, cfg.max_tokens - seq.count  # a round yields at most depth + 1
@@ -266,7 +277,7 @@ class Speculator:
 
     def finish(self) -> None:
         """The speculative stats of the whole request (Sequence.result calls it)."""
-        stats = self.seq.stats
+        stats = self.stats
         stats.draft_accept_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
         stats.tokens_per_verify = stats.accepted / stats.verify_steps + 1 if stats.verify_steps else 0.0
         stats.draft_loop_steps, stats.verify_loop_steps = self.draft_loop_steps, self.verify_loop_steps
@@ -293,8 +304,8 @@ class Speculator:
             if k == 1:
                 sure, top = torch.softmax(x, -1).max(-1)
                 return [int(top)], None, float(sure)
-            top = torch.softmax(x, -1).topk(k)
-            return top.indices.tolist(), None, float(top.values[0])
+            best = torch.softmax(x, -1).topk(k)
+            return best.indices.tolist(), None, float(best.values[0])
         q = self.probs(logits, extra)
         drawn = self.draw(q, k)
         return drawn, q, float(q[drawn[0]])
@@ -321,7 +332,8 @@ class Speculator:
         if not self.adaptive:  # one call: the loops and the head
             used[:] = [k1] * T
             return self.loops(lat, pos, cells, tree, k0, k1, head=head), T * (k1 - k0)
-        steps = 0
+        steps, cache = 0, self.cache
+        assert cache is not None  # (bound by step)
         for k in range(k0, k1):
             act = [i for i in range(T) if not done[i]]
             if not act:
@@ -338,7 +350,7 @@ class Speculator:
                 used[i] = k + 1
                 if st:
                     done[i] = True
-                    self.cache.fill_skipped(0, cells[i], k + 1, self.V)  # (a chain's cell: its position)
+                    cache.fill_skipped(0, cells[i], k + 1, self.V)  # (a chain's cell: its position)
         return self.loops(lat, pos, cells, tree, k1, k1) if head else None, steps
 
     def draft(self, lat: paged.Latent, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None,
@@ -365,18 +377,19 @@ class Speculator:
         tokens accepted, and the depth drafted (n, or less where a chain stopped at a doubtful draft).
         """
         net, cache, dev = self.net, self.cache, self.model.device
+        assert cache is not None  # (bound by step)
         tree = TreeShape(p, w, n, dev) if w > 1 else None
         N = 1 + n * w
         pos = [p] + [p + (i - 1) // w + 1 for i in range(1, N)]
         cells = list(range(p, p + N))  # chain: cell = position
         toks = [pending] + [0] * (N - 1)
         parent = [-1] + [0 if i <= w else i - w for i in range(1, N)]
-        q: dict[int, torch.Tensor] = {}  # sampled mode: the distribution a node's children were drawn from
+        q: dict[int, torch.Tensor | None] = {}  # sampled mode: the distribution a node's children were drawn from
         used, done, doubtful = [0] * N, [False] * N, []
         lat = paged.Latent.empty(1, N, net)  # the round's latent rows: drafts write them, verification continues them
 
         def path(i: int) -> list[int]:  # draft tokens after the root on the way to node i
-            out = []
+            out: list[int] = []
             while i > 0:
                 out.append(toks[i])
                 i = parent[i]
@@ -414,13 +427,16 @@ class Speculator:
         t0 = time.perf_counter()
         if cache.window:
             cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        logits, steps = self.advance(lat, pos, cells, tree, self.D, self.V, True, used, done)
-        logits = logits[0]
+        verified, steps = self.advance(lat, pos, cells, tree, self.D, self.V, True, used, done)
+        assert verified is not None  # (with the head)
+        logits = verified[0]
         self.verify_loop_steps += steps
         self.verify_s += time.perf_counter() - t0
 
         # accept: walk down the tree from the root
-        out, accepted, node = [], [], 0
+        out: list[int] = []
+        accepted: list[int] = []
+        node = 0
         # greedy without a penalty: every node's target at once (with one, it depends on the tokens taken before)
         best = logits.argmax(-1).tolist() if self.greedy and self.cfg.repetition_penalty == 1.0 else None
         while True:
@@ -431,11 +447,12 @@ class Speculator:
             else:
                 target, nxt = self.probs(logits[node], out), None
                 for c in kids:  # candidates in turn; each rejection leaves the residual max(0, p - q)
-                    x = toks[c]
-                    if float(torch.rand((), generator=self.gen)) * float(q[node][x]) < float(target[x]):
+                    x, qn = toks[c], q[node]
+                    assert qn is not None  # (sampled: the children were drawn from it)
+                    if float(torch.rand((), generator=self.gen)) * float(qn[x]) < float(target[x]):
                         nxt = c
                         break
-                    resid = (target - q[node]).clamp_min(0)
+                    resid = (target - qn).clamp_min(0)
                     target = resid / resid.sum() if resid.sum() > 0 else target
                 t = toks[nxt] if nxt is not None else self.draw(target)[0]
             out.append(t)
@@ -459,7 +476,7 @@ class Speculator:
 
     def count_tests(self, doubtful: list[bool], accepted: int) -> None:
         """A chain's drafts by confidence: those up to the first rejected one were tested, the ones before it taken."""
-        st: SpeculativeStats = self.seq.stats
+        st = self.stats
         tested, taken = doubtful[:accepted + 1], doubtful[:accepted]
         st.doubtful += sum(doubtful)
         st.doubtful_tested += sum(tested)
@@ -501,7 +518,7 @@ def speculative_ring(sc: SpeculativeConfig, cfg: GenerateConfig) -> int:
 
 
 def speculative_sequence(model: Model, ids: list[int], sc: SpeculativeConfig, cfg: GenerateConfig,
-                         on_token: OnToken | None, guess: list[int] = ()) -> Sequence:
+                         on_token: OnToken | None, guess: Iterable[int] = ()) -> Sequence:
     """A sequence decoded speculatively: its driver runs the rounds, its loops are the verify loops. `guess`: a
     likely greedy continuation (a refine's draft); while the output follows it, rounds verify pieces of it (4, 8,
     16 ... tokens) instead of drafting token by token."""
@@ -575,6 +592,12 @@ def best_length(model: ChainModel, draft_s: float, verify_s: Callable[[float], f
 PROBE_AHEAD = (2, 8)  # the draft lengths each candidate's probes run: verification costs at two chunk sizes
 
 
+def speculative_stats(result: GenerateResult) -> SpeculativeStats:
+    """The stats of a result of generate_speculative."""
+    assert isinstance(result.stats, SpeculativeStats)
+    return result.stats
+
+
 def _per_token_s(result: GenerateResult) -> float:
     """Seconds per decoded token (the prompt's prefill is the same work either way)."""
     return result.stats.decode_ms / 1000 / max(result.stats.generated_tokens - 1, 1)
@@ -583,7 +606,7 @@ def _per_token_s(result: GenerateResult) -> float:
 def _probe(runs: dict[int, list[GenerateResult]], plain_s: float, max_ahead: int) -> dict:
     """A draft loop count's measurements (speculative runs at each PROBE_AHEAD length) and its best draft length.
     Costs are the least over the runs: on a busy machine noise only ever adds time."""
-    sts = [r.stats for rs in runs.values() for r in rs]
+    sts = [speculative_stats(r) for rs in runs.values() for r in rs]
     total = {k: sum(getattr(st, k) for st in sts) for k in ("drafted", "doubtful", "sure_tested", "sure_accepted",
                                                             "doubtful_tested", "doubtful_accepted")}
     model = ChainModel(total["sure_accepted"] / max(total["sure_tested"], 1),
@@ -592,9 +615,10 @@ def _probe(runs: dict[int, list[GenerateResult]], plain_s: float, max_ahead: int
     draft_s = min(st.draft_ms / 1000 / max(st.drafted + st.verify_steps, 1) for st in sts)
     points = []  # per probe length: (mean rows of a verification, its seconds)
     for rs in runs.values():
-        rounds = [max(r.stats.verify_steps, 1) for r in rs]
-        points.append((sum(r.stats.drafted + r.stats.verify_steps for r in rs) / sum(rounds),
-                       min(r.stats.verify_ms / 1000 / k for r, k in zip(rs, rounds))))
+        ss = [speculative_stats(r) for r in rs]
+        rounds = [max(st.verify_steps, 1) for st in ss]
+        points.append((sum(st.drafted + st.verify_steps for st in ss) / sum(rounds),
+                       min(st.verify_ms / 1000 / k for st, k in zip(ss, rounds))))
     (t1, v1), (t2, v2) = sorted(points)
     slope = max((v2 - v1) / (t2 - t1), 0.0) if t2 - t1 > 0.5 else 0.0  # a row more never costs less: that is noise
 
@@ -634,7 +658,8 @@ def choose_speculative(model: Model, prompts: Seq, sc: SpeculativeConfig | None 
 
     generate(model, prompts[0], plain_cfg)  # warm-up: first calls pay for allocation
     speculative(prompts[0], sc.draft_loops, sc.draft_ahead)
-    plain_s, probes = float("inf"), {}
+    plain_s = float("inf")
+    probes: dict[int, dict[int, list[GenerateResult]]] = {}
     for D in sorted({*range(1, min(V, 5)), sc.draft_loops}):  # plain decode between them: its least time is taken
         probes[D] = {n: [] for n in PROBE_AHEAD}                # over the whole measurement, as theirs are
         for prompt in prompts:
@@ -648,10 +673,11 @@ def choose_speculative(model: Model, prompts: Seq, sc: SpeculativeConfig | None 
     rows = []
     for prompt in prompts:  # side by side: each prompt plain, then speculative
         a, b = generate(model, prompt, plain_cfg), generate_speculative(model, prompt, rounds, cfg)
+        bs = speculative_stats(b)
         rows.append({"plain_s": a.stats.decode_ms / 1000, "speculative_s": b.stats.decode_ms / 1000,
                      "plain_tokens": a.stats.generated_tokens, "speculative_tokens": b.stats.generated_tokens,
-                     "speedup": _per_token_s(a) / max(_per_token_s(b), 1e-9), "drafted": b.stats.drafted,
-                     "accepted": b.stats.accepted, "tokens_per_verify": b.stats.tokens_per_verify})
+                     "speedup": _per_token_s(a) / max(_per_token_s(b), 1e-9), "drafted": bs.drafted,
+                     "accepted": bs.accepted, "tokens_per_verify": bs.tokens_per_verify})
     speedup = statistics.median(r["speedup"] for r in rows)  # one stalled run moves a median least
     plain_tps = sum(r["plain_tokens"] - 1 for r in rows) / max(sum(r["plain_s"] for r in rows), 1e-9)
     spec_tps = sum(r["speculative_tokens"] - 1 for r in rows) / max(sum(r["speculative_s"] for r in rows), 1e-9)

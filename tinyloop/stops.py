@@ -65,6 +65,7 @@ class StopMatcher:
                     safe = min(safe, len(self.tokens) - n)
                     break
         if self.strings:
+            assert self.detok is not None  # (made for the strings)
             held_from = len(self.text)
             for s in self.strings:
                 for n in range(min(len(s) - 1, len(self.text)), 0, -1):

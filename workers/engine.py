@@ -244,7 +244,7 @@ class ModelEngine:
             done = self.scheduler.step()
         except Exception as exc:  # a bug in a step must not kill the worker: every request in the batch fails
             log.exception("a scheduler step failed")
-            failed = [(job.key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}"))
+            failed: list[tuple[str, dict | EngineError]] = [(job.key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}"))
                       for job in self.batch.values()]
             self.batch.clear()
             self.scheduler = self.new_scheduler()
@@ -292,6 +292,7 @@ class ModelEngine:
 
         def on_runtime_token(token: int, pos: int) -> bool:
             if on_token is not None:
+                assert text is not None  # (made above for a sink)
                 on_token(int(token), int(pos) + offset, text.push(int(token)))
             return not should_stop()
 

@@ -215,6 +215,7 @@ class EventPublisher:
         self.sequence += 1
 
     def serve_replay(self) -> None:
+        assert self.replay is not None  # (served only where there is a replay socket)
         frames = self.replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:  # [identity, b"", start]: anything else is not a replay request
             log.warning("kv events: ignoring a malformed replay request of %d frames", len(frames))

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 
 import zmq
 
@@ -159,12 +159,13 @@ class WorkerProcess:
 
     def io_loop(self, outbox: zmq.Socket, compute_done: threading.Event) -> int:
         self.connect()
-        exit_code = WorkerExit.OK
+        exit_code: int = WorkerExit.OK
         reconnect_delay = self.heartbeat_interval
         last_heard = time.monotonic()
         next_heartbeat = time.monotonic() + self.heartbeat_interval
         leaving_since: float | None = None
-        poller, poller_for = None, None
+        poller: zmq.Poller | None = None
+        poller_for: zmq.Socket | None = None
         while True:
             if self.stop_requested.is_set() and leaving_since is None:
                 leaving_since = time.monotonic()
@@ -180,6 +181,7 @@ class WorkerProcess:
                 poller, poller_for = zmq.Poller(), self.dealer
                 poller.register(self.dealer, zmq.POLLIN)
                 poller.register(outbox, zmq.POLLIN)
+            assert poller is not None and self.dealer is not None  # (connected, and polled since)
             events = dict(poller.poll(int(self.heartbeat_interval * 250)))
             if outbox in events:
                 while True:
@@ -203,7 +205,7 @@ class WorkerProcess:
                         leaving_since = time.monotonic() - self.drain_timeout_s  # nothing to drain
             now = time.monotonic()
             if now >= next_heartbeat:
-                cache_state = getattr(self.engine, "cache_state", dict)()  # routing fields; an engine may have none
+                cache_state: dict = getattr(self.engine, "cache_state", dict)()  # routing fields; an engine may have none
                 self.send("heartbeat", handles=self.engine.live_handles(), lanes=len(self.running), **cache_state)
                 next_heartbeat = now + self.heartbeat_interval
             if now - last_heard > self.heartbeat_expiry and leaving_since is None:
@@ -220,6 +222,7 @@ class WorkerProcess:
                 last_heard = time.monotonic()
         self.jobs.put(None)
         compute_done.wait(timeout=5)
+        assert self.dealer is not None  # (connected)
         self.dealer.close(linger=1000)  # let the final replies and goodbye leave
         outbox.close(linger=0)
         return exit_code
@@ -259,6 +262,7 @@ class WorkerProcess:
         # Never block the I/O thread: with no connection at all (e.g. a CURVE handshake the broker
         # keeps refusing) a blocking send would stall heartbeats and reconnects. The broker treats
         # whatever is lost like a dead worker's work.
+        assert self.dealer is not None  # (connected: the I/O loop sends only then)
         try:
             self.dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
@@ -282,9 +286,9 @@ class WorkerProcess:
             self.running[job.key] = job
             self.jobs.put(job)
         elif msg.type == "cancel":
-            job = self.running.get(msg["id"])
-            if job is not None:
-                job.cancelled.set()
+            cancelled = self.running.get(msg["id"])
+            if cancelled is not None:
+                cancelled.cancelled.set()
         elif msg.type == "reconnect":
             if time.monotonic() - self.last_ready_at > self.heartbeat_interval:
                 self.abandon_running("the broker does not know this worker")
@@ -320,12 +324,12 @@ class WorkerProcess:
         def emit(msg_type: str, **fields: Any) -> None:
             out.send_multipart(protocol.encode(WORKER_TO_BROKER, msg_type, **fields))
 
-        engine = self.engine
-        batching = hasattr(engine, "step")
+        engine = cast(Batching, self.engine) if hasattr(self.engine, "step") else None  # (a batching engine)
+        batching = engine is not None
         pending: deque[Job] = deque()  # arrived, not started: first come, first served
         while True:
             # Wait for work only when there is none; while a batch runs, take what arrived between two steps.
-            waits = not pending and (not batching or engine.idle())
+            waits = not pending and (engine is None or engine.idle())
             try:
                 while True:
                     job = self.jobs.get(block=waits)
@@ -341,7 +345,7 @@ class WorkerProcess:
                 if job.op == "ping" or job.should_stop() or not batching or not self.join(job, emit):
                     self.run_alone(job, emit)  # between two steps: a handle op, a ping, an answer without work
                 pending.popleft()
-            if batching and not engine.idle():
+            if engine is not None and not engine.idle():
                 finished = engine.step()
                 if self.step_tokens:  # before the replies: a request's tokens come before its final message
                     emit("tokens", items=self.step_tokens)
@@ -352,7 +356,11 @@ class WorkerProcess:
     def token_sink(self, job: Job, emit: Callable[..., None]) -> TokenSink | None:
         if not job.stream:
             return None
-        return lambda token, pos, text, key=job.key: emit("token", id=key, token=token, pos=pos, text=text)
+        key = job.key
+
+        def sink(token: int, pos: int, text: str) -> None:
+            emit("token", id=key, token=token, pos=pos, text=text)
+        return sink
 
     def batch_sink(self, job: Job) -> TokenSink | None:
         """A batched job's tokens wait for the end of the step and leave in one "tokens" message with the other
@@ -360,14 +368,18 @@ class WorkerProcess:
         and the client ~20 % of the service's CPU at 8 lanes (docs/engine.md)."""
         if not job.stream:
             return None
-        return lambda token, pos, text, key=job.key: self.step_tokens.append([key, token, pos, text])
+        key = job.key
+
+        def sink(token: int, pos: int, text: str) -> None:
+            self.step_tokens.append([key, token, pos, text])
+        return sink
 
     def join(self, job: Job, emit: Callable[..., None]) -> bool:
         """Add a job to the engine's batch; False when it must run alone. A rejected job is answered here."""
         try:
             continuation = {"delivered": job.delivered} if job.delivered else {}
-            return self.engine.join(job.key, job.op, job.params, self.batch_sink(job), job.should_stop,
-                                    queued_s=job.waited(), **continuation)
+            return cast(Batching, self.engine).join(job.key, job.op, job.params, self.batch_sink(job),
+                                                    job.should_stop, queued_s=job.waited(), **continuation)
         except Exception as exc:  # noqa: BLE001 (EngineError, or an engine bug: answered, never fatal)
             self.reply(job, exc, emit)
             return True
@@ -378,7 +390,7 @@ class WorkerProcess:
                 raise EngineError(Codes.TIMEOUT if not job.cancelled.is_set() else Codes.CANCELLED, "stopped before it started")
             if job.op == "ping":
                 # Round trip through the worker without touching the model.
-                result = {"payload": job.params.get("payload", "")}
+                result: dict | Exception = {"payload": job.params.get("payload", "")}
             else:
                 continuation = {"delivered": job.delivered} if job.delivered else {}
                 result = self.engine.run(job.op, job.params, self.token_sink(job, emit), job.should_stop, **continuation)

@@ -61,7 +61,7 @@ class BeamGroup:
         parents = self.live or [(self.root, 0.0)]
         cands = []  # (total logprob, parent index, token)
         for b, (seq, total) in enumerate(parents):
-            logp = seq.masked(torch.log_softmax(seq.penalised(seq.place.logits).float(), dim=-1))
+            logp = seq.masked(torch.log_softmax(seq.penalised(seq.place.fresh()).float(), dim=-1))
             top = torch.topk(logp, min(self.width, logp.shape[-1]))
             cands += [(total + lp, b, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())
                       if lp != float("-inf")]

@@ -112,8 +112,9 @@ class CBackend:
         if c is None:
             return None
         step, gate = c
-        exits = [self.exit_row(row, flights.get(row.lane)) for row in rows]
-        if any(x is None for x in exits):
+        rules = [self.exit_row(row, flights.get(row.lane)) for row in rows]
+        exits = [x for x in rules if x is not None]
+        if len(exits) < len(rules):
             return None
         latent, views = self.latent()
         e, s, out = latent
@@ -139,9 +140,10 @@ class CBackend:
                 drawn.setdefault(row.lane, []).extend(got.drawn[b])
             if b not in got.finished and not got.starts[b]:
                 flight, x = flights.get(row.lane), exits[b]
+                e_view, s_view, kept = views[row.lane]
                 if flight is None:
-                    flight = flights[row.lane] = InFlight(0, None, None, x[0] != 0)
-                flight.done, (flight.e, flight.s, kept) = got.done[b], views[row.lane]
+                    flight = flights[row.lane] = InFlight(0, e_view, s_view, x[0] != 0)
+                flight.done, flight.e, flight.s = got.done[b], e_view, s_view
                 flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
                 flight.out, flight.c_exit = (kept if x[0] else None), x
         return [(rows[b], logits, exits[b][5]) for b, logits in zip(got.finished, got.logits)]
@@ -153,6 +155,7 @@ class CBackend:
         pieces are packed; a piece may span two calls (the first call's cells are written before the second reads
         them). Returns per piece (piece, logits of its last row, its rows' share of the calls' seconds)."""
         plan = paged.c_step(self.net, self.cache)
+        assert plan is not None  # (the caller checked that the pieces run in C)
         by_loops: dict[int, list[Piece]] = {}
         for piece in pieces:
             by_loops.setdefault(piece.loops, []).append(piece)
@@ -166,6 +169,7 @@ class CBackend:
                 t = time.perf_counter()
                 logits = plan.run(self.cache, [p.start + j for p, j in call], 0, loops, lanes=[p.lane for p, _ in call],
                                   tokens=[p.tokens[j] for p, j in call])
+                assert logits is not None  # (with the head)
                 share = (time.perf_counter() - t) / len(call)
                 for r, (piece, _) in enumerate(call):
                     took[id(piece)] = took.get(id(piece), 0.0) + share

@@ -65,9 +65,16 @@ def parse_seconds(value: str | float | None) -> float | None:
     return seconds
 
 
+def ranged_floor(seq: Sequence) -> int:
+    """The floor of a lane the controller steers (only lanes with a depth range are)."""
+    assert seq.floor is not None, "a lane without a depth range is never steered"
+    return seq.floor
+
+
 def notch_cap(seq: Sequence, notch: int) -> int | None:
-    """The depth cap of a lane at `notch` (0: its loops, uncapped; NOTCHES: its floor)."""
-    cap = max(seq.floor, seq.loops - round(notch * (seq.loops - seq.floor) / NOTCHES))
+    """The depth cap of a ranged lane at `notch` (0: its loops, uncapped; NOTCHES: its floor)."""
+    floor = ranged_floor(seq)
+    cap = max(floor, seq.loops - round(notch * (seq.loops - floor) / NOTCHES))
     return None if notch <= 0 or cap >= seq.loops else cap
 
 
@@ -114,7 +121,7 @@ class DepthController:
     @staticmethod
     def tolerance(seq: Sequence) -> tuple:
         """Sort key, most tolerant first: lowest priority (where a request has one), widest range, least lowered."""
-        return (getattr(seq.cfg, "priority", 0) or 0, -(seq.loops - seq.floor), seq.depth_notch, seq.place.arrival)
+        return (getattr(seq.cfg, "priority", 0) or 0, -(seq.loops - ranged_floor(seq)), seq.depth_notch, seq.place.arrival)
 
     @staticmethod
     def move(seq: Sequence, notch: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -220,6 +221,7 @@ class Executor:
                 self.token_done(row, next(heads), row.loops, out)
                 done = True
         if adaptive:
+            assert before is not None
             for i, b in enumerate(adaptive):
                 if starting[b]:  # the state loop 0 started from: the initial state of its prelude output
                     at = torch.tensor([[positions[b]]], device=dev)
@@ -255,6 +257,7 @@ class Executor:
             if not f.chosen:
                 f.out = state.unsqueeze(0).clone()
                 if stops and i in reading:  # (its coda K/V are this loop's: they stay, with no head run again)
+                    assert logits is not None  # (some rows read them)
                     f.logits = logits[i]
             f.chosen |= stops
             if stops and f.used == row.loops and f.done < row.loops:
@@ -271,8 +274,9 @@ class Executor:
         positions = torch.tensor([[r.position] for r in rows], device=dev)
         latent = paged.Latent(torch.cat([self.flights[r.lane].e for r in rows]), s.contiguous())
         try:
-            return paged.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0,
-                                       latent)[:, -1]
+            logits = paged.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0, latent)
+            assert logits is not None  # (with the head)
+            return logits[:, -1]
         finally:
             view.commit()
 
@@ -284,7 +288,8 @@ class Executor:
             for row in rows:
                 self.cache.fill_skipped(row.lane, row.position, self.flights[row.lane].used, row.loops)
         unread = [r for r in rows if self.flights[r.lane].logits is None]
-        logits = iter(self.heads(unread, torch.cat([self.flights[r.lane].out for r in unread])) if unread else [])
+        states = [self.flights[r.lane].exit_state() for r in unread]
+        logits: Iterator[torch.Tensor] = iter(self.heads(unread, torch.cat(states)) if unread else [])
         for row in rows:
             flight = self.flights[row.lane]
             self.token_done(row, flight.logits if flight.logits is not None else next(logits), flight.used, out)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..cache import KVCache, decode_entries, encode_entries
 from ..errors import ConfigError
 from ..exits import ExitRule
+from ..formats import QMatrix
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights
 from ..rotary import rope_factors, rotate
@@ -65,16 +66,17 @@ class Cached:
         self.cos, self.sin = rope_factors(step.cos, step.sin)  # [B, T, 1, hd]: broadcast over heads
         # the cells each lane writes, on the host once, so blocks are taken before the layers write
         W, tree = cache.window, step.cells is not None
-        self.cells = pos % cache.ring if W else step.cells if tree else pos
+        self.cells: torch.Tensor = pos % cache.ring if W else step.cells if step.cells is not None else pos
         span = pos if W else self.cells
         self.lanes = list(range(B))
         self.lo, self.hi = span.min(1).values.tolist(), span.max(1).values.tolist()
         self.keep = slice(max(0, T - cache.ring), T) if W else slice(None)  # a ring keeps the chunk's newest cells
         self.blk, self.row = self.cells // cache.bt, self.cells % cache.bt
         self.one = int(self.cells) if B == 1 and T == 1 else None  # batch-1 decode: plain integer indexing
-        self.buf_row = None  # read_ahead
-        self.mask, self.c_attention = None, False
-        self.native = None
+        self.buf_row: dict[int, int] | None = None  # read_ahead
+        self.mask: torch.Tensor | None = None
+        self.c_attention = False
+        self.native: cpu_block.Rows | cpu_block.Chunk | None = None
         native = not triton and T == 1 and not tree and step.mask is None and _native_blocks(net, cache, B, weights)
         if native:
             cache.changed()  # the C blocks write the cache themselves (a kept read-ahead buffer is stale)
@@ -92,14 +94,22 @@ class Cached:
         # one token per lane, every lane at the same length: all keys up to end are visible, SDPA needs no
         # mask (same bits; a boolean mask costs SDPA a conversion per call, half its time at batch 16)
         lockstep = not tree and T == 1 and all(h == step.end - 1 for h in self.hi)
-        self.mask = step.mask.unsqueeze(1) if tree else None if lockstep or self.c_attention else self.causal_mask()
+        if tree:
+            assert step.mask is not None  # (a tree chunk brings its ancestor mask: Step)
+            self.mask = step.mask.unsqueeze(1)
+        else:
+            self.mask = None if lockstep or self.c_attention else self.causal_mask()
         # a chunk of many rows over that store runs its blocks in C too, its products on the tiled GEMM
         shape = _native_blocks(net, cache, 1, weights) if self.c_attention and B * T > cpu_block.MAX_LANES else None
         if shape is not None and cpu_block.chunk_supported(cfg, cache, B * T, net.embed.weight.dtype, shape):
             cache.changed()
             self.native = cpu_block.Chunk(cfg, cache, pos, self.cos, self.sin, shape)
         if cache.mode == "int4":
-            kp = step.key_pos if tree else torch.arange(step.end, device=dev).expand(B, step.end)
+            if tree:
+                assert step.key_pos is not None  # (a tree chunk brings its key positions: Step)
+                kp = step.key_pos
+            else:
+                kp = torch.arange(step.end, device=dev).expand(B, step.end)
             self.kcos, self.ksin = rope_factors(*step.rope_at(kp))
 
     def causal_mask(self) -> torch.Tensor:
@@ -139,6 +149,7 @@ class Cached:
             keys, values = self.decode(w, {name: t[row] for name, t in self.buf.items()}, None)
         elif cache.window:  # attend over the ring as it was plus the chunk, then store the chunk's newest cells
             data = {name: torch.cat((old, new[name]), dim=1) for name, old in cache.gather(slot, B, cache.ring).items()}
+            assert cache.cell_pos is not None  # (a ring's cells carry their positions)
             kpos = torch.cat((cache.cell_pos[slot, :B], self.pos), dim=1)
             kp, qp = kpos.unsqueeze(1), self.pos.unsqueeze(-1)
             mask = ((kp >= 0) & (kp <= qp) & (kp > qp - cache.window)).unsqueeze(1)
@@ -254,15 +265,21 @@ class Cached:
 
 
 class _KVProxy:
-    """What the Triton attention needs of an Attention module: wk and wv (views of the fused weights)."""
+    """What the Triton attention needs of an Attention module: wk and wv (views of the fused weights). Only the int4
+    store-h cache reads them (it recomputes K and V from h by fp32 wk and wv), and `context` keeps a model holding
+    quantised matrices (formats.QMatrix, no tensor to slice) off that path: its wk and wv are None."""
 
     def __init__(self, w: BlockWeights):
-        kv = w.wkv.shape[0] // 2
-        self.wk, self.wv = _W(w.wkv[:kv]), _W(w.wkv[kv:])
+        wkv = w.wkv
+        if isinstance(wkv, QMatrix):
+            self.wk = self.wv = _W(None)
+            return
+        kv = wkv.shape[0] // 2
+        self.wk, self.wv = _W(wkv[:kv]), _W(wkv[kv:])
 
 
 class _W:
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor | None):
         self.weight = weight
 
 
@@ -348,7 +365,9 @@ def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVC
     plan = c_chunk(net, cache, B * T, exits) if chunk else None
     if plan is not None:  # the whole forward in one C call
         cells, lanes = _c_rows(step)
-        logits = plan.run(cache, cells, 0, loops, **lanes, tokens=ids.reshape(-1).tolist()).view(B, T, -1)
+        flat = plan.run(cache, cells, 0, loops, **lanes, tokens=ids.reshape(-1).tolist())
+        assert flat is not None  # (with the head)
+        logits = flat.view(B, T, -1)
         return logits[:, -1:] if last_only else logits
     c_blocks = rows and ids.device.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype)
     threads = decode_threads(B, net.cfg, c_blocks=c_blocks) if rows and ids.device.type == "cpu" else 0
@@ -391,7 +410,9 @@ def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: i
         plan = c_step(net, cache)
         if plan is not None:
             with torch_threads(decode_threads(B, net.cfg, c_blocks=True)):
-                return plan.run(cache, positions, 0, loops, tokens=tokens)
+                logits = plan.run(cache, positions, 0, loops, tokens=tokens)
+                assert logits is not None  # (with the head)
+                return logits
     ids = torch.tensor([[t] for t in tokens], device=dev)
     pos = torch.tensor([[p] for p in positions], device=dev)
     return forward(net, ids, loops, net.make_step(pos, max(positions) + 1), cache)[:, -1]
@@ -447,6 +468,7 @@ class LoopForward:
 
     def _c(self, cells: list[int], rows: dict, first: int, last: int, latent: Latent, tokens: list[int] | None,
            head: bool, shape: tuple[int, int]) -> torch.Tensor | None:
+        assert self.plan is not None  # (the caller checked)
         logits = self.plan.run(self.cache, cells, first, last, **rows, tokens=tokens, e=latent.e, s=latent.s,
                                head=head)  # (C blocks keep torch's threads: decode_threads)
         return None if logits is None else logits.view(*shape, -1)
@@ -500,6 +522,7 @@ def _c_rows(step: Step) -> tuple[list[int], dict]:
         return pos, rows
     # the mask from the first cell some row does not see (every row sees the committed cells before the tree); a
     # row sees no cell past its own (a token's ancestors come before it), which is all C reads
+    assert step.mask is not None  # (a tree chunk brings its ancestor mask: Step)
     mask = step.mask[0]
     blind = (~mask.all(0)).nonzero()
     lo = int(blind[0]) if len(blind) else step.end
@@ -538,7 +561,8 @@ class CudaGraphStep:
         dev = net.embed.weight.device
         self.ids = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(lanes, 1, dtype=torch.long, device=dev)
-        self.graph, self.logits = None, None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
         cfg = net.cfg
         self.slots = [*range(cfg.n_prelude), *(cfg.core_slot(k, j) for k in range(loops) for j in range(cfg.n_core)),
                       *(cfg.coda_slot(i) for i in range(cfg.n_coda))]
@@ -573,6 +597,7 @@ class CudaGraphStep:
             with torch.cuda.graph(self.graph):
                 self.logits = self.net(self.ids, self.loops, ctx=ctx)
         self.graph.replay()
+        assert self.logits is not None  # (captured with the graph)
         return self.logits.clone()  # the next replay overwrites the graph's buffer
 
 

@@ -80,7 +80,7 @@ def _torch(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int],
         e[starts] = x
         s[starts] = net.init_state(x, ctx.step)
         ctx.commit()
-    groups = {}
+    groups: dict[int, list[int]] = {}
     for b, k in enumerate(loop):
         groups.setdefault(k, []).append(b)
     ctxs = {k: _rows(net, cache, positions, lanes, rows) for k, rows in groups.items()}
@@ -136,4 +136,5 @@ class _Mixed:
             if out is None:
                 out = o.new_empty(self.B, *o.shape[1:])
             out[idx] = o
+        assert out is not None  # (every row is in some group)
         return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +35,8 @@ from .options import EngineOptions
 from .plan import Outputs, Plan
 from .scheduler import Scheduler
 from .sequence import Sequence, Start
+
+T = TypeVar("T")
 
 log = logging.getLogger("tinyloop.scheduler")
 
@@ -102,10 +105,12 @@ class Runner:
         seqs = self.scheduler.by_lane()
         finished = [self.scheduler.fail(seqs[lane], exc) for lane, exc in out.failed.items()]
         self.take_outputs(seqs, out)
-        if out.lone_row_seconds is not None and seqs[plan.rows[0].lane].driver is not None:
-            seqs[plan.rows[0].lane].driver.plain_row(out.lone_row_seconds)
+        lone = seqs[plan.rows[0].lane].driver if out.lone_row_seconds is not None else None
+        if lone is not None and out.lone_row_seconds is not None:
+            lone.plain_row(out.lone_row_seconds)
         for lane in plan.driven:
             seq = seqs[lane]
+            assert seq.driver is not None  # (a driven lane's)
             seq.place.decided = seq.driver.step(self.executor.lane(seq.place.lane))
         return finished
 
@@ -160,11 +165,11 @@ class Runner:
                     break
         fresh = [s for s in admitted if s.place.logits is not None and s.beam is None]
         try:
-            tokens: list = Sequence.sample_all(fresh, [s.place.logits for s in fresh]) if fresh else []
+            tokens: list = Sequence.sample_all(fresh, [s.place.fresh() for s in fresh]) if fresh else []
         except Exception:  # noqa: BLE001 (a lane's own fault broke the shared pass: draw each alone to find it)
             tokens = [self.guarded(s.sample, s.place.logits) for s in fresh]
-        drawn = [(s, t) for s, t in zip(fresh, tokens) if not isinstance(t, Exception)]
-        Sequence.score_all([s for s, _ in drawn], [s.place.logits for s, _ in drawn], [t for _, t in drawn])
+        took = [(s, t) for s, t in zip(fresh, tokens) if not isinstance(t, Exception)]
+        Sequence.score_all([s for s, _ in took], [s.place.fresh() for s, _ in took], [t for _, t in took])
         for seq, token in zip(fresh, tokens):
             seq.place.logits = None
             ended = self.ended(seq, token if isinstance(token, Exception) else self.guarded(seq.take, token))
@@ -173,6 +178,7 @@ class Runner:
         for seq in [s for s in self.scheduler.admitted if s.place.decided]:  # a driver's round decided these
             decided, seq.place.decided = seq.place.decided, []
             if seq.cfg.logprobs is not None:  # each under the verified logits it was chosen from
+                assert seq.driver is not None and seq.driver.chosen_from is not None  # (its round decided them)
                 Sequence.score_all([seq] * len(decided), list(seq.driver.chosen_from), decided)
             for token in decided:
                 ended = self.ended(seq, self.guarded(seq.take, token))
@@ -210,7 +216,7 @@ class Runner:
         return None
 
     @staticmethod
-    def guarded(fn: Callable, *args: object) -> object:
+    def guarded(fn: Callable[..., T], *args: object) -> T | Exception:
         """fn(*args), or the exception it raised (a request's own fault, answered to that request alone)."""
         try:
             return fn(*args)

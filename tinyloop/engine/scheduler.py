@@ -148,7 +148,7 @@ class Scheduler:
         driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.place.lane not in looping
                   and s.driver.runs(alone)]
         rows = [s for s in group if s not in driven]
-        spans = [s.driver.span() for s in driven]
+        spans = [s.driver.span() for s in driven if s.driver is not None]  # (all of them)
         cells = [s.pos - s.place.prompt_row for s in rows]  # (a prompt row feeds the prompt's last position)
         try:
             self.reserve(rows + driven, cells + [s.pos for s in driven],
@@ -392,7 +392,7 @@ class Scheduler:
             self.admitted = [s for s in self.admitted if s.beam is not seq.beam]
             for lane in seq.beam.lanes:
                 self.free_lane(lane)
-            seq.beam.lanes, seq.place.lane, self.hold_back = [], None, False
+            seq.beam.lanes, seq.place.lane, self.hold_back = [], None, False  # type: ignore[assignment]  # (Place.lane)
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -408,4 +408,4 @@ class Scheduler:
             self.free_lane(seq.place.lane)
             if seq.done:
                 self.hold_back = False
-        seq.place.lane = None
+        seq.place.lane = None  # type: ignore[assignment]  # (it holds none now: Place.lane)

@@ -11,6 +11,8 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,6 +22,9 @@ from ..stops import StopMatcher
 from ..exits import ExitRule, Track
 from ..request import (GenerateConfig, GenerateResult, GenerateStats, OnToken, loss_increase, loss_table,
                        make_generator)
+
+if TYPE_CHECKING:
+    from .beam import BeamGroup
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
@@ -40,7 +45,9 @@ class Start:
 class Place:
     """Where a sequence stands in the engine: the lane state the scheduler keeps, apart from the request's own
     (Sequence). Reset when the sequence is preempted; a beam hypothesis gets its own copy."""
-    lane: int | None = None  # the cache lane it holds while admitted
+    # the cache lane it holds while admitted, None while it holds none (waiting, preempted, done). Typed int: the
+    # engine reads it only of admitted sequences, an invariant mypy cannot follow.
+    lane: int = None  # type: ignore[assignment]  # the cache lane it holds while admitted
     cached: int = 0  # prompt tokens in the lane's cache
     first: Start | None = None  # what replaces its prefill (a handle's, the prefix cache's)
     logits: torch.Tensor | None = None  # fresh logits to sample from
@@ -49,6 +56,11 @@ class Place:
     drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (a Row's draws)
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
     came: int = 0  # the runner's step count when it arrived (the same for requests that came between two steps)
+
+    def fresh(self) -> torch.Tensor:
+        """The fresh logits, where the caller knows there are some."""
+        assert self.logits is not None
+        return self.logits
 
 
 @dataclasses.dataclass
@@ -68,6 +80,27 @@ class InFlight:
     track: Track | None = None
     logits: torch.Tensor | None = None
     c_exit: list | None = None  # its exit rule's state while its passes run in C (Executor.iterate_in_c)
+
+    def exit_state(self) -> torch.Tensor:
+        """The state it exits with (chosen by its exit rule)."""
+        assert self.out is not None
+        return self.out
+
+
+class Driver(Protocol):
+    """What runs a sequence's own forwards (Sequence.driver): a speculative round (speculative.Speculator), a
+    refine's verified piece of its guess (resume.GuessFollower)."""
+    chosen_from: torch.Tensor | None  # [len(decided), V]: the logits each token of the last step was chosen from
+
+    def runs(self, alone: bool) -> bool: ...
+
+    def span(self) -> int: ...
+
+    def plain_row(self, seconds: float) -> None: ...
+
+    def step(self, cache: KVCache) -> list[int]: ...
+
+    def finish(self) -> None: ...
 
 
 class Sequence:
@@ -98,12 +131,13 @@ class Sequence:
         self.t_prefilled = self.t_end = self.t_call
         self.place = Place()  # where it stands in the engine (engine/scheduler.py): the scheduler's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
-        self.beam = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
+        self.beam: BeamGroup | None = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
         # tokens it decided (or [] with seq.place.logits set), plain_row(seconds), finish()
-        self.driver = None
-        self.on_result = None  # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
+        self.driver: Driver | None = None
+        # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
+        self.on_result: Callable[[GenerateResult], None] | None = None
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
         # elastic depth (engine/elastic.py): the fewest loops the load controller may give its tokens (None: fixed
@@ -117,7 +151,7 @@ class Sequence:
         self.queued_s = 0.0
 
     # --- sampling -----------------------------------------------------------------------------------------
-    def penalised(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:
+    def penalised(self, logits: torch.Tensor, extra: Seq[int] = ()) -> torch.Tensor:
         """Logits [V] after every adjustment the config asks for (penalties, logit bias, tokens banned until
         min_tokens), with `extra` tokens taken after the history (speculative drafts pass their path)."""
         lane = self.sampling(extra)
@@ -125,7 +159,7 @@ class Sequence:
             return logits
         return adjust(logits.unsqueeze(0), [lane])[0]
 
-    def sampling(self, extra: list[int] = ()) -> LaneSampling:
+    def sampling(self, extra: Seq[int] = ()) -> LaneSampling:
         c = self.cfg
         seen = self.history + list(extra) if extra else self.history
         early = self.count + len(extra) < c.min_tokens  # EOS and stop tokens may not end the output yet
@@ -158,7 +192,7 @@ class Sequence:
             return
         logp = torch.log_softmax(torch.stack([logits[i] for i in asking]).float(), dim=-1)
         chosen = logp[torch.arange(len(asking)), torch.tensor([tokens[i] for i in asking])].tolist()
-        k = max(seqs[i].cfg.logprobs for i in asking)
+        k = max(seqs[i].cfg.logprobs or 0 for i in asking)  # (not None: asking)
         top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
         for r, i in enumerate(asking):
             n = seqs[i].cfg.logprobs
@@ -251,6 +285,7 @@ class Sequence:
     def result(self) -> GenerateResult:
         if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
             self.beam.cancel()
+            assert self.beam.outcome is not None  # (cancel ends the search)
             return self.beam.outcome
         if self.driver is not None:
             self.driver.finish()

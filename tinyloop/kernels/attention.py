@@ -50,6 +50,7 @@ def decode_attention_ref(q: torch.Tensor, store: dict[str, torch.Tensor], table:
     ids = table[slot, :B, :nb].reshape(-1)
     data = {name: t.index_select(0, ids).view(B, nb * bt, *t.shape[2:])[:, :n] for name, t in store.items()}
     if window:
+        assert cell_pos is not None  # (a ring's cells carry their positions)
         kpos = cell_pos[slot, :B, :n]
         valid = (kpos >= 0) & (kpos <= pos[:, None]) & (kpos > pos[:, None] - window)
     else:
@@ -60,6 +61,7 @@ def decode_attention_ref(q: torch.Tensor, store: dict[str, torch.Tensor], table:
     elif mode == "int8":
         k, v = dequant_int8(data["k"], data["k_scale"], q.dtype), dequant_int8(data["v"], data["v_scale"], q.dtype)
     else:
+        assert wk is not None and wv is not None and rope_cos is not None and rope_sin is not None  # (int4 store-h)
         h = dequant_int4(data["h"], data["h_scale"], q.dtype)
         cp = kpos.clamp_min(0)
         k = apply_rope(F.linear(h, wk).view(B, n, -1, hd), rope_cos[cp].unsqueeze(2), rope_sin[cp].unsqueeze(2))
@@ -204,6 +206,7 @@ def decode_attention_triton(q: torch.Tensor, store: dict[str, torch.Tensor], tab
     B, H, hd = q.shape
     q = q.contiguous()
     if mode == "int4":
+        assert wk is not None  # (int4 store-h recomputes K and V from h)
         n_kv, D = wk.shape[0] // hd, wk.shape[1]
         K = V = store["h"]
         KS = VS = store["h_scale"]
@@ -218,7 +221,8 @@ def decode_attention_triton(q: torch.Tensor, store: dict[str, torch.Tensor], tab
     acc = torch.empty(B * H * n_split * HD_P, device=q.device, dtype=torch.float32)
     ml = torch.empty(B * H * n_split * 2, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    cp = cell_pos if window else pos  # any tensor: unused without a window
+    cp = cell_pos if window and cell_pos is not None else pos  # any tensor: unused without a window
+    assert not window or cp is cell_pos  # (a ring's cells carry their positions)
     dummy = q if wk is None else wk
     _decode_attn_kernel[(B, n_kv, n_split)](
         q, K, V, KS, VS, dummy if wk is None else wk, dummy if wv is None else wv,

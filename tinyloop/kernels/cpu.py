@@ -189,7 +189,7 @@ def gemm_isa() -> int:
 def gemm_amx() -> bool:
     """True when the tiled GEMM multiplies bf16 weights on AMX tiles (cpu_gemv.c: gemm_amx_bf16; Intel Sapphire Rapids
     and later, where Linux grants the tile state), x split into three bf16 parts so the product stays fp32's."""
-    return gemm_isa() == 512 and bool(_load().tl_gemm_amx())
+    return gemm_isa() == 512 and bool(loaded().tl_gemm_amx())
 
 
 def rows_amx() -> bool:
@@ -205,6 +205,12 @@ def set_amx_rows(on: bool) -> None:
     global _amx_rows
     _lib_or_raise().tl_set_amx(int(on))
     _amx_rows = on
+
+
+def loaded() -> ctypes.CDLL:
+    """The loaded library, for a caller that checked available() (else it loads it, or raises ConfigError): one
+    comparison once loaded."""
+    return _lib if _state == "ok" and _lib is not None else _lib_or_raise()
 
 
 def _lib_or_raise() -> ctypes.CDLL:
@@ -240,7 +246,7 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
     Dispatchers ask available() first (it reads TINYLOOP_CPU_KERNELS); once the library is loaded this call does
     not, to keep the per-call cost (a few us) down.
     """
-    lib = _lib if _state == "ok" else _lib_or_raise()
+    lib = loaded()
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
         raise ConfigError(f"x must be a CPU float32 tensor [B, K], got "
                           f"{getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
@@ -264,7 +270,7 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
             else:
                 lib.tl_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, N, K, t)
         return y
-    fmt, data = w.fmt, w.data
+    fmt, data, scale = w.fmt, w.data, w.scale
     N = data.shape[0]
     if act_quant is None:
         act_quant = w.act_quant
@@ -282,23 +288,25 @@ def linear(x: torch.Tensor, w: Matrix, threads: int = 0, act_quant: bool | None 
         lib.tl_linear_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), B, N, K, t)
     elif fmt == "int8":
         _check(data, torch.int8, (N, K), "int8 weight data")
-        _check(w.scale, torch.float32, (N,), "int8 weight scale")
+        assert scale is not None  # (an int8 matrix has one)
+        _check(scale, torch.float32, (N,), "int8 weight scale")
         if tiled:
-            lib.tl_gemm(2, x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, 0,
+            lib.tl_gemm(2, x.data_ptr(), data.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K, 0,
                         int(act_quant), t)
             return y
-        lib.tl_linear_int8(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K,
+        lib.tl_linear_int8(x.data_ptr(), data.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K,
                            int(act_quant), t)
     elif fmt == "int4":
         if w.group <= 0 or w.group % INT4_BLOCK or K % w.group:
             raise ConfigError(f"int4 group {w.group} must be a positive multiple of {INT4_BLOCK} dividing K={K}")
         _check(data, torch.uint8, (N, K // 2), "int4 weight data")
-        _check(w.scale, torch.float32, (N, K // w.group), "int4 weight scale")
+        assert scale is not None  # (an int4 matrix has one)
+        _check(scale, torch.float32, (N, K // w.group), "int4 weight scale")
         if tiled:
-            lib.tl_gemm(3, x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
+            lib.tl_gemm(3, x.data_ptr(), data.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
                         int(act_quant), t)
             return y
-        lib.tl_linear_int4(x.data_ptr(), data.data_ptr(), w.scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
+        lib.tl_linear_int4(x.data_ptr(), data.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K, w.group,
                            int(act_quant), t)
     else:
         raise ConfigError(f"weight format {fmt!r} has no CPU kernel")
@@ -320,7 +328,7 @@ def prefill_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Ten
     attends over cells 0..min(pos[b, t], end - 1) of lane b, cell c in block table[b, c // bt], row c % bt.
     q [B, T, H, hd] fp32 (any strides but the last); k_store, v_store [blocks, bt, KV, hd]; table [B, blocks per lane]
     (any lane stride); pos [B, T] >= 0. The caller checked attention_available(H, KV, hd)."""
-    lib = _lib if _state == "ok" else _lib_or_raise()
+    lib = loaded()
     B, T, H, hd = q.shape
     blocks, bt, KV, _ = k_store.shape
     _check(k_store, torch.float32, (blocks, bt, KV, hd), "k store")

@@ -93,7 +93,7 @@ def supported(cfg, cache, B: int, dtype: torch.dtype) -> bool:
     """Whether decode rows of B lanes over `cache` can run as C blocks."""
     return (B <= MAX_LANES and dtype == torch.float32 and cache.mode == "fp16" and cache.dtype == torch.float32
             and not cache.window and cache.device.type == "cpu" and cpu.available()
-            and bool(cpu._lib.tl_block_ok(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)))
+            and bool(cpu.loaded().tl_block_ok(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,7 +101,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     d = x.shape[-1]
-    cpu._lib.tl_rms_norm_rows(x.data_ptr(), w.contiguous().data_ptr(), eps, x.numel() // d, d, y.data_ptr())
+    cpu.loaded().tl_rms_norm_rows(x.data_ptr(), w.contiguous().data_ptr(), eps, x.numel() // d, d, y.data_ptr())
     return y
 
 
@@ -117,7 +117,7 @@ class Rows:
         self.lanes = list(range(B))
         self.lo = self.hi = self.cells.tolist()  # the cells each lane writes (cache.require's spans)
         self.cos2, self.sin2 = cos2.reshape(B, -1).contiguous(), sin2.reshape(B, -1).contiguous()
-        lib = cpu._lib
+        lib = cpu.loaded()
         self.scratch = torch.empty(lib.tl_block_scratch(ctypes.byref(shape), B))
         store, table = cache.store, cache.table
         self.table, self.slot_bytes = table, table.stride(0) * table.element_size()
@@ -142,7 +142,7 @@ class Rows:
         return out
 
     def _call(self, n: int, ws, tables, x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
-        cpu._lib.tl_blocks_rows(n, ws, self.ref, tables, x.data_ptr(), out.data_ptr(), tmp.data_ptr())
+        cpu.loaded().tl_blocks_rows(n, ws, self.ref, tables, x.data_ptr(), out.data_ptr(), tmp.data_ptr())
 
 
 def chunk_supported(cfg, cache, rows: int, dtype: torch.dtype, shape: _Weights) -> bool:
@@ -168,7 +168,7 @@ class Chunk(Rows):
         self.lo, self.hi = pos.min(1).values.tolist(), pos.max(1).values.tolist()
 
     def _call(self, n: int, ws, tables, x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
-        cpu._lib.tl_blocks_chunk(n, ws, self.ref, tables, self.T, self.end, x.data_ptr(), out.data_ptr(),
+        cpu.loaded().tl_blocks_chunk(n, ws, self.ref, tables, self.T, self.end, x.data_ptr(), out.data_ptr(),
                                  tmp.data_ptr())
 
 
@@ -263,7 +263,9 @@ class DecodeStep:
         cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
         self._require(cache, lanes, cells, first, last, tokens is not None, head)
         lane = self._lanes(B, cache)
-        e, s = (lane.e, lane.s) if e is None else (_rows(e, B, cfg.d_model), _rows(s, B, cfg.d_model))
+        if (e is None) != (s is None):
+            raise ValueError("latent rows e and s come together, or neither")
+        e, s = (lane.e, lane.s) if e is None or s is None else (_rows(e, B, cfg.d_model), _rows(s, B, cfg.d_model))
         lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B] = tokens or [0] * B, cells, lanes, pos
         if mask is not None and (mask.dtype != torch.uint8 or not mask.is_contiguous() or mask.shape[0] != B
                                  or mask_from + mask.shape[1] <= max(cells)):
@@ -272,7 +274,7 @@ class DecodeStep:
         lane.struct.mask_width = 0 if mask is None else mask.shape[1]
         logits = torch.empty(B, self.struct.head.rows) if head else None
         table = cache.table
-        cpu._lib.tl_forward_rows(self.ref, lane.ref, table.data_ptr(), table.stride(0),
+        cpu.loaded().tl_forward_rows(self.ref, lane.ref, table.data_ptr(), table.stride(0),
                                  None if tokens is None else ctypes.addressof(lane.ids), ctypes.addressof(lane.pos),
                                  first, last, e.data_ptr(), s.data_ptr(), _ptr(logits), lane.work.data_ptr())
         return logits
@@ -412,10 +414,11 @@ class DecodeStep:
         done = self._prepared.get(key)
         if done is not None and done[0] is held and done[1:] == (pool.epoch, blocks):
             return
-        cfg, span = self.cfg, {}
+        cfg = self.cfg
+        span: dict[int, tuple[int, int]] = {}
         for lane, cell in zip(lanes, cells):  # each lane's cells lo..hi
-            lo, hi = span.get(lane, (cell, cell))
-            span[lane] = (min(lo, cell), max(hi, cell))
+            a, b = span.get(lane, (cell, cell))
+            span[lane] = (min(a, cell), max(b, cell))
         which, lo, hi = list(span), [a for a, _ in span.values()], [b for _, b in span.values()]
         slots = [*(self.prelude_slots if prelude else ()),
                  *(cfg.core_slot(k, j) for k in range(first, last) for j in range(cfg.n_core)),
@@ -462,7 +465,7 @@ class _Lanes:
 
     def __init__(self, key: tuple, cfg, shape):
         B, threads, k, v, bt, table_stride = key
-        lib = cpu._lib
+        lib = cpu.loaded()
         step_work = lib.tl_step_work(B, cfg.d_model, cfg.head_dim)
         self.key, self.ids, self.cells, self.lanes, self.pos = key, (_L * B)(), (_L * B)(), (_L * B)(), (_L * B)()
         self.loop, self.start, self.finish = (_L * B)(), (ctypes.c_ubyte * B)(), (ctypes.c_ubyte * B)()  # iterate
@@ -489,7 +492,7 @@ class _Exit(ctypes.Structure):  # tl_exit_t: a row's exit rule in tl_iterate_unt
 
 def _lib() -> ctypes.CDLL:
     """The library with the iteration steps' argument types declared (once: kernels/cpu.py declares the others)."""
-    lib = cpu._lib
+    lib = cpu.loaded()
     if lib.tl_iterate_rows.argtypes is None:
         lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
         lib.tl_iterate_rows.restype = None

@@ -59,9 +59,9 @@ def _product(x: torch.Tensor, w: Matrix, any_rows: bool = False) -> torch.Tensor
 
 def _tiled_ok(x: torch.Tensor, w: Matrix) -> bool:
     """The tiled GEMM takes fp32 rows and no autograd (a product that trains keeps torch's)."""
-    wt = isinstance(w, torch.Tensor)
-    if x.dtype != torch.float32 or (wt and w.dtype != torch.float32):
+    wt = w if isinstance(w, torch.Tensor) else None
+    if x.dtype != torch.float32 or (wt is not None and wt.dtype != torch.float32):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or (wt and w.requires_grad)):
+    if torch.is_grad_enabled() and (x.requires_grad or (wt is not None and wt.requires_grad)):
         return False
     return cpu.gemm_available()

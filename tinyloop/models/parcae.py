@@ -101,6 +101,7 @@ def config(c: Raw) -> dict:
     c.need(rope.get("use_rope", True) and rope.get("rope_condense_ratio", 1) == 1, f"rope_settings {rope}")
     scales = init_scales(c.get("init_strategy", "scaled"), d)
     c.need(scales is not None, f"init_strategy {c.data.get('init_strategy')!r}")
+    assert scales is not None  # (need raised otherwise)
     std, embed_scale, logit_scale = scales
     return dict(vocab_size=int(c.get("padded_vocab_size", None) or _padded(c)), d_model=d, n_heads=H, n_kv_heads=H,
                 ffn_hidden=ffn, n_prelude=P, n_core=R, n_coda=C, default_loops=steps,
@@ -122,7 +123,7 @@ def _padded(c: Raw) -> int:
 def _state(c: Raw, like_init_sigma: float, d: int) -> dict:
     """The initial state's fields. like-init: truncated normal at 3 std; embed: normal / sqrt(d); zero."""
     kind = c.get("state_init", "like-init")
-    states = {"like-init": dict(state_init="normal", init_sigma=like_init_sigma, init_trunc=3.0),
+    states: dict[str, dict] = {"like-init": dict(state_init="normal", init_sigma=like_init_sigma, init_trunc=3.0),
               "normal": dict(state_init="normal", init_sigma=1.0),
               "embed": dict(state_init="normal", init_sigma=1 / math.sqrt(d)),
               "zero": dict(state_init="zeros")}
