@@ -25,15 +25,20 @@ ceil(ring / BLOCK_TOKENS) blocks per slot however long it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .config import ModelConfig
 from .errors import BudgetError, ConfigError
 
-if TYPE_CHECKING:
-    from .prefix_tree import PrefixTree
+
+
+class Evictable(Protocol):
+    """What the pool asks of the prefix cache that may hold its blocks (tinyloop/prefix_tree.py's PrefixTree, a layer
+    above: the pool only sees this)."""
+    def evictable(self) -> int: ...
+    def evict(self, need: int) -> None: ...
 
 CACHE_MODES = ("fp16", "int8", "int4")
 INT4_GROUP = 32
@@ -155,7 +160,7 @@ class BlockPool:
         self.peak_used = 0
         # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
         # something. `room` counts them; `take` evicts its least recently used entries when nothing else is free.
-        self.prefixes: PrefixTree | None = None  # the prefix cache whose blocks it may evict
+        self.prefixes: Evictable | None = None  # the prefix cache whose blocks it may evict
 
     @property
     def free_count(self) -> int:

@@ -26,7 +26,7 @@ from ..sampling import MIN_TEMPERATURE
 from .beam import BeamGroup
 from .executor import Executor
 from .plan import Piece, Plan, Row
-from .sequence import Place, Sequence, Start
+from .sequence import BeamRequest, Place, Sequence, Start
 
 # Every decision at DEBUG level, one line each: admit, prefill piece, decode group, finish, preempt (docs/engine.md).
 log = logging.getLogger("tinyloop.scheduler")
@@ -85,7 +85,7 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.admitted
 
-    def groups(self) -> list[BeamGroup]:
+    def groups(self) -> list[BeamRequest]:
         """The beam-search requests holding lanes, oldest first."""
         return list({id(s.beam): s.beam for s in self.admitted if s.beam is not None}.values())
 

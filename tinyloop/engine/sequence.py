@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -23,8 +23,21 @@ from ..exits import ExitRule, Track
 from ..request import (GenerateConfig, GenerateResult, GenerateStats, OnToken, loss_increase, loss_table,
                        make_generator)
 
-if TYPE_CHECKING:
-    from .beam import BeamGroup
+
+class BeamRequest(Protocol):
+    """The beam-search request a hypothesis belongs to, as its sequence and the scheduler see it (engine/beam.py's
+    BeamGroup, which imports this module)."""
+    root: Sequence
+    lanes: list[int]
+    live: list[tuple[Sequence, float]]
+    outcome: GenerateResult | None
+
+    @property
+    def members(self) -> list[Sequence]: ...
+
+    def advance(self, cache: KVCache) -> list[Sequence]: ...
+
+    def cancel(self) -> None: ...
 
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
@@ -131,7 +144,7 @@ class Sequence:
         self.t_prefilled = self.t_end = self.t_call
         self.place = Place()  # where it stands in the engine (engine/scheduler.py): the scheduler's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
-        self.beam: BeamGroup | None = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
+        self.beam: BeamRequest | None = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
         # tokens it decided (or [] with seq.place.logits set), plain_row(seconds), finish()
