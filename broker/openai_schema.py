@@ -27,7 +27,7 @@ ALIASES = {"max_loops": "loops"}
 SAMPLER_FIELDS = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
                   "min_tokens", "stop_token_ids")
 # vLLM's extra fields that both endpoints take (docs/gateway.md says what each does here).
-VLLM_FIELDS = {"top_k", *SAMPLER_FIELDS, "include_stop_str_in_output", "skip_special_tokens",
+VLLM_FIELDS = {"top_k", "priority", *SAMPLER_FIELDS, "include_stop_str_in_output", "skip_special_tokens",
                "spaces_between_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"}
 GUIDED_FIELDS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "regex"}  # vLLM -> grammar key
@@ -287,6 +287,8 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
         "top_p": get_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
     }
     params.update(_sampler(body))
+    if body.get("priority") is not None:  # vLLM's: lower is handled first
+        params["priority"] = get_checked(body, "priority", GENERATE_FIELDS["priority"])
     stops = _stop(body)
     if stops:
         params["stop_sequences"] = stops

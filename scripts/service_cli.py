@@ -372,6 +372,9 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--max-loss-increase", type=click.FloatRange(0), default=None,
               help="Elastic depth's quality floor: the most the expected loss per token may rise (nats, the model's "
                    "loss-by-loops table).")
+@click.option("--priority", type=int, default=None,
+              help="Lower is more important (vLLM's convention, default 0): a worker admits waiting requests by it, and "
+                   "under load takes depth from the least important ranged requests first.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",
               help="Self-speculative decode (op speculative): draft loops, verify loops, draft-ahead, tree width.")
 @click.option("--chat", is_flag=True, help="PROMPT is a user message: the worker renders it with the model's chat "
@@ -383,8 +386,8 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--curve-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="CURVE key directory from `tinyloop keys` (encrypt and authenticate; needed across hosts).")
 def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, top_p, repetition_penalty, seed, stop,
-                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, max_loss_increase, speculative,
-                   chat, system, timeout, no_stream, as_json, curve_dir) -> None:
+                   grammar, beam_size, cache_window, early_exit, exit_rule, min_loops, max_loss_increase, priority,
+                   speculative, chat, system, timeout, no_stream, as_json, curve_dir) -> None:
     """Send one request to a running service and stream the answer.
 
     stdout carries the prompt and the answer only (printed from the first token on, so a rejected request
@@ -394,7 +397,7 @@ def submit_command(prompt, connect, op, max_tokens, loops, temperature, top_k, t
     config = dict(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   repetition_penalty=repetition_penalty, grammar=grammar, beam_size=beam_size,
                   cache_window=cache_window, early_exit_threshold=early_exit, exit_rule=exit_rule, min_loops=min_loops,
-                  max_loss_increase=max_loss_increase)
+                  max_loss_increase=max_loss_increase, priority=priority)
     config = {k: v for k, v in config.items() if v is not None}
     if stop:
         config["stop_sequences"] = list(stop)

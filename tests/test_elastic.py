@@ -67,6 +67,31 @@ def test_the_controller_lowers_under_load_and_raises_when_it_falls(bundled_model
     assert after.index(after[-1]) >= 24
 
 
+def test_the_least_important_lanes_give_up_depth_first(bundled_model):
+    """Under load the controller lowers half the ranged lanes a notch: the least important (highest priority value,
+    vLLM's convention) first; and a worker admits waiting requests by priority."""
+    m = bundled_model
+    ctl = DepthController(OVER)
+    runner = Runner(m, m.new_cache(4, 256), options=EngineOptions(run_ahead=False), depth_control=ctl)
+    seqs = [Sequence(m, m.encode_prompt(PROMPTS[0]), GenerateConfig(max_tokens=24, loops=8, min_loops=2, priority=p))
+            for p in (0, 5, -3, 5)]
+    for seq in seqs:
+        runner.add(seq)
+    while not any(s.depth_cap for s in seqs) and not runner.idle:
+        runner.step()
+    assert [s.depth_cap is not None for s in seqs] == [False, True, False, True]
+
+    one_lane = Runner(m, m.new_cache(1, 256))
+    order: list[int] = []
+    seqs = [Sequence(m, m.encode_prompt(p), GenerateConfig(max_tokens=2, priority=prio))
+            for p, prio in zip(PROMPTS, (0, 5, -1))]
+    for seq in seqs:
+        one_lane.add(seq)
+    while not one_lane.idle:
+        order += [seqs.index(s) for s in one_lane.step()]
+    assert order == [2, 0, 1]
+
+
 def test_notches_and_targets():
     class Lane:  # notch_cap reads only a lane's floor and loops
         floor, loops = 4, 16
@@ -119,9 +144,10 @@ def test_served_through_the_gateway_with_stats_usage_and_metrics(bundled_model):
     with Served(["--tpot-slo", "1us", "--ttft-slo", "30s", "--metrics-port", str(metrics)],
                 env={"TINYLOOP_RUN_AHEAD": "0"}) as svc:  # (a step a token: the controller acts while it runs)
         body = {"prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0, "loops": 8}
-        ranged = svc.post("/v1/completions", {**body, "min_loops": 3})
+        ranged = svc.post("/v1/completions", {**body, "min_loops": 3, "priority": 2})  # (vLLM's field)
         fixed = svc.post("/v1/completions", body)
         bad = httpx.post(svc.url + "/v1/completions", json={**body, "min_loops": 9}, timeout=60)
+        bad_priority = httpx.post(svc.url + "/v1/completions", json={**body, "priority": "high"}, timeout=60)
         text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text
     loops = ranged["usage"]["loops"]
     assert loops["min"] == 3 and 3 < loops["mean"] < 8 and loops["below_asked"] > 0  # the floor held
@@ -131,6 +157,7 @@ def test_served_through_the_gateway_with_stats_usage_and_metrics(bundled_model):
     assert fixed["choices"][0]["text"] == generate(bundled_model, PROMPTS[0], GenerateConfig(max_tokens=32,
                                                                                                loops=8)).text
     assert bad.status_code == 400 and "9 is more than the 8 loops" in bad.text and "min_loops" in bad.text
+    assert bad_priority.status_code == 400 and "priority" in bad_priority.text
     below = next(line for line in text.splitlines() if line.startswith("tinyloop_tokens_below_asked_loops_total"))
     assert float(below.split()[-1]) == loops["below_asked"]
     assert 'tinyloop_token_loops_bucket{le="3.0"} ' in text and "tinyloop_token_loops_count 64.0" in text

@@ -205,6 +205,9 @@ GENERATE_FIELDS: dict[str, Check] = {
     "min_loops": optional(int_in(1, MAX_LOOPS)),
     # elastic depth's quality floor: the most the expected loss per token may rise (nats, the model's loss_vs_loops)
     "max_loss_increase": optional(number_in(0.0, 100.0)),
+    # vLLM's request priority: lower is more important. A worker admits waiting requests by it, and its load
+    # controller takes depth from the least important lanes first (docs/engine.md)
+    "priority": int_in(-(2**31), 2**31 - 1),
     # the sampler's further controls (the ones vLLM's clients send, docs/gateway.md)
     "min_p": number_in(0.0, 1.0),
     "presence_penalty": number_in(-2.0, 2.0),

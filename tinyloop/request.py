@@ -38,6 +38,9 @@ class GenerateConfig:
     # elastic depth's quality floor: the depth range reaches down to the fewest loops whose expected loss (the
     # model's loss_vs_loops table) is at most this many nats/token above that of `loops`. None: no such floor
     max_loss_increase: float | None = None
+    # lower is more important (vLLM's convention): waiting requests take lanes by it, and under load the least
+    # important lanes with a depth range give up depth first (docs/engine.md, "Admission" and "Elastic depth")
+    priority: int = 0
     # a forced exit pattern (benchmarks, research; in process only): generated token i stops after
     # exit_schedule[i % len] loops whatever the rule says (tinyloop/exits.py, "schedule")
     exit_schedule: Sequence = ()

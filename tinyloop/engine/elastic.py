@@ -9,8 +9,9 @@ the pressure, the largest of
 and steers each lane's depth cap (Sequence.depth_cap; the scheduler forces each token's loops to it, Sequence.
 forced_depth) in notches: NOTCHES steps across [floor, loops].
   - over target (pressure > 1) for LOWER_EVERY steps in a row, and at most every LOWER_EVERY steps: the most
-    tolerant half of the lanes that are above their floor go one notch down: lowest priority first (where a request has one), then the widest range, then the
-    least lowered (so lanes come down together); never below a floor;
+    tolerant half of the lanes that are above their floor go one notch down: the least important first (the highest
+    GenerateConfig.priority), then the widest range, then the least lowered (so lanes come down together); never
+    below a floor;
   - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
   - a ranged lane starts at the controller's level (the median notch of the ranged lanes, one lower after every
@@ -120,8 +121,9 @@ class DepthController:
     # --- steering -----------------------------------------------------------------------------------------------
     @staticmethod
     def tolerance(seq: Sequence) -> tuple:
-        """Sort key, most tolerant first: lowest priority (where a request has one), widest range, least lowered."""
-        return (getattr(seq.cfg, "priority", 0) or 0, -(seq.loops - ranged_floor(seq)), seq.depth_notch, seq.place.arrival)
+        """Sort key, most tolerant first: least important (the highest GenerateConfig.priority), widest range, least
+        lowered."""
+        return -seq.cfg.priority, -(seq.loops - ranged_floor(seq)), seq.depth_notch, seq.place.arrival
 
     @staticmethod
     def move(seq: Sequence, notch: int) -> None:

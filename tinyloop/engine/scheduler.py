@@ -32,13 +32,14 @@ from .sequence import BeamRequest, Place, Sequence, Start
 log = logging.getLogger("tinyloop.scheduler")
 
 
-def admission_order(seq: Sequence) -> tuple[int, int, int]:
-    """The order waiting sequences take lanes in: those that came earlier first; of those that came together (between
+def admission_order(seq: Sequence) -> tuple[int, int, int, int]:
+    """The order waiting sequences take lanes in: the most important first (GenerateConfig.priority, lower first, as
+    vLLM's priority policy); among equals, those that came earlier first; of those that came together (between
     the same two steps, such as a generate_batch call's prompts), the most loop iterations first (loops x max_tokens
     x beam_size), so that no deep request starts last and runs alone at the end while the shallow ones are long done
     (the longest-processing-time rule); among equals, the order they came in."""
     work = seq.loops * seq.cfg.max_tokens * seq.cfg.beam_size
-    return seq.place.came, -work, seq.place.arrival
+    return seq.cfg.priority, seq.place.came, -work, seq.place.arrival
 
 
 def draws_plainly(seq: Sequence) -> bool:
@@ -345,8 +346,9 @@ class Scheduler:
         return ExitRule("schedule", forced) if forced is not None else seq.rule
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
-        """Preempt the youngest request none of whose lanes holds fresh logits (they would be lost); a beam request
-        goes with all its hypotheses. Alone, it is given up."""
+        """Preempt the least important request (the highest GenerateConfig.priority), the youngest of those, none of
+        whose lanes holds fresh logits (they would be lost); a beam request goes with all its hypotheses. Alone, it is
+        given up."""
         units: dict[int, tuple[Sequence, list[Sequence]]] = {}  # request (a beam's root) -> the lanes it holds
         for seq in self.admitted:
             root = seq.beam.root if seq.beam is not None else seq
@@ -354,7 +356,8 @@ class Scheduler:
         victims = [root for root, lanes in units.values() if all(s.place.logits is None for s in lanes)]
         if len(units) == 1 or not victims:
             return [self.fail(self.admitted[-1], exc)]
-        self.preempt(victims[-1])
+        least = max(v.cfg.priority for v in victims)
+        self.preempt([v for v in victims if v.cfg.priority == least][-1])
         return []
 
     def preempt(self, seq: Sequence) -> None:
