@@ -168,18 +168,20 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     """The step is schedule -> execute -> postprocess: every block the forwards write is taken while scheduling (a
     forward that finds one missing raises), none inside execute: prefill pieces, decode rows at several depths, early
     exit, a speculative lane's rounds, a beam request, a prompt whose prefix the prefix cache lends, a resume handle
-    that lends its blocks and runs the loops it lacks, a windowed lane, and a preempted request recomputed."""
+    that lends its blocks and runs the loops it lacks, a windowed lane, and a preempted request recomputed. A prefix
+    handle is built by steps of the engine: no block is taken outside a step for it (a resume handle's first build
+    still takes its own)."""
     from tinyloop.cache import BlockPool
 
     art = make_artifact()
     model = tinyloop.load_model(art, 128, prefix_caching=True)
     model.prefill_chunk = 8
-    takes = {"schedule": 0, "execute": 0}
-    phase = {"now": "schedule"}
+    takes = {"outside": 0, "schedule": 0, "execute": 0}
+    phase = {"now": "outside"}
     take = BlockPool.take_many
     monkeypatch.setattr(BlockPool, "take_many",
                         lambda pool, n: (takes.__setitem__(phase["now"], takes[phase["now"]] + n), take(pool, n))[1])
-    execute = Runner.execute
+    execute, step = Runner.execute, Runner.step
 
     def watched(self, plan):
         phase["now"] = "execute"
@@ -188,8 +190,22 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
         finally:
             phase["now"] = "schedule"
 
+    def stepped(self):
+        phase["now"] = "schedule"
+        try:
+            return step(self)
+        finally:
+            phase["now"] = "outside"
+
     monkeypatch.setattr(Runner, "execute", watched)
+    monkeypatch.setattr(Runner, "step", stepped)
     handle = tinyloop.build_resume_handle(model, ids(9, 40), 2)
+    outside = takes["outside"]
+    prefix = tinyloop.create_prefix_cache(model, ids(33, 9), 4)
+    tinyloop.register_prefix(tinyloop.create_prefix_pool(2), model, ids(21, 10), 4)
+    assert takes["outside"] == outside and prefix.span is not None
+    assert tinyloop.generate_from_prefix_cache(model, prefix, ids(4, 11), G(max_tokens=6, loops=4)).tokens == \
+        tinyloop.generate(model, ids(33, 9) + ids(4, 11), G(max_tokens=6, loops=4)).tokens
     sched = tinyloop.Scheduler(model, lanes=4)
     seqs = [sched.submit(ids(20, 1), G(max_tokens=40, loops=4)), sched.submit(ids(3, 2), G(max_tokens=30, loops=8)),
             sched.submit(ids(11, 3), G(max_tokens=25, early_exit_threshold=0.3))]
@@ -211,6 +227,7 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     assert sum(s.stats.preempted for s in many) > 0 and all(s.result().tokens for s in many)
     assert takes["execute"] == 0 and takes["schedule"] > before > 20, takes
     tinyloop.free_handle(handle)
+    tinyloop.free_handle(prefix)
 
 
 def test_a_preempted_beam_request_is_recomputed_exactly(make_artifact):

@@ -22,7 +22,6 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
-from .engine import forward as paged
 from .handle_base import Handle, encode_tokens, tensor_bytes
 from .prefix_tree import Node, common_length
 from .loader import Model
@@ -44,23 +43,24 @@ def _prefix_ids(model: Model, prefix) -> list[int]:
     return ids
 
 
-@torch.inference_mode()
-def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable) -> torch.Tensor:
-    """Prefill ids once (all n_loops loops over one chunk, as generate does) in the model's one-lane cache; keep(cache)
-    takes what it wants of the blocks before they go back. Returns the last position's logits."""
-    T = len(ids)
-    model.admit(1, T, n_loops, what=f"a {T}-token prefix")
-    cache = model.decode_cache
-    cache.reset()
-    try:
-        x = torch.tensor([ids], device=model.device)
-        step = model.net.make_step(torch.arange(T, device=model.device).unsqueeze(0), T)
-        cache.reserve([0], [0], [T - 1], n_loops)
-        logits = paged.forward(model.net, x, n_loops, step, cache, last_only=True)[0].clone()
-        keep(cache)
-        return logits
-    finally:
-        cache.reset()
+def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable[[KVCache], object]) -> torch.Tensor:
+    """Prefill ids once, by steps of the engine: the prefill of a request whose prompt is ids (every one of n_loops
+    loops, in the pieces generate's prefill runs); keep(lane) takes what it wants of the lane's blocks once the prompt
+    is in, before they go back. Returns the last position's logits [1, V]."""
+    cfg = GenerateConfig(max_tokens=1, loops=n_loops, early_exit_threshold=0.0, cache_window=0)
+    kept: list[torch.Tensor] = []
+
+    def prefilled(lane: KVCache, logits: torch.Tensor) -> None:
+        keep(lane)
+        kept.append(logits.reshape(1, -1).clone())
+
+    with lanes(model, [ids], [cfg], what="prefix") as cache:
+        seq = Sequence(model, ids, cfg)
+        seq.on_prefilled = prefilled
+        runner = Runner(model, cache, n_loops)
+        runner.scheduler.prefixes = None  # (its own forwards: nothing of the automatic prefix cache is reused)
+        runner.run([seq])
+    return kept[0]
 
 
 class PrefixCache(Handle):

@@ -118,7 +118,6 @@ class Runner:
         """Each sequence's share of the step's outputs: a prefill piece done (once the prompt is in, its last
         position's logits are the fresh logits, and the prompt's blocks go to the prefix cache), the greedy tokens C
         drew, and a fed token's logits."""
-        prefixes = self.scheduler.prefixes
         for lane, n, logits, used, seconds in out.pieces:
             seq = seqs[lane]
             at = seq.place
@@ -126,10 +125,9 @@ class Runner:
             seq.stats.prefill_ms += seconds * 1000
             if at.cached == len(seq.prompt):
                 seq.loop_counts.append(used)
-                at.logits, seq.t_prefilled = logits, time.perf_counter()
+                at.logits = logits
+                self.prompt_in(seq)
                 release_freed_memory(self.model.device)
-                if prefixes is not None and seq.cacheable:
-                    prefixes.keep(seq.prompt, seq.loops, self.executor.lane(at.lane))
         for lane, drawn in out.drawn.items():  # taken at this step's postprocess, before any fresh logits
             seq = seqs[lane]
             for token, used in drawn:
@@ -138,14 +136,24 @@ class Runner:
                 seq.place.drawn.append(token)
         for lane, (logits, used) in out.tokens.items():
             seq = seqs[lane]
+            seq.place.logits = logits
             if seq.place.prompt_row:  # its prompt is in: what the end of a prefill does
-                seq.place.prompt_row, seq.t_prefilled = False, time.perf_counter()
-                if prefixes is not None:
-                    prefixes.keep(seq.prompt, seq.loops, self.executor.lane(seq.place.lane))
+                seq.place.prompt_row = False
+                self.prompt_in(seq)
             else:
                 seq.pos += 1
             seq.loop_counts.append(used)
-            seq.place.logits = logits
+
+    def prompt_in(self, seq: Sequence) -> None:
+        """seq's prompt is in (its last position's logits are place.logits): the prompt's blocks go to the prefix
+        cache, and to the sequence's own `on_prefilled` (a prefix handle built by this step keeps them)."""
+        seq.t_prefilled = time.perf_counter()
+        lane = self.executor.lane(seq.place.lane)
+        prefixes = self.scheduler.prefixes
+        if prefixes is not None and seq.cacheable:
+            prefixes.keep(seq.prompt, seq.loops, lane)
+        if seq.on_prefilled is not None:
+            seq.on_prefilled(lane, seq.place.logits)
 
     def postprocess(self) -> list[Sequence]:
         """Every lane with fresh logits takes its next token (one pass of the sampler for all of them) and every beam

@@ -151,6 +151,9 @@ class Sequence:
         self.driver: Driver | None = None
         # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
         self.on_result: Callable[[GenerateResult], None] | None = None
+        # called with its lane and the last position's logits once its prompt is in, before the lane's blocks can go
+        # back (a prefix handle built by an engine step keeps them: tinyloop/prefix.py)
+        self.on_prefilled: Callable[[KVCache, torch.Tensor], None] | None = None
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
         # elastic depth (engine/elastic.py): the fewest loops the load controller may give its tokens (None: fixed
