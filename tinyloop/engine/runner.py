@@ -126,7 +126,7 @@ class Runner:
             if at.cached == len(seq.prompt):
                 seq.loop_counts.append(used)
                 at.logits = logits
-                self.prompt_in(seq)
+                self.prompt_in(seq, logits)
                 release_freed_memory(self.model.device)
         for lane, drawn in out.drawn.items():  # taken at this step's postprocess, before any fresh logits
             seq = seqs[lane]
@@ -139,21 +139,21 @@ class Runner:
             seq.place.logits = logits
             if seq.place.prompt_row:  # its prompt is in: what the end of a prefill does
                 seq.place.prompt_row = False
-                self.prompt_in(seq)
+                self.prompt_in(seq, logits)
             else:
                 seq.pos += 1
             seq.loop_counts.append(used)
 
-    def prompt_in(self, seq: Sequence) -> None:
-        """seq's prompt is in (its last position's logits are place.logits): the prompt's blocks go to the prefix
-        cache, and to the sequence's own `on_prefilled` (a prefix handle built by this step keeps them)."""
+    def prompt_in(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """seq's prompt is in (`logits`: its last position's): the prompt's blocks go to the prefix cache, and to the
+        sequence's own `on_prefilled` (a prefix handle built by this step keeps them)."""
         seq.t_prefilled = time.perf_counter()
         lane = self.executor.lane(seq.place.lane)
         prefixes = self.scheduler.prefixes
         if prefixes is not None and seq.cacheable:
             prefixes.keep(seq.prompt, seq.loops, lane)
         if seq.on_prefilled is not None:
-            seq.on_prefilled(lane, seq.place.logits)
+            seq.on_prefilled(lane, logits)
 
     def postprocess(self) -> list[Sequence]:
         """Every lane with fresh logits takes its next token (one pass of the sampler for all of them) and every beam
