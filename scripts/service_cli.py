@@ -609,7 +609,7 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
     elif elastic:
         from scripts.load.elastic import elastic_side_by_side
 
-        results = elastic_side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
+        results = elastic_side_by_side(model_path=model_path, n_requests=n_requests or 160, max_tokens=max_tokens,
                                        threads=threads, echo=click.echo)
     elif kv_routing:
         from scripts.load.kv_routing import kv_routing_side_by_side
@@ -621,7 +621,7 @@ def loadtest_command(connect, mode, concurrency, rate, n_requests, prompts, max_
                                                        max_tokens=max_tokens, concurrency=concurrency,
                                                        threads=threads or 1, echo=click.echo)
     elif side_by_side:
-        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 32, max_tokens=max_tokens,
+        results = loadtest.side_by_side(model_path=model_path, n_requests=n_requests or 160, max_tokens=max_tokens,
                                         concurrency=concurrency, threads=threads, echo=click.echo)
     else:
         sweep = [loadtest.run_load(connect, mode=mode, concurrency=c, rate=rate, n_requests=n_requests or 32,

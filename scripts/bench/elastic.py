@@ -67,7 +67,7 @@ def bench_elastic(model_path: str | None, quick: bool) -> Report:
 
     lines = ["elastic depth: open-loop Poisson load against fixed depth, requests loops 16 (floor 4 when elastic); "
              "goodput = requests meeting both targets per second"]
-    served = elastic_side_by_side(model_path=model_path, n_requests=16 if quick else 32,
+    served = elastic_side_by_side(model_path=model_path, n_requests=24 if quick else 160,
                                   max_tokens=12 if quick else 16, echo=lines.append)
     early_lines, early = early_exit_at_mean_depth(model_path, quick)
     return Report(lines + [""] + early_lines, {"elastic": served, "early_exit": early})

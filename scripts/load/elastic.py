@@ -99,7 +99,7 @@ def line(name: str, f: dict) -> str:
 
 
 def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, ...] = (1, 2), loads=LOADS,
-                         n_requests: int = 32, max_tokens: int = 16, loops: int = 16, floor: int = 4,
+                         n_requests: int = 160, max_tokens: int = 16, loops: int = 16, floor: int = 4,
                          lanes: int = 8, threads: int | None = None, tpot_slo: float | None = None,
                          ttft_slo: float | None = None, echo: Callable[[str], None] = print) -> dict:
     """The side-by-side figures above; returns them (without the tokens) by worker count and load."""
