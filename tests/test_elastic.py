@@ -68,8 +68,8 @@ def test_the_controller_lowers_under_load_and_raises_when_it_falls(bundled_model
 
 
 def test_the_least_important_lanes_give_up_depth_first(bundled_model):
-    """Under load the controller lowers half the ranged lanes a notch: the least important (highest priority value,
-    vLLM's convention) first; and a worker admits waiting requests by priority."""
+    """Under load the least important half of the ranged lanes (highest priority value, vLLM's convention) gives up
+    more depth than the rest; and a worker admits waiting requests by priority."""
     m = bundled_model
     ctl = DepthController(OVER)
     runner = Runner(m, m.new_cache(4, 256), options=EngineOptions(run_ahead=False), depth_control=ctl)
@@ -79,7 +79,8 @@ def test_the_least_important_lanes_give_up_depth_first(bundled_model):
         runner.add(seq)
     while not any(s.depth_cap for s in seqs) and not runner.idle:
         runner.step()
-    assert [s.depth_cap is not None for s in seqs] == [False, True, False, True]
+    # (far over target: the tolerant half 4 notches, the rest 2)
+    assert seqs[1].depth_notch == seqs[3].depth_notch > seqs[0].depth_notch == seqs[2].depth_notch > 0
 
     one_lane = Runner(m, m.new_cache(1, 256))
     order: list[int] = []

@@ -9,9 +9,9 @@ the pressure, the largest of
 and steers each lane's depth cap (Sequence.depth_cap; the scheduler forces each token's loops to it, Sequence.
 forced_depth) in notches: NOTCHES steps across [floor, loops].
   - over target (pressure > 1) for LOWER_EVERY steps in a row, and at most every LOWER_EVERY steps: the most
-    tolerant half of the lanes that are above their floor go one notch down: the least important first (the highest
-    GenerateConfig.priority), then the widest range, then the least lowered (so lanes come down together); never
-    below a floor;
+    tolerant half of the lanes that are above their floor go down (the least important first: the highest
+    GenerateConfig.priority, then the widest range, then the least lowered, so lanes come down together), one notch
+    just over target, 2 from 1.5x, 4 from 3x (`notches_for`), and the other half half as many; never below a floor;
   - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
   - a ranged lane starts at the controller's level (the median notch of the ranged lanes, one lower after every
@@ -77,6 +77,12 @@ def notch_cap(seq: Sequence, notch: int) -> int | None:
     floor = ranged_floor(seq)
     cap = max(floor, seq.loops - round(notch * (seq.loops - floor) / NOTCHES))
     return None if notch <= 0 or cap >= seq.loops else cap
+
+
+def notches_for(pressure: float) -> int:
+    """Notches the most tolerant half goes down at one lowering (the rest half as many): 1 just over target, more the
+    further over it is, so a heavy overload is met in a few lowerings instead of a slow walk while the queue grows."""
+    return 1 if pressure < 1.5 else 2 if pressure < 3 else 4
 
 
 class DepthController:
@@ -162,9 +168,12 @@ class DepthController:
             down = sorted((s for s in ranged if s.depth_notch < NOTCHES), key=self.tolerance)
             # (over target for LOWER_EVERY steps in a row: one slow step, a long prompt's piece, lowers nothing)
             if down and self.since_lowered >= LOWER_EVERY and self.over >= LOWER_EVERY:
-                for seq in down[:math.ceil(len(down) / 2)]:
-                    self.shift(seq, 1)
-                    self.lowered += 1
+                steps = notches_for(self.pressure)
+                half = math.ceil(len(down) / 2)
+                for i, seq in enumerate(down):
+                    for _ in range(steps if i < half else steps // 2):
+                        self.shift(seq, 1)
+                        self.lowered += 1
                 self.since_lowered = 0
             return
         self.over = 0
