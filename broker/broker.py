@@ -705,6 +705,7 @@ class Broker:
             stream=req.stream,
             timeout_s=max(0.0, req.deadline - now),
             queued_s=min(max(0.0, now - req.arrived), protocol.MAX_TIMEOUT_S),
+            backlog_s=min(max(0.0, now - self.queue[0].arrived), protocol.MAX_TIMEOUT_S) if self.queue else 0.0,
             **continuation,
         )
 

@@ -267,6 +267,9 @@ MESSAGES: dict[str, dict[str, dict[str, Field]]] = {
             # Seconds it waited in the broker's queue before this dispatch (elastic depth's controller counts it
             # in a request's time to first token: docs/engine.md, "Elastic depth").
             "queued_s": Field(number_in(0.0, MAX_TIMEOUT_S), required=False),
+            # The age of the oldest request still waiting in the broker's queue after this dispatch (0: none): the
+            # queue lives in the broker, and elastic depth's controller counts it as load (docs/engine.md)
+            "backlog_s": Field(number_in(0.0, MAX_TIMEOUT_S), required=False),
         },
         "cancel": {"id": REQUEST_ID},
         "heartbeat": {},

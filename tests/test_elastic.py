@@ -93,6 +93,24 @@ def test_the_least_important_lanes_give_up_depth_first(bundled_model):
     assert order == [2, 0, 1]
 
 
+def test_the_brokers_backlog_counts_as_load(bundled_model):
+    """A service's queue lives in its broker: each dispatch says how long its oldest waiting request has waited
+    (backlog_s), and the controller counts that against the queue target until the note is older than BACKLOG_TTL."""
+    from tinyloop.engine.elastic import BACKLOG_TTL
+
+    now = [100.0]
+    ctl = DepthController(Targets(ttft_s=0.5), clock=lambda: now[0])
+    assert ctl.measure([], []) == 0.0
+    ctl.note_backlog(1.0)
+    now[0] += 0.1
+    assert ctl.measure([], []) == pytest.approx(2.2)  # (1.0 + 0.1) / 0.5
+    now[0] += BACKLOG_TTL
+    assert ctl.measure([], []) == 0.0  # no dispatch since: the broker's queue is taken as gone
+    ctl.note_backlog(1.0)
+    ctl.note_backlog(0.0)  # a later dispatch found the broker's queue empty
+    assert ctl.measure([], []) == 0.0
+
+
 def test_notches_and_targets():
     class Lane:  # notch_cap reads only a lane's floor and loops
         floor, loops = 4, 16

@@ -201,11 +201,14 @@ class ModelEngine:
     # ---------------------------------------------------------------- the batch
 
     def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
-             delivered: list[int] | None = None, queued_s: float = 0.0) -> bool:
+             delivered: list[int] | None = None, queued_s: float = 0.0, backlog_s: float = 0.0) -> bool:
         """Add a request to the batch: generate, chat, pool, speculative and resume requests, continued or not. False
         for one that runs between two steps instead (`run`: the handle ops, a continuation with nothing left)."""
         if op not in BATCHED_OPS:
             return False
+        control = self.scheduler.runner.depth_control
+        if control is not None:  # (the broker's queue, as it stood when it sent this one)
+            control.note_backlog(backlog_s)
         cfg = self.config(params)  # validated once, by the scheduler's submit
         if delivered and len(delivered) >= cfg.max_tokens:  # nothing left to generate: `run` answers it
             return False

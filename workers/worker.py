@@ -70,9 +70,10 @@ class Batching(Protocol):
     slots: int
 
     def join(self, key: str, op: str, params: dict, on_token: TokenSink | None, should_stop: Callable[[], bool],
-             delivered: list[int] | None = None, queued_s: float = 0.0) -> bool:
+             delivered: list[int] | None = None, queued_s: float = 0.0, backlog_s: float = 0.0) -> bool:
         """Add a request to the batch (False: it must run alone, through `run`). Raises EngineError for a bad one.
-        queued_s: the seconds it has waited so far (broker queue included)."""
+        queued_s: the seconds it has waited so far (broker queue included); backlog_s: the age of the oldest request
+        still in the broker's queue when it was sent."""
         ...
 
     def step(self) -> list[tuple[str, dict | EngineError]]:
@@ -92,6 +93,7 @@ class Job:
     delivered: list[int] | None = None  # a continuation of a stream whose worker was lost
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_s: float = 0.0  # seconds it waited in the broker's queue before it was sent here
+    backlog_s: float = 0.0  # the age of the oldest request left in the broker's queue when it was sent
     received: float = field(default_factory=time.perf_counter)  # when it reached this worker
 
     def waited(self) -> float:
@@ -282,7 +284,7 @@ class WorkerProcess:
                 return None
             timeout = msg["timeout_s"]
             job = Job(msg["id"], msg["op"], msg["params"], msg["stream"], None if timeout is None else time.monotonic() + timeout,
-                      msg.get("delivered"), queued_s=msg.get("queued_s") or 0.0)
+                      msg.get("delivered"), queued_s=msg.get("queued_s") or 0.0, backlog_s=msg.get("backlog_s") or 0.0)
             self.running[job.key] = job
             self.jobs.put(job)
         elif msg.type == "cancel":
@@ -379,7 +381,8 @@ class WorkerProcess:
         try:
             continuation = {"delivered": job.delivered} if job.delivered else {}
             return cast(Batching, self.engine).join(job.key, job.op, job.params, self.batch_sink(job),
-                                                    job.should_stop, queued_s=job.waited(), **continuation)
+                                                    job.should_stop, queued_s=job.waited(), backlog_s=job.backlog_s,
+                                                    **continuation)
         except Exception as exc:  # noqa: BLE001 (EngineError, or an engine bug: answered, never fatal)
             self.reply(job, exc, emit)
             return True

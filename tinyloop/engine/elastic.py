@@ -5,7 +5,8 @@ Sequence.floor). The runner calls `DepthController.steer(admitted, waiting)` onc
 the pressure, the largest of
   - time per output token (TPOT) of the decoding lanes over the last WINDOW steps / Targets.tpot_s,
   - the age of the oldest request still without a first token (its broker queue time included) / Targets.ttft_s,
-  - the age of the oldest waiting request (no lane yet) / Targets.queue_s (ttft_s when no queue_s is given),
+  - the age of the oldest waiting request (no lane yet; in a service, also the broker's oldest, as its last dispatch
+    to this worker reported it: note_backlog) / Targets.queue_s (ttft_s when no queue_s is given),
 and steers each lane's depth cap (Sequence.depth_cap; the scheduler forces each token's loops to it, Sequence.
 forced_depth) in notches: NOTCHES steps across [floor, loops].
   - over target (pressure > 1) for LOWER_EVERY steps in a row, and at most every LOWER_EVERY steps: the most
@@ -39,6 +40,9 @@ LOWER_EVERY = 4  # steps between two lowerings
 RAISE_AFTER = 24  # calm steps in a row before depth climbs a notch
 CALM = 0.6  # pressure under which a step counts as calm
 WINDOW = 8  # steps the TPOT is measured over
+# seconds a note of the broker's backlog stands: a worker under a backlog gets a request each time a lane frees (every
+# few steps), so an older note means the broker's queue has emptied (or this worker's lanes run long requests)
+BACKLOG_TTL = 0.25
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ class DepthController:
         # full depth under sustained load would be lowered only a notch or two before it ends)
         self.level = 0
         self.seen: set[int] = set()  # id(seq) of the lanes steered so far (those still admitted)
+        self.backlog: tuple[float, float] | None = None  # (the broker's oldest waiting request's age, noted when)
+
+    def note_backlog(self, seconds: float) -> None:
+        """The age of the oldest request still in the broker's queue when it sent this worker a request (0: none).
+        The queue of a service lives in its broker (a worker holds only what its lanes run), so the controller counts
+        it with its own waiting requests."""
+        self.backlog = (seconds, self.clock()) if seconds > 0 else None
 
     # --- measuring ----------------------------------------------------------------------------------------------
     def measure(self, admitted: list[Sequence], waiting: list[Sequence]) -> float:
@@ -122,6 +133,8 @@ class DepthController:
         queue = t.queue_s or t.ttft_s
         if queue and waiting:
             ratios.append(max(now - s.t_call + s.queued_s for s in waiting) / queue)
+        if queue and self.backlog is not None and now - self.backlog[1] < BACKLOG_TTL:
+            ratios.append((self.backlog[0] + now - self.backlog[1]) / queue)
         return max(ratios, default=0.0)
 
     # --- steering -----------------------------------------------------------------------------------------------
