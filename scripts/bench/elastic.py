@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from scripts.bench.depth import SHORT_PROMPTS, run
+from scripts.bench.depth import SHORT_PROMPTS, depths_around, interpolate, run
 from scripts.bench.peers import Report
 from tinyloop.loader import free_model, load_model
 from tinyloop.request import GenerateConfig
@@ -18,45 +18,34 @@ from tinyloop.request import GenerateConfig
 THRESHOLD = 0.07  # the bundled model's latent rule (as the depth section runs it)
 
 
-def early_exit_at_mean_depth(model_path: str | None, quick: bool, echo=None) -> tuple[list[str], dict]:
+def early_exit_at_mean_depth(model_path: str | None, quick: bool) -> tuple[list[str], dict]:
     model = load_model(model_path, 512)
     tokens, rounds = (32, 2) if quick else (96, 3)
     lines = [f"early exit (latent rule, threshold {THRESHOLD}, up to 16 loops) against fixed depth at its own mean "
              f"depth, {tokens} tokens a request, decode tok/s, best of {rounds}; fixed depth at a fractional mean is "
-             f"the interpolation of the two whole depths around it (a token's time is affine in its loops)"]
+             f"interpolated between the whole depths around it (a token's time is affine in its loops)"]
     data: dict = {}
-
-    def rate(x: dict) -> float:
-        return (x["tokens"] - batch) / x["decode_s"]
-
     try:
         for batch in (1, 16):
-            early = [GenerateConfig(max_tokens=tokens, loops=16, early_exit_threshold=THRESHOLD, ignore_eos=True)] * batch
-            best: dict = {}
+            def per_token(cfg: GenerateConfig) -> tuple[float, float]:  # decode seconds a token, mean loops
+                x = run(model, [cfg] * batch, batch, SHORT_PROMPTS)
+                return x["decode_s"] / (x["tokens"] - batch), sum(x["loops"]) / len(x["loops"])
+
+            early = GenerateConfig(max_tokens=tokens, loops=16, early_exit_threshold=THRESHOLD, ignore_eos=True)
+            best, fixed = (float("inf"), 0.0), {}
             for _ in range(rounds):  # early exit, then fixed depth at the whole depths around its mean, in turns
-                r = run(model, early, batch, SHORT_PROMPTS)
-                mean = sum(r["loops"]) / len(r["loops"])
-                if "early" not in best or rate(r) > best["early"][0]:
-                    best["early"] = (rate(r), mean)
-                for depth in sorted({max(1, int(mean)), max(1, int(mean)) + 1}):
-                    fixed = [GenerateConfig(max_tokens=tokens, loops=depth, ignore_eos=True)] * batch
-                    best[depth] = max(best.get(depth, 0.0), rate(run(model, fixed, batch, SHORT_PROMPTS)))
-            tok_s, mean = best["early"]
-            lo = max(1, int(mean))
-            if lo + 1 not in best:  # (a later round's mean fell in another interval: measure its upper depth too)
-                fixed = [GenerateConfig(max_tokens=tokens, loops=lo + 1, ignore_eos=True)] * batch
-                best[lo + 1] = rate(run(model, fixed, batch, SHORT_PROMPTS))
-            if lo not in best:
-                fixed = [GenerateConfig(max_tokens=tokens, loops=lo, ignore_eos=True)] * batch
-                best[lo] = rate(run(model, fixed, batch, SHORT_PROMPTS))
-            frac = mean - lo
-            at_mean = 1 / ((1 - frac) / best[lo] + frac / best[lo + 1])  # seconds per token, interpolated
-            ratio = tok_s / at_mean
-            lines.append(f"  batch {batch:>2}: early exit {tok_s:7.1f} tok/s at mean depth {mean:.2f}; fixed depth "
-                         f"{lo} / {lo + 1} loops {best[lo]:7.1f} / {best[lo + 1]:7.1f} tok/s, {at_mean:7.1f} at "
-                         f"{mean:.2f}; ratio {ratio:.3f}")
-            data[f"batch{batch}"] = {"early_tok_s": tok_s, "mean_loops": mean, "fixed_at_mean_tok_s": at_mean,
-                                     "fixed": {lo: best[lo], lo + 1: best[lo + 1]}, "ratio": ratio}
+                best = min(best, per_token(early))
+                for depth in depths_around(best[1]):
+                    fixed[depth] = min(fixed.get(depth, float("inf")),
+                                       per_token(GenerateConfig(max_tokens=tokens, loops=depth, ignore_eos=True))[0])
+            seconds, mean = best
+            around = {d: fixed[d] for d in depths_around(mean)}
+            ratio = interpolate(around, mean) / seconds
+            lines.append(f"  batch {batch:>2}: early exit {1 / seconds:7.1f} tok/s at mean depth {mean:.2f}; fixed depth "
+                         + " / ".join(f"{d} loops {1 / t:7.1f}" for d, t in around.items())
+                         + f" tok/s, {1 / interpolate(around, mean):7.1f} at {mean:.2f}; ratio {ratio:.3f}")
+            data[f"batch{batch}"] = {"early_tok_s": 1 / seconds, "mean_loops": mean, "ratio": ratio,
+                                     "fixed_tok_s": {d: 1 / t for d, t in around.items()}}
     finally:
         free_model(model)
     return lines, data
