@@ -108,6 +108,7 @@ def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, .
     elastic_p = {**fixed_p, "min_loops": floor}
     for n_workers in workers:
         base = ["--max-seq-len", "256", "--max-lanes", str(lanes), "--threads", str(threads or 1)]
+        base += ["--model", model_path] if model_path else []
         # calibrate on a service without targets: an unloaded request, then the fixed-depth capacity
         with LocalService(n_workers=n_workers, worker_args=base) as svc:
             asyncio.run(open_loop(svc.frontend, 0, 2, fixed_p, 0, 600, closed=1))  # warm up
