@@ -198,10 +198,3 @@ class DepthController:
                 self.raised += 1
             self.level = max(0, self.level - 1)
             self.calm = 0
-
-    def snapshot(self, admitted: list[Sequence]) -> dict:
-        """What it is doing now (a worker's heartbeat, metrics): pressure, measured TPOT, capped lanes, their caps."""
-        caps = [s.depth_cap for s in admitted if s.depth_cap is not None]
-        return {"pressure": round(self.pressure, 3), "tpot_s": round(self.tpot, 5), "capped_lanes": len(caps),
-                "mean_cap": round(sum(caps) / len(caps), 2) if caps else None, "lowered": self.lowered,
-                "raised": self.raised}
