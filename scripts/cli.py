@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from tinyloop.fields import EXIT_RULES
+from scripts.service_cli import depth_options
 
 
 @click.group()
@@ -38,15 +38,7 @@ def fail(err: Exception) -> None:
               help="KV cache mode (default: $TINYLOOP_CACHE_MODE or fp16).")
 @click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
 @click.option("--early-exit", type=float, default=None, help="Early-exit threshold of the exit rule (0 = off).")
-@click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
-              help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
-                   "(default: the model's own).")
-@click.option("--min-loops", type=click.IntRange(1), default=None,
-              help="No token runs fewer loops: early exit's floor; at a fixed depth, a depth range the service's "
-                   "load controller may use (elastic depth; in process no controller runs: every token at --loops).")
-@click.option("--max-loss-increase", type=click.FloatRange(0), default=None,
-              help="Elastic depth's quality floor: the fewest loops whose expected loss (the model's loss-by-loops "
-                   "table) is at most this many nats/token above --loops'.")
+@depth_options
 @click.option("--beam-size", type=int, default=1, show_default=True, help="Beam search width (greedy only).")
 @click.option("--grammar", default=None, help="Constrain output: EBNF (contains ::=), a JSON schema, or a regex.")
 @click.option("--speculative", default=None, metavar="D:V:A[:W]",

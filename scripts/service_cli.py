@@ -53,6 +53,25 @@ def byte_size(ctx, param, value):  # click callback
         raise click.BadParameter(str(exc))
 
 
+def depth_options(fn):
+    """A request's exit rule and depth range, shared by `generate` (in process) and `submit` (to a service)."""
+    options = [
+        click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
+                     help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
+                          "(default: the model's own)."),
+        click.option("--min-loops", type=click.IntRange(1), default=None,
+                     help="No token runs fewer loops: early exit's floor; at a fixed depth, a depth range a "
+                          "service's load controller may use under load (elastic depth: serve --tpot-slo / "
+                          "--ttft-slo; in process no controller runs and every token runs at --loops)."),
+        click.option("--max-loss-increase", type=click.FloatRange(0), default=None,
+                     help="Elastic depth's quality floor: the most the expected loss per token may rise below "
+                          "--loops (nats, the model's loss-by-loops table)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 def worker_options(fn):
     """Options shared by `worker` and `serve` (the latter passes them on to each worker)."""
     options = [
@@ -363,15 +382,7 @@ def parse_speculative_option(value: str | None) -> dict:
 @click.option("--beam-size", type=int, default=None, help="Beam search width (greedy only).")
 @click.option("--cache-window", type=int, default=None, help="Sliding attention window in tokens (0 = off).")
 @click.option("--early-exit", type=float, default=None, help="Early-exit threshold of the exit rule (0 = off).")
-@click.option("--exit-rule", type=click.Choice(EXIT_RULES), default=None,
-              help="What early exit compares: latent change, Ouro's cdf gate, Huginn's entropy / kl / argmax "
-                   "(default: the model's own).")
-@click.option("--min-loops", type=click.IntRange(1), default=None,
-              help="No token runs fewer loops: early exit's floor; at a fixed depth, a depth range the workers' load "
-                   "controller may use under load (elastic depth: serve --tpot-slo / --ttft-slo).")
-@click.option("--max-loss-increase", type=click.FloatRange(0), default=None,
-              help="Elastic depth's quality floor: the most the expected loss per token may rise (nats, the model's "
-                   "loss-by-loops table).")
+@depth_options
 @click.option("--priority", type=int, default=None,
               help="Lower is more important (vLLM's convention, default 0): a worker admits waiting requests by it, and "
                    "under load takes depth from the least important ranged requests first.")
