@@ -20,7 +20,6 @@ import time
 
 from ..cache import KVCache
 from ..errors import BudgetError, TinyLoopError
-from ..exits import ExitRule
 from ..memory import blocks_for
 from ..sampling import MIN_TEMPERATURE
 from .beam import BeamGroup
@@ -337,13 +336,7 @@ class Scheduler:
         for m in members:
             m.place.cached = P
             tokens = m.history[P:-1]
-            ex.refeed(m.place.lane, tokens, P, m.loops, [self.exit_of(m, j + 1) for j in range(len(tokens))])
-
-    @staticmethod
-    def exit_of(seq: Sequence, count: int) -> ExitRule:
-        """The exit rule seq's forward ran under when it had sampled `count` tokens (Sequence.exit then)."""
-        forced = seq.forced_depth(count)
-        return ExitRule("schedule", forced) if forced is not None else seq.rule
+            ex.refeed(m.place.lane, tokens, P, m.loops, [m.exit_at(j + 1) for j in range(len(tokens))])
 
     def out_of_blocks(self, exc: BudgetError) -> list[Sequence]:
         """Preempt the least important request (the highest GenerateConfig.priority), the youngest of those, none of

@@ -271,8 +271,13 @@ class Sequence:
 
     @property
     def exit(self) -> ExitRule:
-        """The exit rule of the token it produces next: its own, or its forced depth (exit_schedule, a depth cap)."""
-        forced = self.forced_depth(self.count)
+        """The exit rule of the token it produces next."""
+        return self.exit_at(self.count)
+
+    def exit_at(self, count: int) -> ExitRule:
+        """The exit rule of its forward when it has sampled `count` tokens: its own, or that token's forced depth
+        (exit_schedule, a depth cap)."""
+        forced = self.forced_depth(count)
         return ExitRule("schedule", forced) if forced is not None else self.rule
 
     @property
