@@ -84,7 +84,12 @@ def figures(records: list[dict], seconds: float, tpot_slo: float, ttft_slo: floa
     loops = sum((r["stats"].get("loops_mean") or 0) * len(r["tokens"]) for r in ok)
     loss = sum((r["stats"].get("loss_increase") or 0) * len(r["tokens"]) for r in ok)
     below = sum(r["stats"].get("tokens_below_loops") or 0 for r in ok)
-    return {"requests": len(records), "ok": len(ok), "seconds": seconds, "goodput": len(good) / seconds,
+    errors: dict[str, int] = {}  # the final answers that were errors, by code (the broker's "busy": its queue full)
+    for r in records:
+        if not r["ok"]:
+            errors[str(r.get("code"))] = errors.get(str(r.get("code")), 0) + 1
+    return {"requests": len(records), "ok": len(ok), "errors": errors, "seconds": seconds,
+            "goodput": len(good) / seconds,
             "ttft_ms": summarize([r["ttft"] * 1000 for r in ok]),
             "tpot_ms": summarize([r["tpot"] * 1000 for r in ok if r["tpot"] is not None]),
             "loops_mean": loops / tokens if tokens else 0.0, "loss_increase": loss / tokens if tokens else 0.0,
@@ -96,7 +101,8 @@ def line(name: str, f: dict) -> str:
     ms = lambda s, k: f"{s[k]:7.1f}" if s.get(k) is not None else "      -"  # noqa: E731
     return (f"    {name:<8} TTFT p50 {ms(t, 'p50')} p99 {ms(t, 'p99')} ms  TPOT p50 {ms(p, 'p50')} p99 {ms(p, 'p99')} ms"
             f"  goodput {f['goodput']:5.2f} req/s  loops {f['loops_mean']:5.2f}  below {f['below']:4.0%}"
-            f"  loss +{f['loss_increase']:.4f}  ({f['ok']}/{f['requests']} ok)")
+            f"  loss +{f['loss_increase']:.4f}  ({f['ok']}/{f['requests']} ok"
+            + "".join(f", {n} {code}" for code, n in f["errors"].items()) + ")")
 
 
 def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, ...] = (1, 2), loads=LOADS,
