@@ -113,16 +113,18 @@ class Executor:
     def in_rows(self, piece: Piece) -> bool:
         """Whether the piece runs as C rows (forward.c_chunk: up to MAX_LANES tokens), so that pieces of several
         prompts can share a call."""
-        return bool(piece.tokens) and piece.handle is None and not piece.whole \
+        return bool(piece.tokens) and piece.handle is None and not piece.whole and not piece.keep_latent \
             and not (piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit)) \
             and self.c.chunk_rows(len(piece.tokens), piece.exit)
 
     def run_piece(self, piece: Piece, out: Outputs) -> None:
-        """A piece that is not C rows: its handle's forward, a one-token prompt with early exit (it decodes adaptively,
-        as any one-token forward), or a chunk forward."""
+        """A piece that is not C rows: its handle's forward, one that keeps its latent rows, a one-token prompt with
+        early exit (it decodes adaptively, as any one-token forward), or a chunk forward."""
         t, used = time.perf_counter(), piece.loops
         if piece.handle is not None:
             logits = piece.handle.run(self.lane(piece.lane))
+        elif piece.keep_latent:
+            logits = self.latent_piece(piece, out)
         elif piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit):
             row, ran = self.decode(piece.tokens, [0], self.lane(piece.lane), piece.loops, piece.exit)
             logits, used = row[0], ran[0]
@@ -130,6 +132,20 @@ class Executor:
             logits = self.prefill(piece.tokens, piece.start, piece.lane, piece.loops, piece.exit)[-1]
         # (a copy: not a view pinning [T, V])
         out.pieces.append((piece.lane, len(piece.tokens), logits.clone(), used, time.perf_counter() - t))
+
+    def latent_piece(self, piece: Piece, out: Outputs) -> torch.Tensor:
+        """A piece whose latent rows its sequence keeps (a resume handle's build): the loop-range forward from its ids
+        over all its loops, the path the handle later deepens by (ResumeHandle.run_loops), so the rows and entries
+        have the same bits; the shared C rows give no latent back. Its rows go to out.latents; returns the logits [V]
+        of its last position (every token's coda runs, the last one's head)."""
+        net, dev, T = self.net, self.model.device, len(piece.tokens)
+        step = net.make_step(torch.arange(piece.start, piece.start + T, device=dev).unsqueeze(0), piece.start + T)
+        latent = paged.Latent.empty(1, T, net)
+        logits = paged.forward_loops(net, step, self.lane(piece.lane), 0, piece.loops, latent,
+                                     torch.tensor([piece.tokens], device=dev), last_only=True)
+        assert logits is not None  # (with the head)
+        out.latents.append((piece.lane, piece.start, latent.e, latent.s))
+        return logits[0, -1]
 
     def decode_step(self, plan: Plan, out: Outputs) -> None:
         rows = plan.rows
