@@ -3,7 +3,8 @@
 The plan says which prefill pieces and decode rows run, at which loop counts and exit rules, over blocks the
 scheduler already took; the executor picks the backend for each part and gives back logits by lane:
 - prefill pieces: up to 32 tokens as rows of shared C calls, one loop count a call (CBackend.prefill_rows), else
-  the model's one forward over a chunk (engine/forward.py), or a handle's own forward;
+  the model's one forward over a chunk (engine/forward.py), or a handle's own forward; a piece whose latent rows
+  its sequence keeps (a resume handle's build) through the loop-range forward, its rows given back with its logits;
 - decode rows at one fixed depth: one forward of every loop (the token step);
 - decode rows at different depths, exiting early, or drawing greedily inside C: loop iterations (continuous-depth
   batching), in one C call with the exit decisions in C (`iterate_in_c`), else one forward per pass (`one_pass`,

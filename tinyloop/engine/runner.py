@@ -150,7 +150,7 @@ class Runner:
 
     def prompt_in(self, seq: Sequence, logits: torch.Tensor) -> None:
         """seq's prompt is in (`logits`: its last position's): the prompt's blocks go to the prefix cache, and to the
-        sequence's own `on_prefilled` (a prefix handle built by this step keeps them)."""
+        sequence's own `on_prefilled` (a prefix or resume handle built by this step keeps them)."""
         seq.t_prefilled = time.perf_counter()
         lane = self.executor.lane(seq.place.lane)
         prefixes = self.scheduler.prefixes
