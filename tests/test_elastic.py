@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 import tinyloop
 from tinyloop import ConfigError, GenerateConfig, ModeError, generate
@@ -35,13 +36,38 @@ def test_floor_held_and_an_untouched_lane_is_exact(bundled_model):
     alone = generate(m, PROMPTS[0], fixed)
     assert res[0].tokens == alone.tokens and set(res[0].loops_used) == {8}
     assert res[0].stats.tokens_below_loops == 0 and res[0].stats.loops_histogram == {"8": 40}
-    for r, floor in ((res[1], 3), (res[2], 2)):
+    for prompt, r, floor in ((PROMPTS[1], res[1], 3), (PROMPTS[2], res[2], 2)):
         st = r.stats
-        assert r.loops_used[0] == 8  # the first token comes from the prompt, at its asked depth
-        assert set(r.loops_used[1:]) == {floor} == {st.loops_min}  # never below the floor, and at it
-        assert st.tokens_below_loops == 39 and st.loops_histogram == {"8": 1, str(floor): 39}
-        assert st.loops_mean == pytest.approx((8 + 39 * floor) / 40) and st.loss_increase > 0
+        # capped from the start, its prompt too: every token at the floor, never below it
+        assert set(r.loops_used) == {floor} == {st.loops_min}
+        assert st.tokens_below_loops == 40 and st.loops_histogram == {str(floor): 40}
+        assert st.loops_mean == floor and st.loss_increase > 0
+        # a token at the floor reads only the floor's loops of the tokens before it: the tokens of a run at that depth
+        assert r.tokens == generate(m, prompt, GenerateConfig(max_tokens=40, loops=floor)).tokens
     assert not seqs[1].cacheable and seqs[0].cacheable  # a capped lane's K/V stay out of the prefix cache
+
+
+def test_a_capped_prompt_leaves_every_loops_keys_for_depth_given_back(bundled_model):
+    """A prompt prefilled under a cap fills the K/V slots of the loops above it with its last loop's (as an early-
+    exited token's), so a token at more loops, once depth comes back, finds keys at every depth: the same cache as a
+    prefill at the cap whose skipped loops are copied one position at a time."""
+    m = bundled_model
+    cfg = GenerateConfig(max_tokens=2, loops=8, min_loops=2)
+    ctl = DepthController(CALM)
+    runner = Runner(m, m.new_cache(1, 128), depth_control=ctl)
+    ids = m.encode_prompt(PROMPTS[0] * 4)
+    seq = Sequence(m, ids, cfg)
+    ctl.move(seq, NOTCHES // 2)  # cap 5
+    caches = []
+    seq.on_prefilled = lambda lane, logits: caches.append(lane.dense("k")[:, 0, :len(ids)].clone())
+    runner.run([seq])
+    (k,) = caches
+    c = m.cfg
+    assert seq.prompt_loops == 5 and seq.result().loops_used[0] == 5
+    for loop in range(5, 8):
+        for j in range(c.n_core):
+            assert torch.equal(k[c.core_slot(loop, j)], k[c.core_slot(4, j)])
+    assert not torch.equal(k[c.core_slot(4, 0)], k[c.core_slot(3, 0)])  # (the loops it ran are its own)
 
 
 def test_the_controller_lowers_under_load_and_raises_when_it_falls(bundled_model):

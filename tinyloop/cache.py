@@ -443,28 +443,32 @@ class KVCache:
         if self.cell_pos is not None:
             self.cell_pos[slot, lane, cells] = pos
 
-    def copy_cell(self, src: list[int], dst: list[int], pos: int, lane: int) -> None:
-        """Copy one cell (position pos) of `lane` from slots src[i] to slots dst[i], in one indexed copy per stored
-        tensor (an early-exited token's skipped loops get its last loop's entries)."""
-        cell = pos % self.ring if self.window else pos
-        self.require([(slot, [lane], [cell], [cell]) for slot in dst])
+    def copy_cell(self, src: list[int], dst: list[int], pos: int, lane: int, count: int = 1) -> None:
+        """Copy the cells of positions pos..pos+count-1 of `lane` from slots src[i] to slots dst[i], in one indexed
+        copy per stored tensor (an early-exited token's skipped loops get its last loop's entries; a prompt prefilled
+        under a depth cap, every position's)."""
+        positions = torch.arange(pos, pos + count, device=self.device)
+        cells = positions % self.ring if self.window else positions
+        lo, hi = (0, self.ring - 1) if self.window else (pos, pos + count - 1)
+        self.require([(slot, [lane], [lo], [hi]) for slot in dst])
         self.changed()
-        at, row = cell // self.bt, cell % self.bt
-        src_blocks = self.table[torch.tensor(src, device=self.device), lane, at]
-        dst_blocks = self.table[torch.tensor(dst, device=self.device), lane, at]
+        at, row = cells // self.bt, cells % self.bt
+        src_blocks = self.table[torch.tensor(src, device=self.device)][:, lane, at]  # [len(src), count]
+        dst_blocks = self.table[torch.tensor(dst, device=self.device)][:, lane, at]
         for t in self.pool.store.values():
             t[dst_blocks, row] = t[src_blocks, row]
         if self.cell_pos is not None:
-            self.cell_pos[torch.tensor(dst, device=self.device), lane, cell] = pos
+            self.cell_pos[torch.tensor(dst, device=self.device).unsqueeze(1), lane, cells] = positions
 
-    def fill_skipped(self, lane: int, pos: int, used: int, loops: int) -> None:
-        """A token at position `pos` of `lane` that stopped after `used` of its `loops` loops (early exit): each core
-        layer's entries of its last loop copied into the loops it skipped, so later tokens find keys at every depth.
-        The one place the engine's torch paths fill skipped loops (the C step does it in kernels/cpu_block.c)."""
+    def fill_skipped(self, lane: int, pos: int, used: int, loops: int, count: int = 1) -> None:
+        """Tokens at positions pos..pos+count-1 of `lane` that stopped after `used` of their `loops` loops (early exit,
+        a depth cap): each core layer's entries of their last loop copied into the loops they skipped, so later tokens
+        find keys at every depth. The one place the engine's torch paths fill skipped loops (the C step does it in
+        kernels/cpu_block.c)."""
         cfg = self.cfg
         pairs = [(cfg.core_slot(used - 1, j), cfg.core_slot(k, j)) for k in range(used, loops) for j in range(cfg.n_core)]
         if pairs:
-            self.copy_cell([a for a, _ in pairs], [b for _, b in pairs], pos, lane)
+            self.copy_cell([a for a, _ in pairs], [b for _, b in pairs], pos, lane, count)
 
     # --- speculative decode ---------------------------------------------------------------------------
     def rollback(self, length: int, slots: list[int] | None = None) -> None:

@@ -15,8 +15,10 @@ forced_depth) in notches: NOTCHES steps across [floor, loops].
     just over target, 2 from 1.5x, 4 from 3x (`notches_for`), and the other half half as many; never below a floor;
   - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
-  - a ranged lane starts at the controller's level (the median notch of the ranged lanes, one lower after every
-    RAISE_AFTER calm steps), so a request that arrives under sustained load does not start at full depth;
+  - a ranged request starts at the controller's level (the median notch of the ranged lanes, one lower after every
+    RAISE_AFTER calm steps) when first seen, waiting or admitted, so a request that arrives under sustained load does
+    not start at full depth; its prompt runs at the cap it stands at when its first piece is planned
+    (Sequence.prompt_depth), the K/V slots of the loops above it filled with copies of its last loop's;
   - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
 A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
 A lane once capped leaves the prefix cache alone (Sequence.cacheable): its K/V are not the fixed-depth K/V.
@@ -166,10 +168,13 @@ class DepthController:
         self.since_lowered += 1
         self.pressure = self.measure(admitted, waiting)
         ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
-        for seq in ranged:
+        # a request first seen starts at the level; one still waiting too, so that its prompt runs at that depth
+        fresh = [s for s in waiting if s.floor is not None and s.beam is None and s.driver is None
+                 and s.prompt_loops is None]
+        for seq in ranged + fresh:
             if id(seq) not in self.seen and self.level:
                 self.move(seq, self.level)
-        self.seen = {id(s) for s in ranged}
+        self.seen = {id(s) for s in ranged + fresh}
         self.adjust(ranged)
         notches = sorted(s.depth_notch for s in ranged)
         if notches:

@@ -107,6 +107,9 @@ class Executor:
                     self.run_piece(piece, out)
                 except TinyLoopError as exc:  # its own fault (a handle freed before its prefill): it fails alone
                     out.failed[piece.lane] = exc
+                    continue
+            if piece.handle is None:  # (a capped prompt: its skipped loops' K/V)
+                self.cache.fill_skipped(piece.lane, piece.start, piece.loops, piece.kv_loops, len(piece.tokens))
         if plan.rows:
             self.decode_step(plan, out)
         return out
@@ -317,10 +320,12 @@ class Executor:
         out.tokens[row.lane] = (logits, used)
 
     # --- rebuilding a preempted request's cache ------------------------------------------------------------------
-    def rebuild(self, lane: int, prompt: list[int], chunk: int, loops: int, exits: ExitRule) -> None:
-        """Refill a lane's prompt with the chunks that first built it (its blocks taken)."""
+    def rebuild(self, lane: int, prompt: list[int], chunk: int, loops: int, exits: ExitRule, kv_loops: int) -> None:
+        """Refill a lane's prompt with the chunks that first built it (its blocks taken), at the depth it ran."""
         for start in range(0, len(prompt), chunk or len(prompt)):
-            self.prefill(prompt[start:start + (chunk or len(prompt))], start, lane, loops, exits)
+            piece = prompt[start:start + (chunk or len(prompt))]
+            self.prefill(piece, start, lane, loops, exits)
+            self.cache.fill_skipped(lane, start, loops, kv_loops, len(piece))
 
     def refeed(self, lane: int, tokens: list[int], start: int, loops: int, exits: list[ExitRule]) -> None:
         """Feed tokens one at a time at positions start.., each under its exit rule, as they were first fed: by loop

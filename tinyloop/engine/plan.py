@@ -18,13 +18,15 @@ from .sequence import Start
 
 @dataclass
 class Piece:
-    """A prefill piece: the prompt tokens `tokens` at positions start.. of the lane, all loops (a chunk does not exit
-    early)."""
+    """A prefill piece: the prompt tokens `tokens` at positions start.. of the lane, all `loops` loops (a chunk does
+    not exit early); under a depth cap `loops` is the cap and the slots of loops up to `kv_loops` (the request's) get
+    copies of the last loop's K/V."""
     lane: int
     start: int
     tokens: list[int]
     loops: int
     exit: ExitRule
+    kv_loops: int = 0  # (0: loops)
     whole: bool = False  # one forward over the piece, never C rows (a prefix hit's rest: as generate's prefill)
     handle: Start | None = None  # a handle runs it instead (Start.run: it lent its blocks at schedule)
     # its latent rows come back too (Outputs.latents): a resume handle's build keeps every prompt token's (resume.py)

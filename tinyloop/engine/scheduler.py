@@ -230,7 +230,8 @@ class Scheduler:
         seq.stats.prefill_ms += (time.perf_counter() - t) * 1000
         log.debug("step %d: prefill #%d tokens %d..%d of %d (lane %d)", self.steps, at.arrival, at.cached,
                   at.cached + n, len(seq.prompt), at.lane)
-        return Piece(at.lane, at.cached, seq.prompt[at.cached:at.cached + n], seq.loops, seq.prefill_exit,
+        loops = seq.loops if handle is not None else seq.prompt_depth()
+        return Piece(at.lane, at.cached, seq.prompt[at.cached:at.cached + n], loops, seq.prefill_exit, seq.loops,
                      whole, handle)
 
     def reuse(self, prefixes, seq: Sequence) -> int:
@@ -329,7 +330,7 @@ class Scheduler:
         time, each under the exit rule it was first fed with; the token a lane was about to feed comes next."""
         first, P, ex = members[0], len(members[0].prompt), self.executor
         self.reserve([first], [0], [P - 1])
-        ex.rebuild(first.place.lane, first.prompt, self.chunk, first.loops, first.prefill_exit)
+        ex.rebuild(first.place.lane, first.prompt, self.chunk, first.prompt_depth(), first.prefill_exit, first.loops)
         if len(members) > 1:
             self.cache.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
         fed = [m for m in members if len(m.history) - 2 >= P]

@@ -167,6 +167,7 @@ class Sequence:
         self.depth_notch = 0
         self.depth_cap: int | None = None
         self.depths: dict[int, int | None] = {}
+        self.prompt_loops: int | None = None  # the loops its prompt runs, decided at its first piece (prompt_depth)
         self.queued_s = 0.0
 
     # --- sampling -----------------------------------------------------------------------------------------
@@ -285,8 +286,17 @@ class Sequence:
 
     @property
     def prefill_exit(self) -> ExitRule:
-        """The exit rule of its prompt's pieces: a depth cap leaves the prompt at its asked depth (docs/engine.md)."""
+        """The exit rule of its prompt's pieces (a depth cap is their loop count instead: prompt_depth)."""
         return self.exit if self.cfg.exit_schedule else self.rule
+
+    def prompt_depth(self) -> int:
+        """The loops its prompt's pieces run: its loops, or the depth cap it stands at when its first piece is planned
+        (one depth for the whole prompt, and for a rebuild after preemption); the K/V slots of the loops above it get
+        copies of its last loop's, as an early-exited token's do."""
+        if self.prompt_loops is None:
+            self.prompt_loops = self.depth_cap if self.depth_cap is not None and not self.cfg.exit_schedule \
+                else self.loops
+        return self.prompt_loops
 
     def forced_depth(self, i: int) -> int | None:
         """The loops its i-th generated token is forced to (exit_schedule's, or the depth cap it was planned under,
