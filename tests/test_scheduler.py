@@ -168,9 +168,8 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     """The step is schedule -> execute -> postprocess: every block the forwards write is taken while scheduling (a
     forward that finds one missing raises), none inside execute: prefill pieces, decode rows at several depths, early
     exit, a speculative lane's rounds, a beam request, a prompt whose prefix the prefix cache lends, a resume handle
-    that lends its blocks and runs the loops it lacks, a windowed lane, and a preempted request recomputed. A prefix
-    handle is built by steps of the engine: no block is taken outside a step for it (a resume handle's first build
-    still takes its own)."""
+    that lends its blocks and runs the loops it lacks, a windowed lane, and a preempted request recomputed. Prefix and
+    resume handles (a windowed one too) are built by steps of the engine: no block is taken outside a step for them."""
     from tinyloop.cache import BlockPool
 
     art = make_artifact()
@@ -199,11 +198,12 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
 
     monkeypatch.setattr(Runner, "execute", watched)
     monkeypatch.setattr(Runner, "step", stepped)
-    handle = tinyloop.build_resume_handle(model, ids(9, 40), 2)
-    outside = takes["outside"]
+    handle = tinyloop.build_resume_handle(model, ids(19, 40), 2)  # (three pieces of the chunk)
+    ringed = tinyloop.build_resume_handle(model, ids(12, 41), 3, cache_window=8)
     prefix = tinyloop.create_prefix_cache(model, ids(33, 9), 4)
     tinyloop.register_prefix(tinyloop.create_prefix_pool(2), model, ids(21, 10), 4)
-    assert takes["outside"] == outside and prefix.span is not None
+    assert takes["outside"] == 0 < takes["schedule"] and prefix.span is not None, takes
+    assert handle.span is not None and ringed.span is not None and handle.e is not None and ringed.s is not None
     assert tinyloop.generate_from_prefix_cache(model, prefix, ids(4, 11), G(max_tokens=6, loops=4)).tokens == \
         tinyloop.generate(model, ids(33, 9) + ids(4, 11), G(max_tokens=6, loops=4)).tokens
     sched = tinyloop.Scheduler(model, lanes=4)
@@ -214,7 +214,8 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
              sched.submit(ids(5, 5), G(max_tokens=8, loops=3, beam_size=2)),
              sched.submit(ids(20, 1) + ids(5, 6), G(max_tokens=8, loops=4)),  # the first prompt's blocks, lent
              sched.resume(handle, G(max_tokens=8, loops=4)),
-             sched.submit(ids(12, 7), G(max_tokens=8, loops=2, cache_window=8))]
+             sched.submit(ids(12, 7), G(max_tokens=8, loops=2, cache_window=8)),
+             sched.resume(ringed, G(max_tokens=8, loops=5, cache_window=8))]
     drain(sched)
     assert seqs[3].stats.verify_steps > 0 and seqs[5].stats.prefix_hit_tokens >= 16, seqs[5].stats
     assert all(s.error is None for s in seqs), [s.error for s in seqs]
@@ -227,6 +228,7 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     assert sum(s.stats.preempted for s in many) > 0 and all(s.result().tokens for s in many)
     assert takes["execute"] == 0 and takes["schedule"] > before > 20, takes
     tinyloop.free_handle(handle)
+    tinyloop.free_handle(ringed)
     tinyloop.free_handle(prefix)
 
 

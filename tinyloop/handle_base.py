@@ -1,5 +1,6 @@
-"""What PrefixCache, PrefixPool and ResumeHandle share: a binding to the model that built them, a busy lock, and
-their bytes (blocks of the model's pool, and the tensors kept beside them).
+"""What PrefixCache, PrefixPool and ResumeHandle share: a binding to the model that built them, a busy lock, their
+bytes (blocks of the model's pool, and the tensors kept beside them), and the engine steps that build them
+(`prefill_by_steps`).
 
 The handles themselves live in prefix.py (PrefixCache, PrefixPool) and resume.py (ResumeHandle).
 """
@@ -7,13 +8,19 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
+from .cache import KVCache
+from .engine import forward as paged
+from .engine.calls import lanes
+from .engine.runner import Runner
+from .engine.sequence import Sequence
 from .errors import BusyError, ConfigError, HandleError
 from .loader import Model
+from .request import GenerateConfig
 
 
 def tensor_bytes(*groups) -> int:
@@ -90,6 +97,38 @@ def free_handle(handle: Handle) -> None:
         handle.freed = True
     finally:
         handle._lock.release()
+
+
+def prefill_by_steps(model: Model, ids: list[int], loops: int, keep: Callable[[KVCache], object], *,
+                     window: int = 0, latent: paged.Latent | None = None, what: str = "prefix") -> torch.Tensor:
+    """Prefill ids once, by steps of the engine (their blocks taken in Scheduler.schedule, as every step's): the
+    prefill of a one-token request whose prompt is ids, every one of `loops` loops, in the pieces generate's prefill
+    runs (with a cache window: one piece, in a ring of that window). keep(lane) takes what it wants of the lane's
+    blocks once the prompt is in, before they go back. With `latent` ([1, len(ids), d] each), every prompt token's
+    latent rows are written into it: e, the prelude's output, and s, the state after `loops` loops. Returns the last
+    position's logits [1, V]."""
+    cfg = GenerateConfig(max_tokens=1, loops=loops, early_exit_threshold=0.0, cache_window=window)
+    kept: list[torch.Tensor] = []
+    seq = Sequence(model, ids, cfg)
+    if latent is not None:
+        seq.latents = {}
+
+    def prefilled(lane: KVCache, logits: torch.Tensor) -> None:
+        keep(lane)
+        kept.append(logits.reshape(1, -1).clone())
+        if latent is not None:
+            assert seq.latents is not None  # (asked above)
+            for a, (e, s) in seq.latents.items():
+                latent.e[:, a:a + e.shape[1]].copy_(e)
+                latent.s[:, a:a + s.shape[1]].copy_(s)
+
+    with lanes(model, [ids], [cfg], what=what) as cache:
+        seq.on_prefilled = prefilled
+        # a windowed prompt goes in as one piece (what ResumeHandle.pieces cuts, so a deepening runs the same pieces)
+        runner = Runner(model, cache, loops, chunk=0 if window else None)
+        runner.scheduler.prefixes = None  # (its own forwards: nothing of the automatic prefix cache is reused)
+        runner.run([seq])
+    return kept[0]
 
 
 def encode_tokens(model: Model, text_or_ids, what: str, allow_empty: bool = False) -> list[int]:

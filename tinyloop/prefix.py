@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
-from .handle_base import Handle, encode_tokens, tensor_bytes
+from .handle_base import Handle, encode_tokens, prefill_by_steps, tensor_bytes
 from .prefix_tree import Node, common_length
 from .loader import Model
 from .request import GenerateConfig, GenerateResult, OnToken
@@ -41,26 +40,6 @@ def _prefix_ids(model: Model, prefix) -> list[int]:
     if len(ids) >= model.max_seq_len:
         raise ConfigError(f"prefix length {len(ids)} must be below max_seq_len {model.max_seq_len}")
     return ids
-
-
-def _prefill(model: Model, ids: list[int], n_loops: int, keep: Callable[[KVCache], object]) -> torch.Tensor:
-    """Prefill ids once, by steps of the engine: the prefill of a request whose prompt is ids (every one of n_loops
-    loops, in the pieces generate's prefill runs); keep(lane) takes what it wants of the lane's blocks once the prompt
-    is in, before they go back. Returns the last position's logits [1, V]."""
-    cfg = GenerateConfig(max_tokens=1, loops=n_loops, early_exit_threshold=0.0, cache_window=0)
-    kept: list[torch.Tensor] = []
-
-    def prefilled(lane: KVCache, logits: torch.Tensor) -> None:
-        keep(lane)
-        kept.append(logits.reshape(1, -1).clone())
-
-    with lanes(model, [ids], [cfg], what="prefix") as cache:
-        seq = Sequence(model, ids, cfg)
-        seq.on_prefilled = prefilled
-        runner = Runner(model, cache, n_loops)
-        runner.scheduler.prefixes = None  # (its own forwards: nothing of the automatic prefix cache is reused)
-        runner.run([seq])
-    return kept[0]
 
 
 class PrefixCache(Handle):
@@ -94,7 +73,7 @@ class PrefixCache(Handle):
         """Prefill the prefix once and keep its blocks."""
         def keep(cache):
             self.span = cache.share(self.slots, len(self.ids))
-        self.logits = _prefill(self.model, self.ids, self.n_loops, keep)
+        self.logits = prefill_by_steps(self.model, self.ids, self.n_loops, keep)
 
     def restore(self, cache, cells: int) -> None:
         """Lend the blocks of the first `cells` positions (shared: the suffix's first write into the last one copies
@@ -320,7 +299,7 @@ def register_prefix(pool: PrefixPool, model: Model, prefix, n_loops: int) -> Pin
             pool.entries.move_to_end(key)
             return pool.entries[key]
         path = []
-        _prefill(model, ids, n_loops, lambda cache: path.extend(
+        prefill_by_steps(model, ids, n_loops, lambda cache: path.extend(
             model.prefixes.keep(ids, n_loops, cache, tail=True, pin=True)))
         entry = PinnedPrefix(model, ids, n_loops, path)
         pool.add(entry)

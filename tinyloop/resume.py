@@ -30,7 +30,7 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
-from .handle_base import Handle, encode_tokens, tensor_bytes
+from .handle_base import Handle, encode_tokens, prefill_by_steps, tensor_bytes
 from .engine import forward as paged
 from .modes import check_modes
 from .loader import Model
@@ -74,47 +74,42 @@ class ResumeHandle(Handle):
         cfg = self.model.cfg
         return range(cfg.n_prelude + cfg.n_core * depth)
 
-    def work_cache(self) -> KVCache:
-        model = self.model
-        cache = model.decode_cache if self.cache_window == 0 else model.new_cache(1, model.max_seq_len, self.cache_window)
-        cache.reset()
-        return cache
-
     def pieces(self) -> list[tuple[int, int]]:
         """The prompt's prefill pieces as the runner cuts them (model.prefill_chunk): the handle's entries then have
-        the bits of generate's prefill, and a long prompt is not one huge chunk. A windowed handle runs one piece."""
+        the bits of generate's prefill, and a long prompt is not one huge chunk. A windowed handle runs one piece. The
+        build's engine steps (prefill_by_steps) cut the prompt at the same places, and the deepenings run these."""
         T, c = len(self.ids), self.model.prefill_chunk
         c = T if not c or self.cache_window else c
         return [(a, min(a + c, T)) for a in range(0, T, c)]
 
-    def run_loops(self, cache: KVCache, first: int, last: int, latent: paged.Latent, from_ids: bool = False,
-                  head: bool = False) -> torch.Tensor | None:
+    def run_loops(self, cache: KVCache, first: int, last: int, latent: paged.Latent, head: bool = False
+                  ) -> torch.Tensor | None:
         """Loops first..last of the prompt's latent rows (in place), piece by piece through the loop-range forward
-        (from the ids: embedding, prelude and initial state first; first == 0 without them: the initial state from
-        latent.e); with head, the coda and head: the last piece's logits [T_piece, V]."""
+        (first == 0: from the initial state of latent.e); with head, the coda and head: the last piece's logits
+        [T_piece, V]. The build ran loops 0..depth-1 from the ids in the same pieces (Executor.latent_piece)."""
         net, dev = self.model.net, self.model.device
         logits = None
         for a, b in self.pieces():
             step = net.make_step(torch.arange(a, b, device=dev).unsqueeze(0), b)
             rows = paged.Latent(latent.e[:, a:b], latent.s[:, a:b])
-            if first == 0 and not from_ids:
+            if first == 0:
                 rows.s.copy_(net.init_state(rows.e, step))
-            ids = torch.tensor([self.ids[a:b]], device=dev) if from_ids else None
-            logits = paged.forward_loops(net, step, cache, first, last, rows, ids, head)
+            logits = paged.forward_loops(net, step, cache, first, last, rows, None, head)
         return None if logits is None else logits[0]
 
     @torch.inference_mode()
     def build(self) -> None:
-        self.model.admit(1, len(self.ids), self.depth, self.cache_window, what=f"a {len(self.ids)}-token resume handle")
-        cache = self.work_cache()
-        try:
-            latent = paged.Latent.empty(1, len(self.ids), self.model.net)
-            cache.take_blocks([(slot, [0], [0], [len(self.ids) - 1]) for slot in self.slots(self.depth)])
-            self.run_loops(cache, 0, self.depth, latent, from_ids=True)
-            self.e, self.s = latent.e, latent.s
-            self.span = cache.share(self.slots(self.depth), len(self.ids))
-        finally:
-            cache.reset()
+        """Prefill the prompt to `depth` loops by steps of the engine (their blocks taken in its schedule, as every
+        step's), through the loop-range forward piece by piece (Executor.latent_piece), and keep every token's latent
+        rows and the blocks of slots(depth); the coda's, written for the step's last logits, go back."""
+        latent = paged.Latent.empty(1, len(self.ids), self.model.net)
+
+        def keep(lane: KVCache) -> None:
+            self.span = lane.share(self.slots(self.depth), len(self.ids))
+
+        prefill_by_steps(self.model, self.ids, self.depth, keep, window=self.cache_window, latent=latent,
+                         what=f"a {len(self.ids)}-token resume handle")
+        self.e, self.s = latent.e, latent.s
 
     def lend(self, cache: KVCache, loops: int) -> Writes:
         """Lend the kept blocks to `cache` for a run at `loops` loops (`prefill`); returns what that run writes: the

@@ -53,6 +53,7 @@ from .engine.calls import checked, lanes
 from .engine.runner import Runner
 from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
+from .exits import exit_stops
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
 from .generation import generate
 from .engine import forward as paged
@@ -194,8 +195,7 @@ class Speculator:
         cfg = seq.cfg
         self.model, self.net, self.cfg, self.seq = model, model.net, cfg, seq
         self.D, self.V, self.n, self.w = sc.draft_loops, verify_loops, sc.draft_ahead, sc.tree_width
-        self.threshold = cfg.early_exit_threshold
-        rule = seq.exit
+        rule = self.rule = seq.exit
         self.adaptive = self.net.adaptive(rule)
         if self.adaptive and (rule.rule != "latent" or rule.min_loops > 1):
             # drafts stop per token on their latent change; the other rules read loops (or logits) drafts skip
@@ -342,7 +342,10 @@ class Speculator:
             sub = lat if len(act) == T else lat.rows(idx)
             s_old = sub.s.clone()
             self.loops(sub, [pos[i] for i in act], [cells[i] for i in act], tree, k, k + 1, head=False)
-            stop = self.net.exit_mask(s_old.transpose(0, 1), sub.s.transpose(0, 1), self.threshold).tolist()
+            # each token a row of the one exit decision (exits.exit_stops), its own last loop at verify_loops
+            last = torch.full((len(act), 1), k + 1 == self.V, device=lat.s.device)
+            stop = exit_stops(self.net, [self.rule] * len(act), [k + 1] * len(act), last, s_old.transpose(0, 1),
+                              sub.s.transpose(0, 1), None)[:, 0].tolist()
             if sub is not lat:
                 lat.s[:, idx] = sub.s
             steps += len(act)

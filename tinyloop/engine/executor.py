@@ -3,7 +3,8 @@
 The plan says which prefill pieces and decode rows run, at which loop counts and exit rules, over blocks the
 scheduler already took; the executor picks the backend for each part and gives back logits by lane:
 - prefill pieces: up to 32 tokens as rows of shared C calls, one loop count a call (CBackend.prefill_rows), else
-  the model's one forward over a chunk (engine/forward.py), or a handle's own forward;
+  the model's one forward over a chunk (engine/forward.py), or a handle's own forward; a piece whose latent rows
+  its sequence keeps (a resume handle's build) through the loop-range forward, its rows given back with its logits;
 - decode rows at one fixed depth: one forward of every loop (the token step);
 - decode rows at different depths, exiting early, or drawing greedily inside C: loop iterations (continuous-depth
   batching), in one C call with the exit decisions in C (`iterate_in_c`), else one forward per pass (`one_pass`,
@@ -116,16 +117,18 @@ class Executor:
     def in_rows(self, piece: Piece) -> bool:
         """Whether the piece runs as C rows (forward.c_chunk: up to MAX_LANES tokens), so that pieces of several
         prompts can share a call."""
-        return bool(piece.tokens) and piece.handle is None and not piece.whole \
+        return bool(piece.tokens) and piece.handle is None and not piece.whole and not piece.keep_latent \
             and not (piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit)) \
             and self.c.chunk_rows(len(piece.tokens), piece.exit)
 
     def run_piece(self, piece: Piece, out: Outputs) -> None:
-        """A piece that is not C rows: its handle's forward, a one-token prompt with early exit (it decodes adaptively,
-        as any one-token forward), or a chunk forward."""
+        """A piece that is not C rows: its handle's forward, one that keeps its latent rows, a one-token prompt with
+        early exit (it decodes adaptively, as any one-token forward), or a chunk forward."""
         t, used = time.perf_counter(), piece.loops
         if piece.handle is not None:
             logits = piece.handle.run(self.lane(piece.lane))
+        elif piece.keep_latent:
+            logits = self.latent_piece(piece, out)
         elif piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit):
             row, ran = self.decode(piece.tokens, [0], self.lane(piece.lane), piece.loops, piece.exit)
             logits, used = row[0], ran[0]
@@ -133,6 +136,20 @@ class Executor:
             logits = self.prefill(piece.tokens, piece.start, piece.lane, piece.loops, piece.exit)[-1]
         # (a copy: not a view pinning [T, V])
         out.pieces.append((piece.lane, len(piece.tokens), logits.clone(), used, time.perf_counter() - t))
+
+    def latent_piece(self, piece: Piece, out: Outputs) -> torch.Tensor:
+        """A piece whose latent rows its sequence keeps (a resume handle's build): the loop-range forward from its ids
+        over all its loops, the path the handle later deepens by (ResumeHandle.run_loops), so the rows and entries
+        have the same bits; the shared C rows give no latent back. Its rows go to out.latents; returns the logits [V]
+        of its last position (every token's coda runs, the last one's head)."""
+        net, dev, T = self.net, self.model.device, len(piece.tokens)
+        step = net.make_step(torch.arange(piece.start, piece.start + T, device=dev).unsqueeze(0), piece.start + T)
+        latent = paged.Latent.empty(1, T, net)
+        logits = paged.forward_loops(net, step, self.lane(piece.lane), 0, piece.loops, latent,
+                                     torch.tensor([piece.tokens], device=dev), last_only=True)
+        assert logits is not None  # (with the head)
+        out.latents.append((piece.lane, piece.start, latent.e, latent.s))
+        return logits[0, -1]
 
     def decode_step(self, plan: Plan, out: Outputs) -> None:
         rows = plan.rows

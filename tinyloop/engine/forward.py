@@ -445,14 +445,15 @@ class LoopForward:
         self.cpu = cache.device.type == "cpu"
 
     def __call__(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None = None,
-                 head: bool = True) -> torch.Tensor | None:
+                 head: bool = True, last_only: bool = False) -> torch.Tensor | None:
         """forward_loops of the chunk at `step`."""
         B, T = step.pos.shape
         if self.plan is not None and B * T <= cpu_block.MAX_LANES and (step.cells is None or B == 1):
             cells, rows = _c_rows(step)
-            return self._c(cells, rows, first, last, latent, None if ids is None else ids.reshape(-1).tolist(),
-                           head, (B, T))
-        return self._torch(step, first, last, latent, ids, head)
+            logits = self._c(cells, rows, first, last, latent, None if ids is None else ids.reshape(-1).tolist(),
+                             head, (B, T))
+            return logits[:, -1:] if last_only and logits is not None else logits
+        return self._torch(step, first, last, latent, ids, head, last_only)
 
     def lane(self, positions: list[int], first: int, last: int, latent: Latent, tokens: list[int] | None = None,
              head: bool = True) -> torch.Tensor | None:
@@ -474,14 +475,14 @@ class LoopForward:
         return None if logits is None else logits.view(*shape, -1)
 
     def _torch(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None,
-               head: bool) -> torch.Tensor | None:
+               head: bool, last_only: bool = False) -> torch.Tensor | None:
         net = self.net
         with torch_threads(decode_threads(step.pos.numel(), net.cfg, c_blocks=False) if self.cpu else 0):
-            return chunk_loops(net, step, self.cache, first, last, latent, ids, head)
+            return chunk_loops(net, step, self.cache, first, last, latent, ids, head, last_only)
 
 
 def chunk_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
-                ids: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
+                ids: torch.Tensor | None = None, head: bool = True, last_only: bool = False) -> torch.Tensor | None:
     """forward_loops through the model's pieces over the chunk's `Cached` context: the path of a chunk the C step
     does not run (`forward`'s too), so a handle built and deepened piece by piece (tinyloop/resume.py, through
     forward_loops) has the bits of generate's prefill."""
@@ -493,23 +494,24 @@ def chunk_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int
     for k in range(first, last):
         s = net.loop(s, latent.e, k, ctx)
     latent.s.copy_(s)
-    return net.decode_head(latent.s, ctx) if head else None
+    return net.decode_head(latent.s, ctx, last_only) if head else None
 
 
 def forward_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
-                  ids: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
+                  ids: torch.Tensor | None = None, head: bool = True, last_only: bool = False) -> torch.Tensor | None:
     """The cached forward of a chunk (B lanes x T tokens at step.pos) over loops first..last-1: from ids [B, T]
     (first == 0: embedding, prelude and initial state, into `latent`), or continuing `latent` (the chunk's states
     after `first` loops); latent.s holds the states after `last` loops on return. With head, then the coda, final
-    norm and head: logits [B, T, V] (else None). A decode step is 0..loops from ids with the head; speculative
-    decoding drafts tokens over 0..draft_loops and continues the drafted chunk from there to verify_loops.
+    norm and head: logits [B, T, V] (else None; with last_only [B, 1, V]: every token's coda, the last one's head).
+    A decode step is 0..loops from ids with the head; speculative decoding drafts tokens over 0..draft_loops and
+    continues the drafted chunk from there to verify_loops.
 
     Backends: on the CPU, when the cache and model allow (`cpu_block.supported`), the C step (one call:
     DecodeStep), whose rows are the chunk's tokens: a row attends over its lane's cells up to its own (a chunk at
     consecutive cells is causal; a tree brings its ancestor mask), and its logits have the bits of the same token
     decoded alone at that cell. Otherwise the model's pieces over the chunk's `Cached` context (torch, or Triton
     for decode rows). A caller running many chunks over one cache keeps a LoopForward instead."""
-    return LoopForward(net, cache)(step, first, last, latent, ids, head)
+    return LoopForward(net, cache)(step, first, last, latent, ids, head, last_only)
 
 
 def _c_rows(step: Step) -> tuple[list[int], dict]:

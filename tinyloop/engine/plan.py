@@ -29,6 +29,8 @@ class Piece:
     kv_loops: int = 0  # (0: loops)
     whole: bool = False  # one forward over the piece, never C rows (a prefix hit's rest: as generate's prefill)
     handle: Start | None = None  # a handle runs it instead (Start.run: it lent its blocks at schedule)
+    # its latent rows come back too (Outputs.latents): a resume handle's build keeps every prompt token's (resume.py)
+    keep_latent: bool = False
 
 
 @dataclass
@@ -69,5 +71,8 @@ class Outputs:
     drawn: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # a prefill piece done: (lane, tokens it covered, logits [V] of its last position, loops it ran, seconds)
     pieces: list[tuple[int, int, torch.Tensor, int, float]] = field(default_factory=list)
+    # a keep_latent piece done: (lane, its start, e and s [1, T_piece, d]: the prelude's output, the state after its
+    # loops)
+    latents: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     failed: dict[int, Exception] = field(default_factory=dict)  # a piece's own fault (its handle was freed)
     lone_row_seconds: float | None = None  # a decode forward of one row: its time (a speculative driver learns it)

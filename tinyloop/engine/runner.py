@@ -115,9 +115,13 @@ class Runner:
         return finished
 
     def take_outputs(self, seqs: dict[int, Sequence], out: Outputs) -> None:
-        """Each sequence's share of the step's outputs: a prefill piece done (once the prompt is in, its last
-        position's logits are the fresh logits, and the prompt's blocks go to the prefix cache), the greedy tokens C
-        drew, and a fed token's logits."""
+        """Each sequence's share of the step's outputs: a prefill piece done (its latent rows, where the sequence asks
+        for them; once the prompt is in, its last position's logits are the fresh logits, and the prompt's blocks go
+        to the prefix cache), the greedy tokens C drew, and a fed token's logits."""
+        for lane, start, e, s in out.latents:  # (before the pieces: on_prefilled reads them)
+            latents = seqs[lane].latents
+            assert latents is not None  # (only a sequence that asks gets a keep_latent piece)
+            latents[start] = (e, s)
         for lane, n, logits, used, seconds in out.pieces:
             seq = seqs[lane]
             at = seq.place
@@ -146,7 +150,7 @@ class Runner:
 
     def prompt_in(self, seq: Sequence, logits: torch.Tensor) -> None:
         """seq's prompt is in (`logits`: its last position's): the prompt's blocks go to the prefix cache, and to the
-        sequence's own `on_prefilled` (a prefix handle built by this step keeps them)."""
+        sequence's own `on_prefilled` (a prefix or resume handle built by this step keeps them)."""
         seq.t_prefilled = time.perf_counter()
         lane = self.executor.lane(seq.place.lane)
         prefixes = self.scheduler.prefixes

@@ -138,6 +138,7 @@ class Scheduler:
                 continue
             spent += len(piece.tokens) if piece is not None else 1
             if piece is not None:
+                piece.keep_latent = seq.latents is not None  # (a resume handle's build: Sequence.latents)
                 plan.pieces.append(piece)
                 scheduled.add(seq.place.lane)
         looping = self.executor.flights

@@ -152,9 +152,12 @@ class Sequence:
         # called with the GenerateResult (a refine keeps its answer as the handle's next guess)
         self.on_result: Callable[[GenerateResult], None] | None = None
         # called with its lane and the last position's logits once its prompt is in, before the lane's blocks can go
-        # back (a prefix handle built by an engine step keeps them: tinyloop/prefix.py)
+        # back (a prefix or resume handle built by engine steps keeps them: handle_base.prefill_by_steps)
         self.on_prefilled: Callable[[KVCache, torch.Tensor], None] | None = None
         self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
+        # its prompt pieces' latent rows by start: (e, s) [1, T_piece, d] each (Executor.latent_piece); None: not asked
+        # (a resume handle built by engine steps asks: it keeps every prompt token's, tinyloop/resume.py)
+        self.latents: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.error: Exception | None = None  # why the scheduler gave it up (a BudgetError)
         # elastic depth (engine/elastic.py): the fewest loops the load controller may give its tokens (None: fixed
         # depth, never touched), the notch it stands at (0: its loops) and the cap that gives (None: untouched), the
