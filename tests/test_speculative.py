@@ -359,3 +359,32 @@ def test_measure_beta_is_the_design_definition(make_artifact, default_loops):
     ratio = (states[L] - states[L - 1]).norm(dim=-1) / (states[L - 1] - states[L - 2]).norm(dim=-1)
     assert beta == pytest.approx(float(ratio.flatten().median()), rel=1e-5)
     assert beta > 0
+
+
+@pytest.mark.parametrize("beside", ["plain", "early exit"])
+def test_a_greedy_lane_speculates_inside_a_busy_batch(bundled_model, monkeypatch, beside):
+    """Beside other decode rows a greedy speculative lane still speculates: it drafts before the step's forward and
+    its drafted chunk is rows of that forward (a token step of every row: one C call), or, beside rows that run by
+    loop iterations (early exit), a forward of its own; either way its tokens are plain decode's at verify_loops, and
+    the rows beside it are exact too."""
+    m = bundled_model
+    from tinyloop.engine.executor import Executor
+    shared = []
+    with_chunks = Executor.with_chunks
+    monkeypatch.setattr(Executor, "with_chunks", lambda self, *a: shared.append(with_chunks(self, *a)) or shared[-1])
+    prompts = ["def f%d(x):\n    return x * %d\n" % (i, i) for i in range(4)]
+    cfg = GenerateConfig(max_tokens=40, loops=8)
+    others = cfg if beside == "plain" else GenerateConfig(max_tokens=40, loops=16, early_exit_threshold=0.05)
+    sched = tinyloop.Scheduler(m, 4)
+    seqs = [sched.submit(p, cfg if i == 0 else others, speculative=SpeculativeConfig(2, 8, 4) if i == 0 else None)
+            for i, p in enumerate(prompts)]
+    while not sched.idle():
+        sched.step()
+    res = [s.result() for s in seqs]
+    st = res[0].stats
+    assert res[0].tokens == generate(m, prompts[0], cfg).tokens
+    assert [r.tokens for r in res[1:]] == [generate(m, p, others).tokens for p in prompts[1:]]
+    assert st.verify_steps and st.accepted and st.verify_steps < len(res[0].tokens) - 1  # rounds, drafts taken
+    # its rounds ran beside the other rows (a drafted chunk in a step with them), inside their forward where it is a
+    # token step
+    assert shared and (all(shared) if beside == "plain" else not any(shared))

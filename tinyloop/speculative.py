@@ -178,6 +178,29 @@ class TreeShape:
                     cells=qc.unsqueeze(0), key_pos=self.key_pos[:, :end], mask=mask.unsqueeze(0))
 
 
+@dataclass
+class Round:
+    """A round between its drafts and its verification: the root at position p, depth n, width w, N tokens (the root
+    and the drafts), the tree's shape (None: a chain), each token's position, cell, id and parent, the draft
+    distributions a sampled node's children were drawn from, the loops each token has used and whether it exited,
+    the chain's doubtful drafts, and the tokens' latent rows [1, N, d]."""
+    p: int
+    n: int
+    w: int
+    N: int
+    tree: TreeShape | None
+    pos: list[int]
+    cells: list[int]
+    toks: list[int]
+    parent: list[int]
+    q: dict[int, torch.Tensor | None]
+    used: list[int]
+    done: list[bool]
+    doubtful: list[bool]
+    lat: paged.Latent
+    guessed: bool
+
+
 class Speculator:
     """A speculative lane's driver (Sequence.driver): while it speculates, the runner hands it the lane at each step
     instead of a decode row, and it runs one draft/verify round there (`step`); counts loop-steps.
@@ -216,6 +239,7 @@ class Speculator:
         self.chosen_from: torch.Tensor | None = None  # [len(out), V] of the last round (Sequence.score_all)
         self.plain_s: float | None = None
         self.pays, self.rounds_s, self.rounds_tokens, self.rounds = True, 0.0, 0, 0
+        self.drafted: Round | None = None  # a batched round's drafts, waiting for the step's forward to verify them
 
     @property
     def stats(self) -> SpeculativeStats:
@@ -250,7 +274,6 @@ class Speculator:
         """One round from the sequence's pending token (seq.token at seq.pos) over the lane's `cache`: the tokens it
         yields, for the runner to take in turn."""
         seq, cfg = self.seq, self.cfg
-        stats = self.stats
         self.bind(cache)
         t0 = time.perf_counter()
         P, p, left = len(seq.prompt), seq.pos, cfg.max_tokens - seq.count  # a round yields at most depth + 1
@@ -264,15 +287,49 @@ class Speculator:
             guessed = self.guess[p - P + 1:p - P + 1 + min(self.piece, left - 1)]
             n, w, self.piece = len(guessed) or n, 1, self.piece * 2  # a next piece only if this one is taken whole
         out, a, n = self.round(seq.token, p, n, w, guessed)
-        stats.verify_steps += 1
-        stats.drafted += n
-        stats.accepted += a
-        seq.loop_counts += [self.used_at[p + j] for j in range(len(out))]
+        self.yielded(out, a, n)
         if self.greedy and self.fallback and not guessed:  # drafting against the plain row: stop where it yields less
             self.rounds, self.rounds_s, self.rounds_tokens = self.rounds + 1, self.rounds_s + time.perf_counter() - t0, \
                 self.rounds_tokens + len(out)
             if self.rounds >= self.PROBE_ROUNDS and self.rounds_s / self.rounds_tokens > (self.plain_s or 0.0):
                 self.pays = False
+        return out
+
+    def yielded(self, out: list[int], accepted: int, drafted: int) -> None:
+        """A round's count: its verification, drafts and accepted drafts, and the loops of each token it yields."""
+        stats, seq = self.stats, self.seq
+        stats.verify_steps += 1
+        stats.drafted += drafted
+        stats.accepted += accepted
+        seq.loop_counts += [self.used_at[seq.pos + j] for j in range(len(out))]
+
+    # -- a round inside a shared step: drafts here, verification as rows of the step's decode forward ------------
+    def batched(self, alone: bool) -> bool:
+        """Whether this step's round for the lane is split around the step's shared forward: its drafts run before
+        it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their logits.
+        A greedy chain that decodes beside other rows (no tree, guess, early exit or ring: their verification is not
+        a plain chunk at every loop), while its rounds pay."""
+        return self.greedy and not alone and self.w == 1 and not self.guess and not self.adaptive \
+            and not self.seq.model.net.cfg.value_embeds and self.pays
+
+    def draft(self, cache: KVCache) -> list[int]:
+        """The drafts of a round from the pending token over the lane's `cache`: the chunk [pending, d1 .. dn] for
+        the step's forward to verify (from loop 0: the drafts' loops are computed again there, the price of sharing
+        the forward)."""
+        seq = self.seq
+        self.bind(cache)
+        n = min(self.n, self.cfg.max_tokens - seq.count - 1)
+        self.drafted = self.drafts(seq.token, seq.pos, n, 1, [])
+        return self.drafted.toks
+
+    def accept(self, logits: torch.Tensor) -> list[int]:
+        """The verified logits [len(chunk), V] of the drafted chunk, every loop: the tokens the round yields."""
+        rd, self.drafted = self.drafted, None
+        assert rd is not None  # (drafted in this step)
+        rd.used = [self.V] * rd.N
+        self.verify_loop_steps += rd.N * self.V
+        out, a = self.settle(rd, logits)
+        self.yielded(out, a, rd.n)
         return out
 
     def finish(self) -> None:
@@ -356,8 +413,8 @@ class Speculator:
                     cache.fill_skipped(0, cells[i], k + 1, self.V)  # (a chain's cell: its position)
         return self.loops(lat, pos, cells, tree, k1, k1) if head else None, steps
 
-    def draft(self, lat: paged.Latent, tokens: list[int], pos: list[int], cells: list[int], tree: TreeShape | None,
-              head: bool):
+    def draft_chunk(self, lat: paged.Latent, tokens: list[int], pos: list[int], cells: list[int],
+                    tree: TreeShape | None, head: bool):
         """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops into the
         latent rows `lat` [1, T, d] and, if head, the coda and head. Returns logits [1, T, V] (None without head), the
         loops each token used, whether it exited early, and the loop-steps run."""
@@ -379,8 +436,24 @@ class Speculator:
         Returns the tokens the round yields (accepted drafts, then a correction or bonus), the number of drafted
         tokens accepted, and the depth drafted (n, or less where a chain stopped at a doubtful draft).
         """
-        net, cache, dev = self.net, self.cache, self.model.device
+        cache = self.cache
         assert cache is not None  # (bound by step)
+        rd = self.drafts(pending, p, n, w, guessed)
+        # verify: continue every drafted state from draft_loops to verify_loops in one pass, then the coda
+        t0 = time.perf_counter()
+        if cache.window:
+            cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
+        verified, steps = self.advance(rd.lat, rd.pos, rd.cells, rd.tree, self.D, self.V, True, rd.used, rd.done)
+        assert verified is not None  # (with the head)
+        self.verify_loop_steps += steps
+        self.verify_s += time.perf_counter() - t0
+        out, a = self.settle(rd, verified[0])
+        return out, a, rd.n
+
+    def drafts(self, pending: int, p: int, n: int, w: int, guessed: list[int]) -> "Round":
+        """A round's drafts from the pending token at position p: depth n (less where a chain stops at a doubtful
+        draft), width w, or the `guessed` chain as one chunk; their latent rows at draft_loops."""
+        net, dev = self.net, self.model.device
         tree = TreeShape(p, w, n, dev) if w > 1 else None
         N = 1 + n * w
         pos = [p] + [p + (i - 1) // w + 1 for i in range(1, N)]
@@ -403,13 +476,13 @@ class Speculator:
 
         if guessed:  # prelude and draft loops of the whole known chain in one pass; nothing to propose
             toks[1:] = guessed
-            _, used, done, steps = self.draft(lat, toks, pos, cells, None, head=False)
+            _, used, done, steps = self.draft_chunk(lat, toks, pos, cells, None, head=False)
             self.draft_loop_steps += steps
         # draft: level 0 is the root, level d holds tokens 1+(d-1)w .. dw
         for d in range(0 if guessed else n + 1):
             a, b = (0, 1) if d == 0 else (1 + (d - 1) * w, 1 + d * w)
-            logits, u, dn, steps = self.draft(rows(a, b), toks[a:b], pos[a:b], cells[a:b], tree if d > 0 else None,
-                                              head=d < n)
+            logits, u, dn, steps = self.draft_chunk(rows(a, b), toks[a:b], pos[a:b], cells[a:b],
+                                                    tree if d > 0 else None, head=d < n)
             self.draft_loop_steps += steps
             used[a:b], done[a:b] = u, dn
             if d == n:
@@ -424,19 +497,15 @@ class Speculator:
                     doubtful.append(sure < DRAFT_CONFIDENCE)
                     n = d + 1 if doubtful[-1] else n
         N = 1 + n * w  # (a chain that ended early verifies what it drafted)
-        pos, cells, toks, used, done, lat = pos[:N], cells[:N], toks[:N], used[:N], done[:N], rows(0, N)
+        return Round(p, n, w, N, tree, pos[:N], cells[:N], toks[:N], parent[:N], q, used[:N], done[:N], doubtful,
+                     rows(0, N), bool(guessed))
 
-        # verify: continue every drafted state from draft_loops to verify_loops in one pass, then the coda
-        t0 = time.perf_counter()
-        if cache.window:
-            cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        verified, steps = self.advance(lat, pos, cells, tree, self.D, self.V, True, used, done)
-        assert verified is not None  # (with the head)
-        logits = verified[0]
-        self.verify_loop_steps += steps
-        self.verify_s += time.perf_counter() - t0
-
-        # accept: walk down the tree from the root
+    def settle(self, rd: "Round", logits: torch.Tensor) -> tuple[list[int], int]:
+        """Accept from the verified logits [N, V] of a round's tokens (walking down the tree from the root), then
+        commit: the accepted branch to its positions, the loops each committed token used, forget the rest. Returns
+        the tokens it yields and the number of drafts accepted."""
+        cache, dev, p, w, N, toks, q = self.cache, self.model.device, rd.p, rd.w, rd.N, rd.toks, rd.q
+        assert cache is not None  # (bound by the round)
         out: list[int] = []
         accepted: list[int] = []
         node = 0
@@ -464,18 +533,17 @@ class Speculator:
             accepted.append(nxt)
             node = nxt
 
-        # commit: the accepted branch to its positions, the loops each committed token used, forget the rest
         a = len(accepted)
-        if tree is not None and a and accepted != list(range(1, a + 1)):
-            cache.move_cells(torch.tensor([cells[i] for i in accepted], device=dev),
+        if rd.tree is not None and a and accepted != list(range(1, a + 1)):
+            cache.move_cells(torch.tensor([rd.cells[i] for i in accepted], device=dev),
                              torch.arange(p + 1, p + 1 + a, device=dev))
         for j, i in enumerate([0] + accepted):
-            self.used_at[p + j] = used[i]
+            self.used_at[p + j] = rd.used[i]
         self.chosen_from = logits[[0] + accepted]  # the verified logits each token of `out` was chosen from
         cache.rollback(p + a + 1)
-        if w == 1 and not guessed:
-            self.count_tests(doubtful, a)
-        return out, a, n
+        if w == 1 and not rd.guessed:
+            self.count_tests(rd.doubtful, a)
+        return out, a
 
     def count_tests(self, doubtful: list[bool], accepted: int) -> None:
         """A chain's drafts by confidence: those up to the first rejected one were tested, the ones before it taken."""

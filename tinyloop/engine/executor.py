@@ -26,7 +26,7 @@ from . import forward as paged
 from . import iteration
 from .c_backend import CBackend
 from .options import EngineOptions
-from .plan import Outputs, Piece, Plan, Row
+from .plan import Chunk, Outputs, Piece, Plan, Row
 from .sequence import InFlight
 
 log = logging.getLogger("tinyloop.scheduler")  # (the scheduler's decisions and how they ran: one log)
@@ -110,7 +110,7 @@ class Executor:
                     continue
             if piece.handle is None:  # (a capped prompt: its skipped loops' K/V)
                 self.cache.fill_skipped(piece.lane, piece.start, piece.loops, piece.kv_loops, len(piece.tokens))
-        if plan.rows:
+        if plan.rows or plan.chunks:
             self.decode_step(plan, out)
         return out
 
@@ -154,8 +154,15 @@ class Executor:
     def decode_step(self, plan: Plan, out: Outputs) -> None:
         rows = plan.rows
         if log.isEnabledFor(logging.DEBUG):  # (its arguments cost a few us per step)
-            log.debug("step %d: decode %d lane(s) at loops %s: lanes %s", plan.step, len(rows),
-                      ",".join(str(r.loops) for r in rows), ",".join(str(r.lane) for r in rows))
+            log.debug("step %d: decode %d lane(s) at loops %s: lanes %s; %d chunk(s) to verify", plan.step, len(rows),
+                      ",".join(str(r.loops) for r in rows), ",".join(str(r.lane) for r in rows), len(plan.chunks))
+        if plan.chunks and self.with_chunks(rows, plan.chunks, out):
+            return
+        for chunk in plan.chunks:  # (the rows' forward cannot take them: each its own)
+            out.verified[chunk.lane] = self.prefill(chunk.tokens, chunk.start, chunk.lane, chunk.loops,
+                                                    all_rows=True)
+        if not rows:
+            return
         if self.iterative and self.by_iteration(rows):
             self.iterate(rows, out)
             return
@@ -170,6 +177,33 @@ class Executor:
             out.lone_row_seconds = time.perf_counter() - t
         for r, row in enumerate(rows):
             out.tokens[row.lane] = (logits[r], used[r])
+
+    def with_chunks(self, rows: list[Row], chunks: list[Chunk], out: Outputs) -> bool:
+        """The decode rows and the drafted chunks' rows in one C call of every loop, where the rows are a token step
+        at the chunks' depth (no token in flight, no early exit, one loop count) and all fit one call: a chunk then
+        costs the step its rows, not a forward of its own. Each row has the bits of its token decoded alone, so a
+        chunk's logits are those of its tokens decoded one by one. False: nothing run."""
+        loops = {r.loops for r in rows} | {c.loops for c in chunks}
+        if len(loops) > 1 or any(r.adaptive or r.greedy or r.lane in self.flights for r in rows):
+            return False
+        view = self.cache.select([r.lane for r in rows] + [c.lane for c in chunks])
+        n = len(rows) + sum(len(c.tokens) for c in chunks)
+        if self.model.device.type != "cpu" or paged.c_chunk(self.net, view, n) is None:
+            return False
+        tokens = [r.token for r in rows] + [t for c in chunks for t in c.tokens]
+        positions = [r.position for r in rows] + [c.start + i for c in chunks for i in range(len(c.tokens))]
+        lanes = list(range(len(rows))) + [len(rows) + j for j, c in enumerate(chunks) for _ in c.tokens]
+        try:
+            logits = paged.decode_rows(self.net, tokens, positions, loops.pop(), view, lanes)
+        finally:
+            view.commit()
+        for r, row in enumerate(rows):
+            out.tokens[row.lane] = (logits[r], row.loops)
+        at = len(rows)
+        for chunk in chunks:
+            out.verified[chunk.lane] = logits[at:at + len(chunk.tokens)]
+            at += len(chunk.tokens)
+        return True
 
     # --- continuous-depth batching: a step is one loop iteration of every row ------------------------------------
     def by_iteration(self, rows: list[Row]) -> bool:

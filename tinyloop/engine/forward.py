@@ -402,17 +402,21 @@ def c_step(net: LoopedLM, cache: KVCache) -> cpu_block.DecodeStep | None:
     return None if use_triton(cache.device) else cpu_block.decode_step(net, fused_weights(net))
 
 
-def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: int, cache: KVCache) -> torch.Tensor:
+def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: int, cache: KVCache,
+                lanes: list[int] | None = None) -> torch.Tensor:
     """Logits [B, V] of one token per lane (lanes 0..B-1 of `cache`), every lane at `loops` loops: `forward` of
-    those rows, without building tensors the CPU's whole-step decode would only turn back into lists."""
+    those rows, without building tensors the CPU's whole-step decode would only turn back into lists. `lanes`: the
+    rows' lanes where some lane has several rows (a speculative chunk's, at consecutive positions; the C step only,
+    forward.c_chunk says when)."""
     B, dev = len(tokens), cache.device
     if dev.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
         plan = c_step(net, cache)
         if plan is not None:
             with torch_threads(decode_threads(B, net.cfg, c_blocks=True)):
-                logits = plan.run(cache, positions, 0, loops, tokens=tokens)
+                logits = plan.run(cache, positions, 0, loops, lanes=lanes, tokens=tokens)
                 assert logits is not None  # (with the head)
                 return logits
+    assert lanes is None, "rows of one lane at several positions run in the C step only"
     ids = torch.tensor([[t] for t in tokens], device=dev)
     pos = torch.tensor([[p] for p in positions], device=dev)
     return forward(net, ids, loops, net.make_step(pos, max(positions) + 1), cache)[:, -1]

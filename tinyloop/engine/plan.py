@@ -50,16 +50,29 @@ class Row:
 
 
 @dataclass
+class Chunk:
+    """A speculative lane's drafted chunk (its pending token, then its drafts) at positions start.. of the lane: rows
+    of the step's decode forward at `loops`, every row's logits given back (Outputs.verified)."""
+    lane: int
+    start: int
+    tokens: list[int]
+    loops: int
+
+
+@dataclass
 class Plan:
     """What one step's forwards run, their blocks already taken."""
     step: int
     pieces: list[Piece] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
     driven: list[int] = field(default_factory=list)  # lanes whose driver runs their own forwards (speculation)
+    # lanes whose driver drafts before the step's forward (the runner calls it); their chunks join the decode rows
+    drafting: list[int] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
 
     def lanes(self) -> list[int]:
         """The lanes whose forwards the step runs."""
-        return [p.lane for p in self.pieces] + [r.lane for r in self.rows] + self.driven
+        return [p.lane for p in self.pieces] + [r.lane for r in self.rows] + self.driven + self.drafting
 
 
 @dataclass
@@ -74,5 +87,6 @@ class Outputs:
     # a keep_latent piece done: (lane, its start, e and s [1, T_piece, d]: the prelude's output, the state after its
     # loops)
     latents: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    verified: dict[int, torch.Tensor] = field(default_factory=dict)  # a chunk's rows' logits [len(tokens), V]
     failed: dict[int, Exception] = field(default_factory=dict)  # a piece's own fault (its handle was freed)
     lone_row_seconds: float | None = None  # a decode forward of one row: its time (a speculative driver learns it)

@@ -10,7 +10,8 @@ One step, schedule -> execute -> postprocess (the shape of nano-vllm's and vLLM 
      every block they write is taken here;
   3. execute (engine/executor.py): the plan's forwards on a backend (C rows and passes, torch, Triton, CUDA graphs);
      fresh logits come back by lane; then each driven lane's round (a speculative round: the tokens it
-     decides wait for postprocess);
+     decides wait for postprocess); a batched speculative lane drafts before the forward, and its drafted chunk is
+     rows of it, whose logits decide its tokens;
   4. postprocess: every sequence with fresh logits takes its next token, drawn for all of them in one pass of the
      sampler (stops, grammar, streaming, max_tokens), a driven lane the tokens its round decided, and every beam
      request chooses its next beam (engine/beam.py); a finished one leaves at once and gives its blocks back; a fault
@@ -32,7 +33,7 @@ from ..memory import release_freed_memory
 from .elastic import DepthController
 from .executor import Executor
 from .options import EngineOptions
-from .plan import Outputs, Plan
+from .plan import Chunk, Outputs, Plan
 from .scheduler import Scheduler
 from .sequence import Sequence, Start
 
@@ -101,10 +102,18 @@ class Runner:
         Returns the sequences given up in them (a fault of their own)."""
         if plan.step == self.fail_at_step and plan.lanes():
             raise RuntimeError(f"a fault injected into step {plan.step}'s forwards (Runner.fail_at_step)")
-        out = self.executor.execute(plan)
         seqs = self.scheduler.by_lane()
+        for lane in plan.drafting:  # a batched speculative round: its drafts now, their chunk rows of the forward
+            seq = seqs[lane]
+            assert seq.driver is not None  # (a drafting lane's)
+            plan.chunks.append(Chunk(lane, seq.pos, seq.driver.draft(self.executor.lane(lane)), seq.loops))
+        out = self.executor.execute(plan)
         finished = [self.scheduler.fail(seqs[lane], exc) for lane, exc in out.failed.items()]
         self.take_outputs(seqs, out)
+        for lane, logits in out.verified.items():  # the round's verification: the tokens it decides
+            seq = seqs[lane]
+            assert seq.driver is not None  # (a drafting lane's)
+            seq.place.decided = seq.driver.accept(logits)
         lone = seqs[plan.rows[0].lane].driver if out.lone_row_seconds is not None else None
         if lone is not None and out.lone_row_seconds is not None:
             lone.plain_row(out.lone_row_seconds)

@@ -148,18 +148,23 @@ class Scheduler:
         # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
         driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.place.lane not in looping
                   and s.driver.runs(alone)]
-        rows = [s for s in group if s not in driven]
-        spans = [s.driver.span() for s in driven if s.driver is not None]  # (all of them)
+        # a greedy speculative lane beside other rows: its drafts before the step's forward, their chunk rows of it
+        drafting = [s for s in group if s not in driven and s.driver is not None and not s.place.prompt_row
+                    and s.place.lane not in looping and s.driver.batched(alone)]
+        rows = [s for s in group if s not in driven and s not in drafting]
+        own = driven + drafting
+        spans = [s.driver.span() for s in own if s.driver is not None]  # (all of them)
         cells = [s.pos - s.place.prompt_row for s in rows]  # (a prompt row feeds the prompt's last position)
         try:
-            self.reserve(rows + driven, cells + [s.pos for s in driven],
-                         cells + [s.pos + n - 1 for s, n in zip(driven, spans)])
+            self.reserve(rows + own, cells + [s.pos for s in own], cells + [s.pos + n - 1 for s, n in zip(own, spans)])
         except BudgetError as exc:
             finished += self.out_of_blocks(exc)
             return self.still_admitted(plan)
-        ahead = self.may_run_ahead(plan)
+        # (no greedy run-ahead beside a drafting lane: rows drawing many tokens a call would leave its rounds behind)
+        ahead = self.may_run_ahead(plan) and not drafting
         plan.rows = [self.row(s, ahead) for s in rows]
         plan.driven = [s.place.lane for s in driven]
+        plan.drafting = [s.place.lane for s in drafting]
         return plan
 
     def row(self, seq: Sequence, may_run_ahead: bool) -> Row:

@@ -102,7 +102,9 @@ class InFlight:
 
 class Driver(Protocol):
     """What runs a sequence's own forwards (Sequence.driver): a speculative round (speculative.Speculator), a
-    refine's verified piece of its guess (resume.GuessFollower)."""
+    refine's verified piece of its guess (resume.GuessFollower). A step's round is its own forwards where it `runs`
+    (`step`: the tokens it decides), or, where it is `batched`, its drafts (`draft`: the chunk to verify) with the
+    chunk's verification as rows of the step's shared forward (`accept`: the tokens those logits decide)."""
     chosen_from: torch.Tensor | None  # [len(decided), V]: the logits each token of the last step was chosen from
 
     def runs(self, alone: bool) -> bool: ...
@@ -112,6 +114,12 @@ class Driver(Protocol):
     def plain_row(self, seconds: float) -> None: ...
 
     def step(self, cache: KVCache) -> list[int]: ...
+
+    def batched(self, alone: bool) -> bool: ...
+
+    def draft(self, cache: KVCache) -> list[int]: ...
+
+    def accept(self, logits: torch.Tensor) -> list[int]: ...
 
     def finish(self) -> None: ...
 
