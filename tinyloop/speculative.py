@@ -202,14 +202,19 @@ class Round:
 
 
 class Speculator:
-    """A speculative lane's driver (Sequence.driver): while it speculates, the runner hands it the lane at each step
-    instead of a decode row, and it runs one draft/verify round there (`step`); counts loop-steps.
+    """A speculative lane's driver (Sequence.driver): in a step where it speculates, the lane runs one draft/verify
+    round instead of a decode row; counts loop-steps.
 
-    When it speculates: a sampled lane always (its seeded draws are the rounds'); a greedy lane when it is the only
-    decode row of the step and its rounds pay. Beside other decode rows, a greedy lane is a plain row of the step's
-    forward at verify_loops: a row costs the step almost nothing there, a round costs forwards of its own, and the
-    greedy tokens are the same either way. Alone, its first decode step is a plain row whose time is the measure: a
-    lane whose rounds yield fewer tokens per second than that row stops speculating (docs/speculative.md)."""
+    Two shapes of a round:
+    - its own forwards (`step`): the drafts, then the drafted chunk continued from draft_loops to verify_loops over the
+      lane's blocks: a lane that decodes alone (greedy, while its rounds pay), a sampled lane (its seeded draws are the
+      rounds'), a tree, a guessed piece, early exit;
+    - around a shared forward (`batched`: a greedy chain beside other rows): its drafts before the step's forward
+      (`draft`), the drafted chunk as rows of that forward at verify_loops from loop 0 (the drafts' loops computed
+      again: the price of sharing the forward, which streams each weight once for every row), `accept` taking their
+      logits. A busy batch does not turn speculation off.
+    Alone, a greedy lane's first decode step is a plain row whose time is the measure: a lane whose rounds yield fewer
+    tokens per second than that row stops speculating (docs/speculative.md), in a batch too."""
 
     PROBE_ROUNDS = 3  # rounds measured before a greedy lane may decide its rounds do not pay
 
