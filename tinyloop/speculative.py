@@ -207,9 +207,9 @@ class Speculator:
 
     Two shapes of a round:
     - its own forwards (`step`): the drafts, then the drafted chunk continued from draft_loops to verify_loops over the
-      lane's blocks: a lane that decodes alone (greedy, while its rounds pay), a sampled lane (its seeded draws are the
-      rounds'), a tree, a guessed piece, early exit;
-    - around a shared forward (`batched`: a greedy chain beside other rows): its drafts before the step's forward
+      lane's blocks: a lane that decodes alone (a greedy one while its rounds pay), a tree, a guessed piece, early
+      exit;
+    - around a shared forward (`batched`: a chain beside other rows): its drafts before the step's forward
       (`draft`), the drafted chunk as rows of that forward at verify_loops from loop 0 (the drafts' loops computed
       again: the price of sharing the forward, which streams each weight once for every row), `accept` taking their
       logits. A busy batch does not turn speculation off.
@@ -258,9 +258,9 @@ class Speculator:
 
     # -- the runner's side --------------------------------------------------------------------------
     def runs(self, alone: bool) -> bool:
-        """Whether this step's forward for the lane is a round (else a plain decode row)."""
-        if not self.greedy:
-            return True
+        """Whether this step's forward for the lane is a round of its own (else a batched round, or a plain row)."""
+        if not self.greedy:  # every step a round: its own where it is alone or its rounds cannot share the forward
+            return alone or not self.shares()
         seq = self.seq
         if self.guess and seq.history[len(seq.prompt):] != self.guess[:seq.pos - len(seq.prompt) + 1]:
             self.guess = []  # the output left the guess: draft from here on
@@ -309,13 +309,17 @@ class Speculator:
         seq.loop_counts += [self.used_at[seq.pos + j] for j in range(len(out))]
 
     # -- a round inside a shared step: drafts here, verification as rows of the step's decode forward ------------
+    def shares(self) -> bool:
+        """Whether its rounds can share a step's forward: a chain (no tree or guessed piece) without early exit, whose
+        verification is then a plain chunk at every loop."""
+        return self.w == 1 and not self.guess and not self.adaptive and not self.net.cfg.value_embeds
+
     def batched(self, alone: bool) -> bool:
         """Whether this step's round for the lane is split around the step's shared forward: its drafts run before
-        it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their logits.
-        A greedy chain that decodes beside other rows (no tree, guess, early exit or ring: their verification is not
-        a plain chunk at every loop), while its rounds pay."""
-        return self.greedy and not alone and self.w == 1 and not self.guess and not self.adaptive \
-            and not self.seq.model.net.cfg.value_embeds and self.pays
+        it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their logits. A
+        chain beside other rows: sampled, or greedy while its rounds pay. A sampled lane draws from its generator in
+        the same order either way, so a seeded request gives the same tokens alone or in a batch."""
+        return not alone and self.shares() and (not self.greedy or self.pays)
 
     def draft(self, cache: KVCache) -> list[int]:
         """The drafts of a round from the pending token over the lane's `cache`: the chunk [pending, d1 .. dn] for

@@ -148,7 +148,7 @@ class Scheduler:
         # (a prompt's last token, left by the prefix cache, is a row of its own: its logits start the output)
         driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.place.lane not in looping
                   and s.driver.runs(alone)]
-        # a greedy speculative lane beside other rows: its drafts before the step's forward, their chunk rows of it
+        # a speculative chain beside other rows: its drafts before the step's forward, their chunk rows of it
         drafting = [s for s in group if s not in driven and s.driver is not None and not s.place.prompt_row
                     and s.place.lane not in looping and s.driver.batched(alone)]
         rows = [s for s in group if s not in driven and s not in drafting]
