@@ -107,9 +107,11 @@ def line(name: str, f: dict) -> str:
 
 def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, ...] = (1, 2), loads=LOADS,
                          n_requests: int = 160, max_tokens: int = 16, loops: int = 16, floor: int = 4,
-                         lanes: int = 8, threads: int | None = None, tpot_slo: float | None = None,
+                         lanes: int = 16, threads: int | None = None, tpot_slo: float | None = None,
                          ttft_slo: float | None = None, echo: Callable[[str], None] = print) -> dict:
-    """The side-by-side figures above; returns them (without the tokens) by worker count and load."""
+    """The side-by-side figures above; returns them (without the tokens) by worker count and load. lanes: each
+    worker's --max-lanes, by default a worker's default (16): a worker at fewer loops per token runs more lanes' steps
+    a second, and its lanes are what it can batch."""
     out: dict = {"loops": loops, "floor": floor, "max_tokens": max_tokens, "requests": n_requests, "runs": {}}
     fixed_p = {"max_tokens": max_tokens, "loops": loops, "temperature": 0.0}
     elastic_p = {**fixed_p, "min_loops": floor}
