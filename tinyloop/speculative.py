@@ -214,7 +214,8 @@ class Speculator:
       again: the price of sharing the forward, which streams each weight once for every row), `accept` taking their
       logits. A busy batch does not turn speculation off.
     Alone, a greedy lane's first decode step is a plain row whose time is the measure: a lane whose rounds yield fewer
-    tokens per second than that row stops speculating (docs/speculative.md), in a batch too."""
+    tokens per second than that row stops speculating (docs/speculative.md), in a batch too; a lane that has never
+    decoded alone has nothing to measure its rounds against, and speculates in every step."""
 
     PROBE_ROUNDS = 3  # rounds measured before a greedy lane may decide its rounds do not pay
 
