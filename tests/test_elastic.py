@@ -136,6 +136,16 @@ def test_the_brokers_backlog_counts_as_load(bundled_model):
     ctl.note_backlog(0.0)  # a later dispatch found the broker's queue empty
     assert ctl.measure([], []) == 0.0
 
+    # over target with a backlog in the broker, a ranged request starts at its floor (the service is full); without
+    # one, at the controller's level (0 here: full depth)
+    m = bundled_model
+    for backlog, notch in ((0.0, 0), (1.0, NOTCHES)):
+        ctl = DepthController(Targets(ttft_s=0.5), clock=lambda: now[0])
+        ctl.note_backlog(backlog)
+        seq = Sequence(m, m.encode_prompt(PROMPTS[0]), GenerateConfig(max_tokens=4, loops=8, min_loops=2))
+        ctl.steer([], [seq])
+        assert seq.depth_notch == notch and seq.prompt_depth() == (2 if notch else 8)
+
 
 def test_notches_and_targets():
     class Lane:  # notch_cap reads only a lane's floor and loops

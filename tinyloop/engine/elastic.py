@@ -17,7 +17,7 @@ forced_depth) in notches: NOTCHES steps across [floor, loops].
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
   - a ranged request starts at the controller's level (the median notch of the ranged lanes, one lower after every
     RAISE_AFTER calm steps) when first seen, waiting or admitted, so a request that arrives under sustained load does
-    not start at full depth; its prompt runs at the cap it stands at when its first piece is planned
+    not start at full depth; at its floor while over target with a backlog in the broker (the service is full); its prompt runs at the cap it stands at when its first piece is planned
     (Sequence.prompt_depth), the K/V slots of the loops above it filled with copies of its last loop's;
   - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
 A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
@@ -114,6 +114,10 @@ class DepthController:
         it with its own waiting requests."""
         self.backlog = (seconds, self.clock()) if seconds > 0 else None
 
+    def backlogged(self) -> bool:
+        """Whether the broker's last dispatch (within BACKLOG_TTL) left requests waiting in its queue."""
+        return self.backlog is not None and self.clock() - self.backlog[1] < BACKLOG_TTL
+
     # --- measuring ----------------------------------------------------------------------------------------------
     def measure(self, admitted: list[Sequence], waiting: list[Sequence]) -> float:
         now = self.clock()
@@ -135,7 +139,7 @@ class DepthController:
         queue = t.queue_s or t.ttft_s
         if queue and waiting:
             ratios.append(max(now - s.t_call + s.queued_s for s in waiting) / queue)
-        if queue and self.backlog is not None and now - self.backlog[1] < BACKLOG_TTL:
+        if queue and self.backlog is not None and self.backlogged():
             ratios.append((self.backlog[0] + now - self.backlog[1]) / queue)
         return max(ratios, default=0.0)
 
@@ -168,12 +172,15 @@ class DepthController:
         self.since_lowered += 1
         self.pressure = self.measure(admitted, waiting)
         ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
-        # a request first seen starts at the level; one still waiting too, so that its prompt runs at that depth
+        # a request first seen starts at the level (at its floor while the broker holds a backlog and the service is
+        # over target: it is full, and a request arriving then would only be lowered during its few steps); one still
+        # waiting too, so that its prompt runs at that depth
         fresh = [s for s in waiting if s.floor is not None and s.beam is None and s.driver is None
                  and s.prompt_loops is None]
+        start = NOTCHES if self.pressure > 1.0 and self.backlogged() else self.level
         for seq in ranged + fresh:
-            if id(seq) not in self.seen and self.level:
-                self.move(seq, self.level)
+            if id(seq) not in self.seen and start:
+                self.move(seq, start)
         self.seen = {id(s) for s in ranged + fresh}
         self.adjust(ranged)
         notches = sorted(s.depth_notch for s in ranged)
