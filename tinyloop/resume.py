@@ -177,14 +177,8 @@ class GuessFollower:
     def plain_row(self, seconds: float) -> None:
         pass
 
-    def batched(self, alone: bool) -> bool:
-        return False  # (a piece of the guess is verified by its own forward, or the lane is a plain row)
-
-    def draft(self, cache: KVCache) -> list[int]:
-        raise NotImplementedError("a refine's guess is verified by its own forward (it is never batched)")
-
-    def accept(self, logits: torch.Tensor) -> list[int]:
-        raise NotImplementedError("a refine's guess is verified by its own forward (it is never batched)")
+    def drafter(self, alone: bool) -> None:
+        return None  # (a piece of the guess is verified by its own forward, or the lane is a plain row)
 
     def step(self, cache: KVCache) -> list[int]:
         seq, net = self.seq, self.seq.model.net

@@ -209,7 +209,7 @@ class Speculator:
     - its own forwards (`step`): the drafts, then the drafted chunk continued from draft_loops to verify_loops over the
       lane's blocks: a lane that decodes alone (a greedy one while its rounds pay), a tree, a guessed piece, early
       exit;
-    - around a shared forward (`batched`: a chain beside other rows): its drafts before the step's forward
+    - around a shared forward (`drafter`: a chain beside other rows): its drafts before the step's forward
       (`draft`), the drafted chunk as rows of that forward at verify_loops from loop 0 (the drafts' loops computed
       again: the price of sharing the forward, which streams each weight once for every row), `accept` taking their
       logits. A busy batch does not turn speculation off.
@@ -315,12 +315,12 @@ class Speculator:
         verification is then a plain chunk at every loop."""
         return self.w == 1 and not self.guess and not self.adaptive and not self.net.cfg.value_embeds
 
-    def batched(self, alone: bool) -> bool:
-        """Whether this step's round for the lane is split around the step's shared forward: its drafts run before
-        it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their logits. A
-        chain beside other rows: sampled, or greedy while its rounds pay. A sampled lane draws from its generator in
-        the same order either way, so a seeded request gives the same tokens alone or in a batch."""
-        return not alone and self.shares() and (not self.greedy or self.pays)
+    def drafter(self, alone: bool) -> "Speculator | None":
+        """Itself where this step's round for the lane is split around the step's shared forward: its drafts run
+        before it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their
+        logits. A chain beside other rows: sampled, or greedy while its rounds pay. A sampled lane draws from its
+        generator in the same order either way, so a seeded request gives the same tokens alone or in a batch."""
+        return self if not alone and self.shares() and (not self.greedy or self.pays) else None
 
     def draft(self, cache: KVCache) -> list[int]:
         """The drafts of a round from the pending token over the lane's `cache`: the chunk [pending, d1 .. dn] for

@@ -105,15 +105,15 @@ class Runner:
         seqs = self.scheduler.by_lane()
         for lane in plan.drafting:  # a batched speculative round: its drafts now, their chunk rows of the forward
             seq = seqs[lane]
-            assert seq.driver is not None  # (a drafting lane's)
-            plan.chunks.append(Chunk(lane, seq.pos, seq.driver.draft(self.executor.lane(lane)), seq.loops))
+            assert seq.place.drafter is not None  # (set at schedule)
+            plan.chunks.append(Chunk(lane, seq.pos, seq.place.drafter.draft(self.executor.lane(lane)), seq.loops))
         out = self.executor.execute(plan)
         finished = [self.scheduler.fail(seqs[lane], exc) for lane, exc in out.failed.items()]
         self.take_outputs(seqs, out)
         for lane, logits in out.verified.items():  # the round's verification: the tokens it decides
-            seq = seqs[lane]
-            assert seq.driver is not None  # (a drafting lane's)
-            seq.place.decided = seq.driver.accept(logits)
+            at = seqs[lane].place
+            assert at.drafter is not None  # (set at schedule)
+            at.decided, at.drafter = at.drafter.accept(logits), None
         lone = seqs[plan.rows[0].lane].driver if out.lone_row_seconds is not None else None
         if lone is not None and out.lone_row_seconds is not None:
             lone.plain_row(out.lone_row_seconds)

@@ -149,8 +149,12 @@ class Scheduler:
         driven = [s for s in group if s.driver is not None and not s.place.prompt_row and s.place.lane not in looping
                   and s.driver.runs(alone)]
         # a speculative chain beside other rows: its drafts before the step's forward, their chunk rows of it
-        drafting = [s for s in group if s not in driven and s.driver is not None and not s.place.prompt_row
-                    and s.place.lane not in looping and s.driver.batched(alone)]
+        drafting = []
+        for s in group:
+            if s not in driven and s.driver is not None and not s.place.prompt_row and s.place.lane not in looping:
+                s.place.drafter = s.driver.drafter(alone)
+                if s.place.drafter is not None:
+                    drafting.append(s)
         rows = [s for s in group if s not in driven and s not in drafting]
         own = driven + drafting
         spans = [s.driver.span() for s in own if s.driver is not None]  # (all of them)

@@ -66,6 +66,7 @@ class Place:
     logits: torch.Tensor | None = None  # fresh logits to sample from
     prompt_row: bool = False  # its next decode row is the prompt's last token (the rest came from the prefix cache)
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
+    drafter: "Drafter | None" = None  # its round around this step's shared forward (Plan.drafting), set at schedule
     drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (a Row's draws)
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
     came: int = 0  # the runner's step count when it arrived (the same for requests that came between two steps)
@@ -103,8 +104,7 @@ class InFlight:
 class Driver(Protocol):
     """What runs a sequence's own forwards (Sequence.driver): a speculative round (speculative.Speculator), a
     refine's verified piece of its guess (resume.GuessFollower). A step's round is its own forwards where it `runs`
-    (`step`: the tokens it decides), or, where it is `batched`, its drafts (`draft`: the chunk to verify) with the
-    chunk's verification as rows of the step's shared forward (`accept`: the tokens those logits decide)."""
+    (`step`: the tokens it decides), or, where it offers a `drafter`, a round around the step's shared forward."""
     chosen_from: torch.Tensor | None  # [len(decided), V]: the logits each token of the last step was chosen from
 
     def runs(self, alone: bool) -> bool: ...
@@ -115,13 +115,19 @@ class Driver(Protocol):
 
     def step(self, cache: KVCache) -> list[int]: ...
 
-    def batched(self, alone: bool) -> bool: ...
+    def drafter(self, alone: bool) -> "Drafter | None": ...
+
+    def finish(self) -> None: ...
+
+
+class Drafter(Protocol):
+    """A round around a step's shared forward (speculative.Speculator beside other rows): its drafts before the
+    forward (`draft`: the chunk to verify), the chunk's verification as rows of that forward (`accept`: the tokens
+    those logits decide)."""
 
     def draft(self, cache: KVCache) -> list[int]: ...
 
     def accept(self, logits: torch.Tensor) -> list[int]: ...
-
-    def finish(self) -> None: ...
 
 
 class Sequence:
