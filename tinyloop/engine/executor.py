@@ -188,7 +188,7 @@ class Executor:
             return False
         view = self.cache.select([r.lane for r in rows] + [c.lane for c in chunks])
         n = len(rows) + sum(len(c.tokens) for c in chunks)
-        if self.model.device.type != "cpu" or paged.c_chunk(self.net, view, n) is None:
+        if paged.c_chunk(self.net, view, n) is None:  # (the C step only: on the CPU, up to its rows)
             return False
         tokens = [r.token for r in rows] + [t for c in chunks for t in c.tokens]
         positions = [r.position for r in rows] + [c.start + i for c in chunks for i in range(len(c.tokens))]
