@@ -105,8 +105,6 @@ def test_call_entry_constraints_name_the_rule(tiny_model):
     m = tiny_model  # max_seq_len 256
     with pytest.raises(ConfigError, match=r"generate_batch prompt 1: prompt length.*max_seq_len"):
         generate_batch(m, ["a", [5] * 250], GenerateConfig(max_tokens=10))
-    with pytest.raises(ModeError, match=r"cache_window.*Batched"):
-        generate_batch(m, ["a", "b"], GenerateConfig(cache_window=8))
     with pytest.raises(ConfigError, match="beam search is deterministic"):
         generate_batch(m, ["a", "b"], GenerateConfig(beam_size=2, temperature=0.7))
     with pytest.raises(ConfigError, match="one per prompt"):
@@ -170,6 +168,19 @@ def test_beam_requests_run_beside_plain_lanes_and_equal_beam_search_alone(tiny_m
             assert [(h.tokens, h.logprob) for h in res.n_best] == [(h.tokens, h.logprob) for h in alone.n_best]
 
 
+def test_windowed_prompts_run_beside_plain_ones_each_in_its_ring(tiny_model):
+    """A batch may mix sliding windows (each lane its own, a beam's too) with plain lanes; a windowed prompt may run
+    past max_seq_len (its ring holds only its window). Every lane equals the same request alone."""
+    prompts = ["def add(a, b):\n    return", "import os\n", "class Point:\n", [11, 12, 13]]
+    cfgs = [GenerateConfig(max_tokens=300, cache_window=16, ignore_eos=True), GenerateConfig(max_tokens=20),
+            GenerateConfig(max_tokens=10, beam_size=2, cache_window=8),
+            GenerateConfig(max_tokens=16, temperature=0.8, seed=5, cache_window=5)]
+    together = generate_batch(tiny_model, prompts, cfgs)
+    assert len(together[0].tokens) == 300 > tiny_model.max_seq_len
+    for prompt, cfg, res in zip(prompts, cfgs, together):
+        assert res.tokens == generate(tiny_model, prompt, cfg).tokens, cfg
+
+
 def test_logprobs_come_from_the_logits_each_token_was_chosen_from(bundled_model):
     """GenerateConfig.logprobs: each token's log-probability and its most likely alternatives come from the step that
     chose it (no second forward). They equal scoring prompt + output afterwards, for greedy, sampled, early-exit and
@@ -208,7 +219,7 @@ def test_a_batch_answers_each_prompt_with_its_result_or_its_error(tiny_model):
     its error in its place, naming it, and the others run as they would alone; by default the first error raises."""
     model, G = tiny_model, GenerateConfig
     prompts = ["import os", "class A:", list(range(1, 250)), "def f(x):", "x = 1"]
-    cfgs = [G(max_tokens=6), G(max_tokens=6, loops=3), G(max_tokens=20), G(max_tokens=6, cache_window=8),
+    cfgs = [G(max_tokens=6), G(max_tokens=6, loops=3), G(max_tokens=20), G(max_tokens=6, beam_size=2, temperature=0.5),
             G(max_tokens=5, temperature=0.7, seed=2)]
     out = generate_batch(model, prompts, cfgs, return_exceptions=True)
     assert isinstance(out[2], ConfigError) and "generate_batch prompt 2: prompt length 249" in str(out[2])

@@ -25,10 +25,11 @@ def test_floor_held_and_an_untouched_lane_is_exact(bundled_model):
     fixed = GenerateConfig(max_tokens=40, loops=8)
     ranged = GenerateConfig(max_tokens=40, loops=8, min_loops=3)
     lossy = GenerateConfig(max_tokens=40, loops=8, max_loss_increase=0.02)  # the table: 2 loops are within 0.02
+    windowed = GenerateConfig(max_tokens=40, loops=8, min_loops=3, cache_window=6)  # its lane's K/V in a ring
     assert (fixed.depth_floor(m), ranged.depth_floor(m), lossy.depth_floor(m)) == (None, 3, 2)
     ctl = DepthController(OVER)
     runner = Runner(m, m.new_cache(4, 256), depth_control=ctl)  # (greedy run-ahead on: C draws under the caps too)
-    seqs = [Sequence(m, m.encode_prompt(p), c) for p, c in zip(PROMPTS, [fixed, ranged, lossy])]
+    seqs = [Sequence(m, m.encode_prompt(p), c) for p, c in zip(PROMPTS + PROMPTS[1:2], [fixed, ranged, lossy, windowed])]
     for seq in seqs[1:]:
         ctl.move(seq, NOTCHES)  # the controller's deepest notch from the start: each lane's floor
     res = runner.run(seqs)
@@ -36,14 +37,14 @@ def test_floor_held_and_an_untouched_lane_is_exact(bundled_model):
     alone = generate(m, PROMPTS[0], fixed)
     assert res[0].tokens == alone.tokens and set(res[0].loops_used) == {8}
     assert res[0].stats.tokens_below_loops == 0 and res[0].stats.loops_histogram == {"8": 40}
-    for prompt, r, floor in ((PROMPTS[1], res[1], 3), (PROMPTS[2], res[2], 2)):
+    for prompt, r, floor, window in ((PROMPTS[1], res[1], 3, 0), (PROMPTS[2], res[2], 2, 0), (PROMPTS[1], res[3], 3, 6)):
         st = r.stats
         # capped from the start, its prompt too: every token at the floor, never below it
         assert set(r.loops_used) == {floor} == {st.loops_min}
         assert st.tokens_below_loops == 40 and st.loops_histogram == {str(floor): 40}
         assert st.loops_mean == floor and st.loss_increase > 0
         # a token at the floor reads only the floor's loops of the tokens before it: the tokens of a run at that depth
-        assert r.tokens == generate(m, prompt, GenerateConfig(max_tokens=40, loops=floor)).tokens
+        assert r.tokens == generate(m, prompt, GenerateConfig(max_tokens=40, loops=floor, cache_window=window)).tokens
     assert not seqs[1].cacheable and seqs[0].cacheable  # a capped lane's K/V stay out of the prefix cache
 
 
@@ -172,7 +173,6 @@ def test_bad_input_is_refused_clearly(bundled_model, make_artifact):
     GenerateConfig(loops=4, min_loops=2).validate(tiny)  # a plain floor needs no table
     ranged = dict(loops=8, min_loops=2, max_tokens=4)
     conflicts = [("beam", lambda: generate(m, "x", GenerateConfig(**ranged, beam_size=2))),
-                 ("cache_window", lambda: generate(m, "x", GenerateConfig(**ranged, cache_window=8))),
                  ("early_exit", lambda: GenerateConfig(loops=8, max_loss_increase=0.1,
                                                        early_exit_threshold=0.1).validate(m)),
                  ("exit_schedule", lambda: GenerateConfig(**ranged, exit_schedule=[2]).validate(m)),

@@ -232,6 +232,48 @@ def test_schedule_takes_the_blocks_and_execute_takes_none(make_artifact, monkeyp
     tinyloop.free_handle(prefix)
 
 
+@pytest.mark.parametrize("mode", ["fp16", "int4"])
+def test_windowed_lanes_run_in_the_shared_batch(make_artifact, mode):
+    """A sliding window is a KV policy of the lane: windowed requests (greedy past their window, sampled, early exit,
+    a beam, a speculative chain) take lanes of the one scheduler beside plain ones, wait for a lane like them, keep
+    their K/V in a ring of their own drawn from the same pool (a bounded number of blocks however long they run),
+    and are preempted and recomputed like them. Every result equals generate of that request alone."""
+    art = make_artifact(eos_id=319)
+    probe = tinyloop.load_model(art, 128, cache_mode=mode)
+    model = tinyloop.load_model(art, 128, cache_mode=mode,
+                                memory_budget=tinyloop.plan_memory(probe, lanes=1, loops=4).total_bytes)
+    model.prefill_chunk = 8
+    spec = tinyloop.SpeculativeConfig(2, 4, 3, fallback=False)
+    asks = [(ids(9, 1), G(max_tokens=70, loops=4, cache_window=8, ignore_eos=True), None),
+            (ids(14, 2), G(max_tokens=40, loops=4, ignore_eos=True), None),
+            (ids(6, 3), G(max_tokens=30, loops=4, cache_window=6, temperature=0.8, seed=5), None),
+            (ids(11, 4), G(max_tokens=30, early_exit_threshold=0.3, cache_window=7), None),
+            (ids(7, 5), G(max_tokens=12, loops=3, beam_size=2, cache_window=8), None),
+            (ids(8, 6), G(max_tokens=30, cache_window=9), spec),
+            (ids(12, 7), G(max_tokens=66, loops=4, ignore_eos=True), None)]
+    sched = tinyloop.Scheduler(model, lanes=4)
+    seqs = [sched.submit(p, c, speculative=sc) for p, c, sc in asks]
+    inner = sched.runner.scheduler
+    mixed, ring_blocks, waited = False, 0, False
+    while not sched.idle():
+        windowed = [s for s in inner.admitted if s.cfg.cache_window]
+        mixed |= bool(windowed) and len(windowed) < len(inner.admitted)
+        waited |= any(s.cfg.cache_window for s in inner.waiting) and len(inner.admitted) == 4
+        for s in windowed:
+            ring_blocks = max(ring_blocks, sched.runner.executor.lane(s.place.lane).blocks_held())
+        sched.step()
+    assert mixed and waited, "precondition: windowed lanes must run beside plain ones and wait for a lane"
+    assert sum(s.stats.preempted for s in seqs) > 0, "precondition: the pool must run out"
+    cfg = model.cfg
+    assert 0 < ring_blocks <= cfg.n_slots(cfg.max_loops) * -(-(9 + 4 + 1) // 16)  # the widest ring's blocks at most
+    for (prompt, c, sc), seq in zip(asks, seqs):
+        alone = tinyloop.generate(probe, prompt, c) if sc is None else tinyloop.generate_speculative(probe, prompt, sc, c)
+        assert seq.error is None and seq.result().tokens == alone.tokens, (asks.index((prompt, c, sc)), seq.error, seq.stats.preempted)
+    assert seqs[0].result().stats.generated_tokens == 70 > 8  # (far past its window)
+    assert seqs[5].stats.verify_steps > 0
+    assert model.pool.used == 0
+
+
 def test_a_preempted_beam_request_is_recomputed_exactly(make_artifact):
     """A pool with room for about three lanes: a beam request (3 hypotheses) beside plain lanes is preempted when
     the pool runs out, all its hypotheses at once, and rebuilt later from its prompt and each hypothesis's tokens:

@@ -42,11 +42,11 @@ def check_batch(model, prompts: Seq, cfgs: list[GenerateConfig], return_exceptio
     ids: list = []
     for i, (prompt, c) in enumerate(zip(prompts, cfgs)):
         try:
-            cfgs[i] = c = checked(model, c, "batch")  # cache_window > 0 is rejected here
+            cfgs[i] = c = checked(model, c, "batch")
             ids.append(model.encode_prompt(prompt))
             check_length(model, len(ids[-1]), c)
-            model.admit(c.beam_size, len(ids[-1]) + c.max_tokens, c.resolved_loops(model), what="the prompt",
-                        now=False)
+            model.admit(c.beam_size, len(ids[-1]) + c.max_tokens, c.resolved_loops(model), c.cache_window,
+                        what="the prompt", now=False)
         except TinyLoopError as exc:
             error = type(exc)(f"generate_batch prompt {i}: {exc}")
             if not return_exceptions:
@@ -88,9 +88,9 @@ class Scheduler:
     scheduling iteration (docs/engine.md) and returns the sequences that finished in it; `seq.result()` is a
     request's GenerateResult, `seq.cancel()` stops one. Up to `lanes` requests run at once, the rest wait.
 
-    A request with a sliding window (cache_window > 0) runs in a runner of its own (one lane, or a beam's lanes) over
-    a ring cache, stepped in every step beside the batch: the forwards it would run alone, taking turns with the
-    batch's (windows differ per request; the batch's lanes share one cache layout).
+    A request with a sliding window (cache_window > 0) holds lanes of the batch like any other; its lanes keep their
+    K/V in a ring of their own over the same pool (the lane's KV policy, engine/executor.py's attach_ring), so its
+    forwards read the ring while the other lanes' share their calls.
 
     The model is held (BusyError otherwise) only during a step, so other calls may run between steps."""
 
@@ -99,7 +99,6 @@ class Scheduler:
         self.model = model
         # depth_control: elastic depth's controller (tinyloop/engine/elastic.py), None: every lane at its asked depth
         self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len), depth_control=depth_control)
-        self.windowed: dict[int, Runner] = {}  # id(seq) -> the runner of a windowed request
         self.pools: dict[int, PrefixPool] = {}  # id(seq) -> the pool a request goes through
 
     def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None,
@@ -113,9 +112,7 @@ class Scheduler:
         if speculative is not None:
             speculative, cfg = speculative_call(model, speculative, cfg)
         else:
-            # the mode matrix's column: a windowed request runs as single decode does, in a runner of its own
-            cfg = checked(model, cfg, "single" if cfg.cache_window > 0 and pool is None else
-                          "batch" if pool is None else "prefix")
+            cfg = checked(model, cfg, "batch" if pool is None else "prefix")  # (the mode matrix's column)
         ids = model.encode_prompt(prompt)
         check_length(model, len(ids), cfg)
         loops = cfg.resolved_loops(model) if speculative is None else speculative.resolved_verify_loops(model, cfg)
@@ -153,24 +150,16 @@ class Scheduler:
         self.model.admit(width, prompt_len + cfg.max_tokens, loops, cfg.cache_window, what=what, now=False)
 
     def queue(self, seq: Sequence, ring: int = 0, cached: int = 0, first=None) -> None:
-        """Into the batch's runner, or a windowed request into a runner of its own over a ring cache (one lane, or a
-        beam's lanes): windows differ per request, the batch's lanes share one cache layout."""
-        cfg, model = seq.cfg, self.model
-        if not cfg.cache_window:
-            self.runner.add(seq, cached, first)
-            return
-        model.net.ensure_positions(len(seq.prompt) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
-        cache = model.new_cache(cfg.beam_size, model.max_seq_len, cfg.cache_window, ring)
-        runner = self.windowed[id(seq)] = Runner(model, cache)
-        runner.add(seq, cached, first)
+        """Into the batch's runner; a windowed request's ring has `ring` cells where it needs more than its window."""
+        cfg = seq.cfg
+        if cfg.cache_window:
+            self.model.net.ensure_positions(len(seq.prompt) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
+            seq.ring = max(cfg.cache_window, ring)
+        self.runner.add(seq, cached, first)
 
     def step(self) -> list[Sequence]:
         with self.model.busy():
             done = self.runner.step()
-            for key, runner in list(self.windowed.items()):
-                done += runner.step()
-                if runner.idle:
-                    del self.windowed[key]
         for seq in done:
             pool = self.pools.pop(id(seq), None)
             if pool is not None:
@@ -178,4 +167,4 @@ class Scheduler:
         return done
 
     def idle(self) -> bool:
-        return self.runner.idle and not self.windowed
+        return self.runner.idle

@@ -19,7 +19,7 @@ _ROWS = {
     "int8":         ("yes", "yes", "yes", "yes", "yes", "yes"),
     "int4":         ("yes", "yes", "yes", "yes", "yes", "yes"),
     "grammar":      ("yes", "yes", "no",  "no",  "yes", "yes"),
-    "cache_window": ("yes", "no",  "yes", "no",  "no",  "yes"),
+    "cache_window": ("yes", "yes", "yes", "no",  "no",  "yes"),
     "beam":         ("yes", "yes", "no",  "no",  "no",  "no"),
 }
 MATRIX: dict[tuple[str, str], str] = {(m, c): _ROWS[m][i] for m in MODES for i, c in enumerate(CALLS)}
@@ -51,8 +51,6 @@ def check_modes(call: str, cache_mode: str, cfg) -> None:
 DEPTH_RANGE = "depth range (min_loops below loops, or max_loss_increase)"
 DEPTH_RANGE_ROWS: dict[str, tuple[str, str]] = {
     "beam": ("Beam search (beam_size > 1)", "its hypotheses are ranked by scores at one depth"),
-    "cache_window": ("cache_window > 0", "a windowed request runs alone in a ring cache, out of the batch the "
-                     "controller steers"),
     "early_exit": ("early exit (early_exit_threshold > 0, an exit_rule, or the model's exit gate)",
                    "its rule chooses each token's depth (min_loops is then the rule's floor)"),
     "exit_schedule": ("exit_schedule", "it forces every token's depth itself"),
@@ -64,7 +62,7 @@ DEPTH_RANGE_ROWS: dict[str, tuple[str, str]] = {
 
 def depth_range_conflicts(model, cfg, speculative: bool = False) -> list[str]:
     """The DEPTH_RANGE_ROWS a config (on this model) has."""
-    has = {"beam": cfg.beam_size > 1, "cache_window": cfg.cache_window > 0,
+    has = {"beam": cfg.beam_size > 1,
            "early_exit": cfg.max_loss_increase is not None and cfg.exits_early(model),
            "exit_schedule": bool(cfg.exit_schedule), "exit_kv_compute": model.cfg.exit_kv == "compute",
            "speculative": speculative}

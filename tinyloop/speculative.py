@@ -330,6 +330,8 @@ class Speculator:
         self.bind(cache)
         n = min(self.n, self.cfg.max_tokens - seq.count - 1)
         self.drafted = self.drafts(seq.token, seq.pos, n, 1, [])
+        if cache.window:  # a ring is read as old cells + the chunk: the drafts' cells are forgotten before it runs
+            cache.rollback(seq.pos)
         return self.drafted.toks
 
     def accept(self, logits: torch.Tensor) -> list[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import GenerateResult
-from .sequence import Sequence
+from .sequence import AssignsLanes, Sequence
 
 LENGTH_PENALTY = 1.0
 
@@ -55,9 +55,10 @@ class BeamGroup:
         """The sequences holding its lanes now: the root until its prompt is in, then the live hypotheses."""
         return [seq for seq, _ in self.live] if self.live or self.outcome is not None else [self.root]
 
-    def advance(self, cache) -> list[Sequence]:
-        """Expand every member's fresh logits into the next live beam (re-assigning lanes); returns the new members,
-        empty when the search is over (self.outcome is then set)."""
+    def advance(self, lanes_of: AssignsLanes) -> list[Sequence]:
+        """Expand every member's fresh logits into the next live beam (re-assigning lanes: lanes_of.assign_lanes, the
+        executor's or a cache's); returns the new members, empty when the search is over (self.outcome is then
+        set)."""
         parents = self.live or [(self.root, 0.0)]
         cands = []  # (total logprob, parent index, token)
         for b, (seq, total) in enumerate(parents):
@@ -80,7 +81,7 @@ class BeamGroup:
         if not live:
             return self.end()
         lanes = self.lanes[:len(live)]
-        cache.assign_lanes(lanes, sources)
+        lanes_of.assign_lanes(lanes, sources)
         for (child, _), lane in zip(live, lanes):
             child.place.lane = lane
         self.live = live

@@ -43,10 +43,13 @@ def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lane
     lane runs (default: the configs')."""
     for i, (ids, c) in enumerate(zip(prompts, cfgs)):
         check_length(model, len(ids), c, what if len(prompts) == 1 else f"lane {i}: {what}")
-    window = cfgs[0].cache_window
-    longest = max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
+    # a batch's windowed lanes keep their K/V in rings of their own (Executor.attach_ring): its cache is plain, as
+    # long as its other lanes need
+    in_rings = len(prompts) > 1
+    window = 0 if in_rings else cfgs[0].cache_window
+    longest = max(1 if in_rings and c.cache_window else len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
     loops = loops or max(c.resolved_loops(model) for c in cfgs)
-    model.net.ensure_positions(longest + ring + 1)
+    model.net.ensure_positions(max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs)) + ring + 1)
     widest = max(c.beam_size for c in cfgs)  # a beam request holds beam_size lanes
     n = n_lanes or max(widest, min(sum(c.beam_size for c in cfgs), BATCH_LANES))
     if n_lanes or len(prompts) == 1:  # beam hypotheses run together, so they must fit together

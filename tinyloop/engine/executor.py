@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -45,12 +46,19 @@ class Executor:
         # the C calls (passes with their exit decisions, prefill rows) and the latent rows they keep between calls;
         # a greedy row whose token ended may wait a pass or two there to share its head with batch-mates'
         self.c = CBackend(model, cache, options.coalesce)
+        # the lanes of windowed requests (the lane's KV policy): each request's lanes keep their K/V in a ring cache of
+        # their own over the same pool, run by an executor over it; lane -> (that executor, the lane's index there)
+        self.rings: dict[int, tuple[Executor, int]] = {}
 
     def is_adaptive(self, rule: ExitRule) -> bool:
         return self.net.adaptive(rule)
 
     def lane(self, i: int) -> KVCache:
-        """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same)."""
+        """Lane i as a one-lane cache (kept: a driver's forwards keep what they prepared while it stays the same); a
+        windowed lane's is its ring."""
+        if i in self.rings:
+            sub, j = self.rings[i]
+            return sub.lane(j)
         if self.cache.lanes == 1:
             return self.cache
         view = self.views.get(i)
@@ -59,8 +67,78 @@ class Executor:
         return view
 
     def forget(self, lane: int) -> None:
-        """The lane was given back (finished, failed, preempted): its token in flight goes with it."""
+        """The lane was given back (finished, failed, preempted): its token in flight goes with it, and a windowed
+        lane's ring (its blocks went back with the lane's reset)."""
         self.flights.pop(lane, None)
+        ring = self.rings.pop(lane, None)
+        if ring is not None:
+            ring[0].forget(ring[1])
+
+    # --- windowed lanes: a ring of their own over the batch's pool ------------------------------------------
+    def attach_ring(self, lanes: list[int], window: int, cells: int) -> None:
+        """The lanes of one windowed request (one, or a beam's) keep their K/V in a ring of `cells` cells attending
+        over the last `window` positions, with blocks from the batch's pool: they stay lanes of this engine
+        (admitted, planned, preempted and counted with the others), and their share of each plan runs through an
+        executor over the ring, whose attention reads it (KVCache's ring mode)."""
+        base = self.cache
+        ring = KVCache(base.cfg, len(lanes), base.max_len, base.mode, device=base.device, dtype=base.dtype,
+                       window=window, ring=cells, pool=base.pool)
+        sub = Executor(self.model, ring, self.loops, self.early_exit, self.options)
+        for j, lane in enumerate(lanes):
+            self.rings[lane] = (sub, j)
+
+    def take_blocks(self, jobs: list[tuple[int, list[int], list[int], list[int]]]) -> None:
+        """KVCache.take_blocks over the engine's lanes: a windowed lane's in its ring."""
+        if not self.rings:
+            self.cache.take_blocks(jobs)
+            return
+        plain: list[tuple[int, list[int], list[int], list[int]]] = []
+        rings: dict[int, tuple[Executor, list[tuple[int, list[int], list[int], list[int]]]]] = {}
+        for slot, lanes, lo, hi in jobs:
+            keep = [i for i, lane in enumerate(lanes) if lane not in self.rings]
+            plain.append((slot, [lanes[i] for i in keep], [lo[i] for i in keep], [hi[i] for i in keep]))
+            for i, lane in enumerate(lanes):
+                if lane in self.rings:
+                    sub, j = self.rings[lane]
+                    rings.setdefault(id(sub), (sub, []))[1].append((slot, [j], [lo[i]], [hi[i]]))
+        self.cache.take_blocks(plain)
+        for sub, ring_jobs in rings.values():
+            sub.cache.take_blocks(ring_jobs)
+
+    def assign_lanes(self, dst: list[int], src: list[int]) -> None:
+        """KVCache.assign_lanes over the engine's lanes (a beam's children take their parents' cells): within a
+        windowed request's ring where its lanes are."""
+        if dst and dst[0] in self.rings:
+            sub = self.rings[dst[0]][0]
+            sub.cache.assign_lanes([self.rings[lane][1] for lane in dst], [self.rings[lane][1] for lane in src])
+        else:
+            self.cache.assign_lanes(dst, src)
+
+    def run_rings(self, plan: Plan, out: Outputs) -> Plan:
+        """The windowed lanes' share of the plan, each ring's through its executor (under the ring's lane numbers);
+        their outputs go to `out` by the engine's lanes. Returns the rest of the plan."""
+        rest = Plan(plan.step, driven=plan.driven, drafting=plan.drafting)
+        parts: dict[int, tuple[Executor, Plan, dict[int, int]]] = {}  # id(executor) -> it, its plan, ring -> lane
+        for kind in ("pieces", "rows", "chunks"):
+            for item in getattr(plan, kind):
+                if item.lane not in self.rings:
+                    getattr(rest, kind).append(item)
+                    continue
+                sub, j = self.rings[item.lane]
+                _, ring_plan, lane_of = parts.setdefault(id(sub), (sub, Plan(plan.step), {}))
+                getattr(ring_plan, kind).append(replace(item, lane=j))
+                lane_of[j] = item.lane
+        for sub, ring_plan, lane_of in parts.values():
+            got = sub.execute(ring_plan)
+            out.tokens.update((lane_of[j], v) for j, v in got.tokens.items())
+            out.drawn.update((lane_of[j], v) for j, v in got.drawn.items())
+            out.verified.update((lane_of[j], v) for j, v in got.verified.items())
+            out.failed.update((lane_of[j], v) for j, v in got.failed.items())
+            out.pieces += [(lane_of[j], n, logits, used, seconds) for j, n, logits, used, seconds in got.pieces]
+            out.latents += [(lane_of[j], start, e, s) for j, start, e, s in got.latents]
+            if len(plan.rows) == 1 and got.lone_row_seconds is not None:
+                out.lone_row_seconds = got.lone_row_seconds
+        return rest
 
     # --- forwards -----------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
@@ -95,8 +173,11 @@ class Executor:
     # --- a step -------------------------------------------------------------------------------------------
     def execute(self, plan: Plan) -> Outputs:
         """The plan's forwards: its prefill pieces, then its decode rows in one forward (or loop iterations), each
-        lane at its own loop count and exit rule. A driven lane's forwards are its driver's (the runner calls it)."""
+        lane at its own loop count and exit rule. A driven lane's forwards are its driver's (the runner calls it).
+        A windowed request's share runs over its ring (`run_rings`)."""
         out = Outputs()
+        if self.rings:
+            plan = self.run_rings(plan, out)
         rows = [p for p in plan.pieces if self.in_rows(p)]
         if rows:
             for piece, logits, seconds in self.c.prefill_rows(rows, plan.step):
@@ -356,6 +437,10 @@ class Executor:
     # --- rebuilding a preempted request's cache ------------------------------------------------------------------
     def rebuild(self, lane: int, prompt: list[int], chunk: int, loops: int, exits: ExitRule, kv_loops: int) -> None:
         """Refill a lane's prompt with the chunks that first built it (its blocks taken), at the depth it ran."""
+        if lane in self.rings:
+            sub, j = self.rings[lane]
+            sub.rebuild(j, prompt, chunk, loops, exits, kv_loops)
+            return
         for start in range(0, len(prompt), chunk or len(prompt)):
             piece = prompt[start:start + (chunk or len(prompt))]
             self.prefill(piece, start, lane, loops, exits)
@@ -365,6 +450,10 @@ class Executor:
         """Feed tokens one at a time at positions start.., each under its exit rule, as they were first fed: by loop
         iterations where an early-exit token's depth is decided (its exits decided again, the same), else a decode
         forward each (their blocks taken)."""
+        if lane in self.rings:
+            sub, i = self.rings[lane]
+            sub.refeed(i, tokens, start, loops, exits)
+            return
         for j, (token, rule) in enumerate(zip(tokens, exits)):
             adaptive = self.is_adaptive(rule)
             if self.iterative and adaptive:

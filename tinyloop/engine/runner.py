@@ -212,7 +212,7 @@ class Runner:
             if any(m.place.logits is None for m in group.members):
                 continue  # (a member's token still loops)
             old = group.members
-            new = self.guarded(group.advance, self.cache)
+            new = self.guarded(group.advance, self.executor)
             if isinstance(new, Exception):
                 finished.append(self.scheduler.fail(group.root, new))
                 continue

@@ -211,7 +211,7 @@ class Scheduler:
         take the blocks the piece writes. A prompt the cache holds but for its last token runs no piece (None): that
         token becomes a row of this step's decode forward (Place.prompt_row)."""
         t, at = time.perf_counter(), seq.place
-        prefixes = seq.prefixes or self.prefixes  # a pool request reuses scaffolds even with prefix caching off
+        prefixes = self.prefixes_for(seq)
         whole = False
         if at.first is None and not at.cached and prefixes is not None:
             hit = self.reuse(prefixes, seq)  # the longest cached prefix's blocks, its rest's cells taken
@@ -243,6 +243,11 @@ class Scheduler:
         return Piece(at.lane, at.cached, seq.prompt[at.cached:at.cached + n], loops, seq.prefill_exit, seq.loops,
                      whole, handle)
 
+    def prefixes_for(self, seq: Sequence):
+        """Where seq's prompt prefix may be found: its pool's scaffolds (even with prefix caching off), else the
+        prefix cache; none for a windowed lane (a ring holds no prefix)."""
+        return None if seq.cfg.cache_window else seq.prefixes or self.prefixes
+
     def reuse(self, prefixes, seq: Sequence) -> int:
         """Lend the longest prefix of seq's prompt the prefix cache holds to its lane, and take the cells its rest
         writes; returns the prompt tokens it covers (0: a miss, a plain prefill follows)."""
@@ -260,7 +265,7 @@ class Scheduler:
         in the prefix cache comes before that piece's forward, so it waits a step and reuses it instead."""
         bt = self.cache.bt
         at = seq.place
-        if at.cached or at.first is not None or (seq.prefixes or self.prefixes) is None or len(seq.prompt) <= bt:
+        if at.cached or at.first is not None or self.prefixes_for(seq) is None or len(seq.prompt) <= bt:
             return False
         by_lane = self.by_lane()
         return any(p.start == 0 and p.tokens and not by_lane[p.lane].stats.prefix_hit_tokens
@@ -290,7 +295,7 @@ class Scheduler:
         for k in range(max(s.loops for s, *_ in todo)):  # a lane at L loops writes (and holds blocks for) loops < L
             at = tuple(map(list, zip(*[(s.place.lane, a, b) for s, a, b, _ in todo if k < s.loops])))
             jobs += [(cfg.core_slot(k, j), *at) for j in range(cfg.n_core)]
-        cache.take_blocks(jobs)
+        self.executor.take_blocks(jobs)
         for s, *_, key in todo:
             self.reserved[s.place.lane] = key
         self.reserved_epoch = cache.pool.epoch
@@ -299,7 +304,7 @@ class Scheduler:
     def admit(self) -> None:
         """Give waiting sequences a lane, in admission_order, while the pool has room for them (with nothing admitted
         one is tried anyway: a pool that cannot hold it ends it with a BudgetError)."""
-        pool, window, cfg = self.cache.pool, self.cache.ring, self.model.cfg
+        pool, cfg = self.cache.pool, self.model.cfg
         if self.hold_back and self.admitted:
             return  # after a preemption sequences rejoin only once a running one has finished (no thrashing)
         self.hold_back = False
@@ -307,7 +312,7 @@ class Scheduler:
             seq = self.waiting[0]
             # its blocks now, and room for every admitted lane (a beam request's every lane) to cross into a new block
             # on the next step
-            need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, window) + \
+            need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, seq.ring) + \
                 sum(cfg.n_slots(s.loops) for s in self.admitted) + seq.cfg.beam_size * cfg.n_slots(seq.loops)
             if self.admitted and need > pool.room():
                 log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.place.arrival, need,
@@ -322,6 +327,9 @@ class Scheduler:
                     rebuilt = seq.beam.members
                     for member, lane in zip(rebuilt, seq.beam.lanes):
                         member.place = Place(lane=lane, arrival=seq.place.arrival)
+            if seq.cfg.cache_window and not self.cache.window:  # its K/V in a ring of its own (the lane's KV policy)
+                self.executor.attach_ring(seq.beam.lanes if seq.beam is not None else [seq.place.lane],
+                                          seq.cfg.cache_window, seq.ring)
             self.admitted += rebuilt
             log.debug("step %d: admit #%d into lane %d (%d prompt tokens, %d loops; %d blocks free)", self.steps,
                       seq.place.arrival, seq.place.lane, len(seq.prompt), seq.loops, pool.room())
@@ -341,7 +349,7 @@ class Scheduler:
         self.reserve([first], [0], [P - 1])
         ex.rebuild(first.place.lane, first.prompt, self.chunk, first.prompt_depth(), first.prefill_exit, first.loops)
         if len(members) > 1:
-            self.cache.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
+            self.executor.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
         fed = [m for m in members if len(m.history) - 2 >= P]
         self.reserve(fed, [P] * len(fed), [len(m.history) - 2 for m in fed])  # (copy-on-write of a shared block)
         for m in members:

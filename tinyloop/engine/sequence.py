@@ -24,6 +24,12 @@ from ..request import (GenerateConfig, GenerateResult, GenerateStats, OnToken, l
                        make_generator)
 
 
+class AssignsLanes(Protocol):
+    """What re-assigns lanes when a beam's children take their parents' cells (the executor, over its windowed
+    lanes' rings too, or a KVCache)."""
+    def assign_lanes(self, dst: list[int], src: list[int]) -> None: ...
+
+
 class BeamRequest(Protocol):
     """The beam-search request a hypothesis belongs to, as its sequence and the scheduler see it (engine/beam.py's
     BeamGroup, which imports this module)."""
@@ -35,7 +41,7 @@ class BeamRequest(Protocol):
     @property
     def members(self) -> list[Sequence]: ...
 
-    def advance(self, cache: KVCache) -> list[Sequence]: ...
+    def advance(self, lanes_of: "AssignsLanes") -> list[Sequence]: ...
 
     def cancel(self) -> None: ...
 
@@ -168,7 +174,11 @@ class Sequence:
         # called with its lane and the last position's logits once its prompt is in, before the lane's blocks can go
         # back (a prefix or resume handle built by engine steps keeps them: handle_base.prefill_by_steps)
         self.on_prefilled: Callable[[KVCache, torch.Tensor], None] | None = None
-        self.cacheable = True  # its cells may go to the prefix cache (not when a handle's prefill built them)
+        # its cells may go to the prefix cache (not when a handle's prefill built them, nor a ring's)
+        self.cacheable = not cfg.cache_window
+        # with cfg.cache_window: the cells of its lanes' ring (the window, or more where a speculative lane's drafts
+        # may roll back); its lanes keep their K/V there (Executor.attach_ring), not in the batch's block tables
+        self.ring = cfg.cache_window
         # its prompt pieces' latent rows by start: (e, s) [1, T_piece, d] each (Executor.latent_piece); None: not asked
         # (a resume handle built by engine steps asks: it keeps every prompt token's, tinyloop/resume.py)
         self.latents: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
