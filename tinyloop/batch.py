@@ -16,7 +16,7 @@ from .engine.sequence import Sequence
 from .errors import BudgetError, ConfigError, TinyLoopError
 from .prefix import PrefixPool, check_pool
 from .resume import check_resume, refine_sequence
-from .speculative import SpeculativeConfig, speculative_call, speculative_ring, speculative_sequence
+from .speculative import SpeculativeConfig, speculative_call, speculative_sequence
 from .request import GenerateConfig, GenerateResult, OnToken
 
 # on_token(lane, token, index) -> bool; False cancels that lane only.
@@ -119,7 +119,7 @@ class Scheduler:
         self.check_fits(cfg, len(ids), loops)
         if speculative is not None:
             seq = speculative_sequence(model, ids, speculative, cfg, on_token)
-            self.queue(seq, speculative_ring(speculative, cfg))
+            self.queue(seq)
             return seq
         seq = Sequence(model, ids, cfg, on_token)
         if pool is not None:
@@ -149,12 +149,10 @@ class Scheduler:
         what = f"{width} x beam hypothesis" if width > 1 else "the prompt"
         self.model.admit(width, prompt_len + cfg.max_tokens, loops, cfg.cache_window, what=what, now=False)
 
-    def queue(self, seq: Sequence, ring: int = 0, cached: int = 0, first=None) -> None:
-        """Into the batch's runner; a windowed request's ring has `ring` cells where it needs more than its window."""
+    def queue(self, seq: Sequence, cached: int = 0, first=None) -> None:
         cfg = seq.cfg
         if cfg.cache_window:
             self.model.net.ensure_positions(len(seq.prompt) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
-            seq.ring = max(cfg.cache_window, ring)
         self.runner.add(seq, cached, first)
 
     def step(self) -> list[Sequence]:

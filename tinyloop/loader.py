@@ -53,10 +53,9 @@ class Model:
         self.prefixes = PrefixTree(self.cfg, self.pool)
         self.prefix_caching = prefix_caching
 
-    def new_cache(self, lanes: int, max_len: int, window: int = 0, ring: int = 0) -> KVCache:
-        """Block tables for `lanes` sequences of up to max_len tokens (a window: a ring of max(window, ring) cells)."""
-        return KVCache(self.cfg, lanes, max_len, self.cache_mode, device=self.device, dtype=self.dtype, window=window,
-                       ring=ring, pool=self.pool)
+    def new_cache(self, lanes: int, max_len: int) -> KVCache:
+        """Block tables for `lanes` sequences of up to max_len tokens (a windowed lane's ring: Executor.attach_ring)."""
+        return KVCache(self.cfg, lanes, max_len, self.cache_mode, device=self.device, dtype=self.dtype, pool=self.pool)
 
     def admit(self, lanes: int, tokens: int, loops: int, window: int = 0, what: str = "the call", now: bool = True
               ) -> None:

@@ -610,6 +610,7 @@ def speculative_sequence(model: Model, ids: list[int], sc: SpeculativeConfig, cf
                              tree_width=sc.tree_width)
     seq = Sequence(model, ids, dataclasses.replace(cfg, loops=verify_loops), on_token, stats=stats)
     seq.driver = Speculator(model, sc, seq, verify_loops, guess)
+    seq.ring = speculative_ring(sc, cfg)
     return seq
 
 

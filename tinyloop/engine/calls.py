@@ -43,20 +43,22 @@ def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lane
     lane runs (default: the configs')."""
     for i, (ids, c) in enumerate(zip(prompts, cfgs)):
         check_length(model, len(ids), c, what if len(prompts) == 1 else f"lane {i}: {what}")
-    # a batch's windowed lanes keep their K/V in rings of their own (Executor.attach_ring): its cache is plain, as
-    # long as its other lanes need
-    in_rings = len(prompts) > 1
-    window = 0 if in_rings else cfgs[0].cache_window
-    longest = max(1 if in_rings and c.cache_window else len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
+    longest = max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
     loops = loops or max(c.resolved_loops(model) for c in cfgs)
-    model.net.ensure_positions(max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs)) + ring + 1)
+    model.net.ensure_positions(longest + ring + 1)
     widest = max(c.beam_size for c in cfgs)  # a beam request holds beam_size lanes
     n = n_lanes or max(widest, min(sum(c.beam_size for c in cfgs), BATCH_LANES))
+    # (a windowed lane holds its ring's cells: the window, or `ring` where a speculative lane's drafts need more)
+    cells = [max(c.cache_window, ring) if c.cache_window else 0 for c in cfgs]
     if n_lanes or len(prompts) == 1:  # beam hypotheses run together, so they must fit together
-        model.admit(n, longest, loops, max(window, ring), what=f"{n} x {what}" if n > 1 else what)
+        model.admit(n, longest, loops, cells[0], what=f"{n} x {what}" if n > 1 else what)
     else:  # batch lanes wait for blocks or are preempted (Runner.run): each request must fit on its own
-        model.admit(widest, longest, loops, max(window, ring), what=f"the longest {what}", now=False)
-    cache = model.decode_cache if n == 1 and not window else model.new_cache(n, longest, window, ring)
+        for p, c, ring_cells in zip(prompts, cfgs, cells):
+            model.admit(c.beam_size, len(p) + c.max_tokens, loops, ring_cells, what=what, now=False)
+    # a windowed lane keeps its K/V in a ring of its own (Executor.attach_ring): the lent cache is plain, as long as
+    # the other lanes need
+    plain = max((len(p) + c.max_tokens for p, c in zip(prompts, cfgs) if not c.cache_window), default=1)
+    cache = model.decode_cache if n == 1 else model.new_cache(n, plain)
     cache.reset()
     try:
         yield cache

@@ -53,7 +53,7 @@ class Runner:
         # defaults for callers that feed the forwards themselves (beam search, resume); sequences bring their own
         loops, rule = loops or model.cfg.default_loops, ExitRule.of(early_exit, model.cfg.exit_rule)
         self.executor = Executor(model, cache, loops, rule, options)
-        prefixes = model.prefixes if model.prefix_caching and not cache.window else None  # automatic prefix caching
+        prefixes = model.prefixes if model.prefix_caching else None  # automatic prefix caching
         self.scheduler = Scheduler(model, cache, self.executor, model.prefill_chunk if chunk is None else chunk,
                                    prefixes)
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)

@@ -327,7 +327,7 @@ class Scheduler:
                     rebuilt = seq.beam.members
                     for member, lane in zip(rebuilt, seq.beam.lanes):
                         member.place = Place(lane=lane, arrival=seq.place.arrival)
-            if seq.cfg.cache_window and not self.cache.window:  # its K/V in a ring of its own (the lane's KV policy)
+            if seq.cfg.cache_window:  # its K/V in a ring of its own (the lane's KV policy)
                 self.executor.attach_ring(seq.beam.lanes if seq.beam is not None else [seq.place.lane],
                                           seq.cfg.cache_window, seq.ring)
             self.admitted += rebuilt
