@@ -68,6 +68,8 @@ class Place:
     decided: list[int] = dataclasses.field(default_factory=list)  # a driver's round's tokens, taken in postprocess
     drafter: "Drafter | None" = None  # its round around this step's shared forward (Plan.drafting), set at schedule
     drawn: list[int] = dataclasses.field(default_factory=list)  # tokens the C passes drew greedily (a Row's draws)
+    # the logits [V] each drawn token was chosen from, where the request asks for log-probabilities (Row.keep_logits)
+    chosen_from: list[torch.Tensor] = dataclasses.field(default_factory=list)
     arrival: int = 0  # its order of arrival in the runner (#n in the scheduler's log)
     came: int = 0  # the runner's step count when it arrived (the same for requests that came between two steps)
 
