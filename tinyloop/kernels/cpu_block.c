@@ -669,13 +669,14 @@ static long argmax(const float *v, long n) {
 
 // Row b's greedy draw from its logits, as tl_iterate_until hands it back (chosen, used, n_chosen, its budget, ids[b])
 // with start[b] set: its next token starts from it. Whether it is eos. A row that asks for log-probabilities
-// (keep_at[b] >= 0) also gets the logits its token was drawn from, row keep_at[b] * cap + n of kept [rows, cap, V]:
-// the caller scores them as it scores a token it chose itself (Sequence.score_all), so drawing here changes none.
+// (keep_at[b] >= 0) also gets the logits its n-th draw was taken from, row keep_at[b] + n of kept [rows, V] (room for
+// its budget): the caller scores them as it scores a token it chose itself (Sequence.score_all), so drawing here
+// changes none of its log-probabilities.
 static int draw(long b, const float *row, long V, const tl_exit_t *x, long *ids, unsigned char *start, long *budget,
                 long cap, long eos, long *chosen, long *used, long *n_chosen, float *kept, const long *keep_at) {
     const long token = argmax(row, V), n = n_chosen[b]++;
     chosen[b * cap + n] = token, used[b * cap + n] = x->used;
-    if (kept && keep_at[b] >= 0) memcpy(kept + (keep_at[b] * cap + n) * V, row, V * sizeof(float));
+    if (kept && keep_at[b] >= 0) memcpy(kept + (keep_at[b] + n) * V, row, V * sizeof(float));
     budget[b]--, start[b] = 1, ids[b] = token;
     return token == eos;
 }

@@ -371,12 +371,12 @@ class DecodeStep:
         lane.struct.mask, lane.struct.mask_width = None, 0
         V = self.struct.head.rows
         logits = torch.empty(B, V)  # (room for every row; the finished rows' come first)
-        # (a fresh buffer each call, only for the rows that keep theirs: the rows handed back are views of it)
+        # (a fresh buffer each call, room for the draws of the rows that keep theirs: what it hands back are views)
         keep_at, n = [-1] * B, 0
         for b in range(B):
             if keep is not None and keep[b] and ahead[b]:
-                keep_at[b], n = n, n + 1
-        kept = torch.empty(n, cap, V) if n else None
+                keep_at[b], n = n, n + len(ahead[b])
+        kept = torch.empty(n, V) if n else None
         lane.keep_at[:B] = keep_at
         table, (e, s, out) = cache.table, latent
         gate_w, gate_b = (None, 0.0) if gate is None else (gate[0].data_ptr(), gate[1])
@@ -393,7 +393,7 @@ class DecodeStep:
         finished = [b for b in range(B) if lane.finish[b]]
         drawn = [list(zip(lane.chosen[b * cap:b * cap + lane.n_chosen[b]], lane.used[b * cap:b * cap + lane.n_chosen[b]]))
                  for b in range(B)]
-        rows = [None if k < 0 or kept is None else kept[k, :len(drawn[b])] for b, k in enumerate(keep_at)]
+        rows = [None if k < 0 or kept is None else kept[k:k + len(drawn[b])] for b, k in enumerate(keep_at)]
         return Until(lane.loop[:B], finished, logits[:len(finished)], drawn, [bool(lane.start[b]) for b in range(B)],
                      lane.heads.value, rows)
 
