@@ -214,6 +214,60 @@ def test_logprobs_come_from_the_logits_each_token_was_chosen_from(bundled_model)
         generate(model, "x", G(logprobs=21))
 
 
+def test_logprobs_of_tokens_drawn_in_c_equal_those_returned_to_the_sampler(bundled_model, monkeypatch):
+    """A greedy request asking for log-probabilities draws its tokens inside the C passes like a plain one (Row.draws,
+    Row.keep_logits), C bringing back the logits each was drawn from: its tokens, loops, logprobs and top_logprobs
+    are those of TINYLOOP_RUN_AHEAD=0, where every token returns to the sampler, at batch 1 and in a batch beside
+    lanes at other depths, exiting early, sampled, asking none, and one whose client stops reading in the middle of
+    a run of draws (the scores of the draws after it go with them). Bit-equal, not approximately: a drawn token's
+    logits are the bits of the token step's (the C head is batch-invariant), and Sequence.score_all's log-softmax
+    and top-k work row by row, so the same row scores the same whichever rows it is stacked with."""
+    from tinyloop.kernels import cpu_block
+
+    model, G = bundled_model, GenerateConfig
+    prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "    for i in range(n):\n", "x = [",
+               "def add(a, b):\n"]
+    cfgs = [G(max_tokens=40, loops=8, logprobs=5), G(max_tokens=40, loops=4, logprobs=0),
+            G(max_tokens=40, loops=8, early_exit_threshold=0.05, logprobs=2), G(max_tokens=24, loops=6),
+            G(max_tokens=16, loops=5, temperature=0.8, seed=3, logprobs=3), G(max_tokens=40, loops=6, logprobs=1)]
+    kept = {"draws": 0}  # tokens drawn in C with their logits brought back
+    until = cpu_block.DecodeStep.iterate_until
+
+    def counting(*a, **k):
+        got = until(*a, **k)
+        kept["draws"] += sum(len(d) for d, rows in zip(got.drawn, got.kept) if rows is not None)
+        return got
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
+    monkeypatch.setattr(cpu_block, "RUN_AHEAD_S", 60.0)  # (a stall of a busy machine would end the runs of draws early)
+
+    def run() -> tuple[list, tuple[int, int]]:
+        kept["draws"] = 0
+        alone = generate(model, prompts[0], cfgs[0])
+        at_batch_1, kept["draws"] = kept["draws"], 0
+        sched = tinyloop.Scheduler(model, lanes=len(prompts))
+        # lane 5's client stops reading at its 14th token, one it draws in C in the middle of a run (no score is
+        # left of the draws after it: Sequence.scores)
+        seqs = [sched.submit(p, c, on_token=(lambda t, i: i < 13) if n == 5 else None)
+                for n, (p, c) in enumerate(zip(prompts, cfgs))]
+        while not sched.idle():
+            sched.step()
+        results = [alone, *(s.result() for s in seqs)]
+        return [(r.tokens, r.loops_used, r.logprobs, r.top_logprobs, r.stats.stop_reason) for r in results] \
+            + [len(s.scores) for s in seqs], (at_batch_1, kept["draws"])
+
+    ahead, in_c = run()
+    monkeypatch.setenv("TINYLOOP_RUN_AHEAD", "0")
+    one_each, none = run()
+    # most of the greedy askers' tokens were drawn in C (at batch 1 all but those ending a block and the last)
+    assert in_c[0] >= 30 and in_c[1] > 80 and none == (0, 0), (in_c, none)
+    assert ahead == one_each
+    assert ahead[6][4] == "cancelled" and len(ahead[6][2]) == len(ahead[6][0]) == 14 and ahead[-1] == 14
+    for (tokens, _, logprobs, top, _), c in zip(ahead, [cfgs[0], *cfgs]):
+        assert (logprobs is None) == (c.logprobs is None)
+        if logprobs is not None:
+            assert len(logprobs) == len(tokens) == len(top) and all(len(t) == c.logprobs for t in top)
+
+
 def test_a_batch_answers_each_prompt_with_its_result_or_its_error(tiny_model):
     """generate_batch(return_exceptions=True): a prompt refused (its config against the mode matrix, its length) has
     its error in its place, naming it, and the others run as they would alone; by default the first error raises."""

@@ -25,7 +25,7 @@ from ..cache import KVCache
 from ..exits import ExitRule, Track
 from ..kernels import cpu_block
 from . import forward as paged
-from .plan import Piece, Row
+from .plan import Outputs, Piece, Row
 from .sequence import InFlight
 
 # the exit rules C decides, as cpu_block.c's tl_exit_t numbers them
@@ -100,13 +100,14 @@ class CBackend:
         return self.buffer, self.views
 
     # --- the calls --------------------------------------------------------------------------------------------
-    def iterate(self, rows: list[Row], flights: dict[int, InFlight], budget, drawn: dict[int, list]
+    def iterate(self, rows: list[Row], flights: dict[int, InFlight], budget, out: Outputs
                 ) -> list[tuple[Row, torch.Tensor, int]] | None:
         """Loop iterations of every row until some row's token ends, with every row's exit decided after each pass,
         in one C call (cpu_block.DecodeStep.iterate_until). budget(rows, positions): the greedy tokens each row draws
         inside the call, as their forced depths. Updates the tokens in flight (`flights`, by lane) and appends each
-        row's drawn tokens with their loops to drawn[lane]; returns (row, logits, loops used) of each row whose token
-        ended with logits to sample, or None (nothing run) where the rows need the torch passes."""
+        row's drawn tokens with their loops to out.drawn[lane] (a keep_logits row's also the logits each was chosen
+        from, to out.chosen_from[lane]); returns (row, logits, loops used) of each row whose token ended with logits
+        to sample, or None (nothing run) where the rows need the torch passes."""
         cache, cfg = self.cache, self.model.cfg
         c = self.passes(len(rows))
         if c is None:
@@ -117,7 +118,7 @@ class CBackend:
         if len(exits) < len(rules):
             return None
         latent, views = self.latent()
-        e, s, out = latent
+        e, s, exit_state = latent
         tokens, done, lanes = [], [], [row.lane for row in rows]
         for row in rows:
             flight = flights.get(row.lane)
@@ -126,18 +127,22 @@ class CBackend:
             if flight is not None and flight.s is not views[row.lane][1]:  # its last pass ran in Python
                 e[row.lane], s[row.lane] = flight.e.reshape(-1), flight.s.reshape(-1)
                 if flight.out is not None:
-                    out[row.lane] = flight.out.reshape(-1)
+                    exit_state[row.lane] = flight.out.reshape(-1)
         positions = [row.position for row in rows]
         ahead = budget(rows, step.positions)
         eos = -1 if any(row.ignore_eos for row, a in zip(rows, ahead) if a) else self.model.eos_id
         with paged.torch_threads(paged.decode_threads(len(rows), cfg, c_blocks=True)):
             got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
                                      compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
-                                     wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0)
+                                     wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0,
+                                     keep=[row.keep_logits for row in rows])
         for b, row in enumerate(rows):
             if got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
                 flights.pop(row.lane, None)
-                drawn.setdefault(row.lane, []).extend(got.drawn[b])
+                out.drawn.setdefault(row.lane, []).extend(got.drawn[b])
+                chosen_from = got.kept[b]
+                if chosen_from is not None:
+                    out.chosen_from.setdefault(row.lane, []).extend(chosen_from.unbind())
             if b not in got.finished and not got.starts[b]:
                 flight, x = flights.get(row.lane), exits[b]
                 e_view, s_view, kept = views[row.lane]

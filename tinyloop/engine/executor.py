@@ -311,7 +311,7 @@ class Executor:
         """The passes of `iterate` as one C call (CBackend.iterate) where the C step runs the model over this cache and
         C decides every row's exit rule (a loop count, the latent rule with the exit gate, a forced depth, Ouro's
         cdf), the greedy rows drawing their `draws` inside it. False (nothing run) where the rows need `one_pass`."""
-        ended = self.c.iterate(rows, self.flights, self.budget, out.drawn)
+        ended = self.c.iterate(rows, self.flights, self.budget, out)
         if ended is None:
             return False
         for row, logits, used in ended:

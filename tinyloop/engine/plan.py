@@ -47,6 +47,8 @@ class Row:
     # it has no schedule); empty: it returns to the sampler (Runner.ahead)
     draws: list[float] = field(default_factory=list)
     ignore_eos: bool = False
+    # its request asks for log-probabilities: its draws bring back the logits each was chosen from (Outputs.chosen_from)
+    keep_logits: bool = False
 
 
 @dataclass
@@ -82,6 +84,8 @@ class Outputs:
     tokens: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     # greedy tokens the C passes drew, with the loops of each (taken before any fresh logits)
     drawn: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # a keep_logits row's draws: the logits [V] each was chosen from, one per token of drawn[lane]
+    chosen_from: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     # a prefill piece done: (lane, tokens it covered, logits [V] of its last position, loops it ran, seconds)
     pieces: list[tuple[int, int, torch.Tensor, int, float]] = field(default_factory=list)
     # a keep_latent piece done: (lane, its start, e and s [1, T_piece, d]: the prelude's output, the state after its

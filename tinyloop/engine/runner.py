@@ -143,6 +143,7 @@ class Runner:
                 release_freed_memory(self.model.device)
         for lane, drawn in out.drawn.items():  # taken at this step's postprocess, before any fresh logits
             seq = seqs[lane]
+            seq.place.chosen_from.extend(out.chosen_from.get(lane, ()))
             for token, used in drawn:
                 seq.pos += 1
                 seq.loop_counts.append(used)
@@ -174,13 +175,17 @@ class Runner:
         matches stops, advances its grammar or streams fails that request alone (seq.error); the others go on."""
         finished = []
         admitted = self.scheduler.admitted
-        for seq in [s for s in admitted if s.place.drawn]:  # the C passes' greedy draws, in turn
+        drawing = [s for s in admitted if s.place.drawn]
+        self.score_drawn(drawing)
+        for seq in drawing:  # the C passes' greedy draws, in turn
             drawn, seq.place.drawn = seq.place.drawn, []
             for i, token in enumerate(drawn):
                 ended = self.ended(seq, self.guarded(seq.take, token))
-                if ended is not None:  # (a stop sequence: the draws after it, and their loop counts, go)
+                if ended is not None:  # (a stop sequence: the draws after it, their loop counts and scores, go)
                     unused = len(drawn) - 1 - i + (seq.place.logits is not None)
                     del seq.loop_counts[len(seq.loop_counts) - unused:]
+                    if seq.cfg.logprobs is not None:
+                        del seq.scores[len(seq.scores) - (len(drawn) - 1 - i):]
                     seq.place.logits = None
                     finished.append(ended)
                     break
@@ -225,6 +230,19 @@ class Runner:
                 self.scheduler.release(group.root)
                 finished.append(group.root)
         return finished
+
+    @staticmethod
+    def score_drawn(drawing: list[Sequence]) -> None:
+        """The log-probabilities of the tokens C drew for the sequences that ask, under the logits each was drawn
+        from (Place.chosen_from): one Sequence.score_all for all of them, the function that scores a token the
+        sampler chose, so a request's scores are the same whether its tokens were drawn in C or not."""
+        asking = [s for s in drawing if s.cfg.logprobs is not None]
+        for seq in asking:
+            assert len(seq.place.chosen_from) == len(seq.place.drawn)  # (C kept the logits of each draw)
+        Sequence.score_all([s for s in asking for _ in s.place.drawn], [x for s in asking for x in s.place.chosen_from],
+                           [t for s in asking for t in s.place.drawn])
+        for seq in drawing:
+            seq.place.chosen_from = []
 
     def ended(self, seq: Sequence, alive: object) -> Sequence | None:
         """After a take (its result, or the exception it raised): the request if it ended, its lane given back (a

@@ -43,11 +43,12 @@ def admission_order(seq: Sequence) -> tuple[int, int, int, int]:
 
 def draws_plainly(seq: Sequence) -> bool:
     """Whether seq's next token is a plain argmax that C can draw: a plain decode row (no beam, speculative driver,
-    grammar or prompt row), greedy, with no penalty, bias or banned token, past min_tokens, asking no
-    log-probabilities (a token drawn in C brings no logits back)."""
+    grammar or prompt row), greedy, with no penalty, bias or banned token, past min_tokens. One asking for
+    log-probabilities draws there too: C brings back the logits of each draw (Row.keep_logits), and they are scored
+    as a token chosen here is (Sequence.score_all)."""
     c = seq.cfg
     return seq.beam is None and seq.driver is None and seq.grammar is None and not seq.place.prompt_row \
-        and c.logprobs is None and c.temperature < MIN_TEMPERATURE and c.repetition_penalty == 1.0 \
+        and c.temperature < MIN_TEMPERATURE and c.repetition_penalty == 1.0 \
         and seq.count >= c.min_tokens and not seq.sampling().adjusts
 
 
@@ -189,7 +190,8 @@ class Scheduler:
         if greedy:
             draws = [float(d) if (d := seq.forced_depth(seq.count + 1 + i)) is not None else 0.0 for i in range(n)]
         return Row(seq.place.lane, seq.token, seq.pos - seq.place.prompt_row, seq.loops, rule,
-                   self.executor.is_adaptive(rule), greedy, draws, c.ignore_eos)
+                   self.executor.is_adaptive(rule), greedy, draws, c.ignore_eos,
+                   keep_logits=greedy and c.logprobs is not None)
 
     def may_run_ahead(self, plan: Plan) -> bool:
         """Whether rows may draw tokens inside a C call in this step: not while other work waits for a lane or a

@@ -668,11 +668,15 @@ static long argmax(const float *v, long n) {
 }
 
 // Row b's greedy draw from its logits, as tl_iterate_until hands it back (chosen, used, n_chosen, its budget, ids[b])
-// with start[b] set: its next token starts from it. Whether it is eos.
+// with start[b] set: its next token starts from it. Whether it is eos. A row that asks for log-probabilities
+// (keep_at[b] >= 0) also gets the logits its n-th draw was taken from, row keep_at[b] + n of kept [rows, V] (room for
+// its budget): the caller scores them as it scores a token it chose itself (Sequence.score_all), so drawing here
+// changes none of its log-probabilities.
 static int draw(long b, const float *row, long V, const tl_exit_t *x, long *ids, unsigned char *start, long *budget,
-                long cap, long eos, long *chosen, long *used, long *n_chosen) {
+                long cap, long eos, long *chosen, long *used, long *n_chosen, float *kept, const long *keep_at) {
     const long token = argmax(row, V), n = n_chosen[b]++;
     chosen[b * cap + n] = token, used[b * cap + n] = x->used;
+    if (kept && keep_at[b] >= 0) memcpy(kept + (keep_at[b] + n) * V, row, V * sizeof(float));
     budget[b]--, start[b] = 1, ids[b] = token;
     return token == eos;
 }
@@ -737,13 +741,14 @@ INLINE double seconds_since(const struct timespec *t0) {
 // next token did not start has start[b] set. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes
 // [lanes, d], read and written in place. The passes are tl_iterate_rows's, so each row has the same bits as there
 // and as its token decoded alone. Returns the passes run; *heads: the head products run. rows: work floats for 4 B
-// d; head: floats for B V (the greedy rows' logits, consumed in the pass: it may be `logits`).
+// d; head: floats for B V (the greedy rows' logits, consumed in the pass: it may be `logits`). kept, keep_at: where
+// a row asking for log-probabilities keeps the logits of its draws (draw; kept NULL: no row asks).
 long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, long *ids,
                       long *pos, long *done, unsigned char *start, tl_exit_t *exits, const float *gate_w,
                       double gate_b, long compute, unsigned char *finish, float *e_lanes, float *s_lanes,
                       float *o_lanes, float *logits, float *work, float *rows, long *budget, long cap, long eos,
                       const double *next_depth, long *chosen, long *used, long *n_chosen, float *head,
-                      double ahead_s, long wait, long *heads) {
+                      double ahead_s, long wait, long *heads, float *kept, const long *keep_at) {
     const long B = r->B, d = r->d, hd = r->hd, V = s->head.rows;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -807,7 +812,8 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         ++*heads;
         for (long b = 0, i = 0; b < B; b++)
             if (held[b])
-                ended |= draw(b, head + i++ * V, V, exits + b, ids, start, budget, cap, eos, chosen, used, n_chosen);
+                ended |= draw(b, head + i++ * V, V, exits + b, ids, start, budget, cap, eos, chosen, used, n_chosen,
+                              kept, keep_at);
         ended |= seconds_since(&t0) > ahead_s;
         if (ended) {  // the drawn rows' next tokens start in the next call (start[b] stays set)
             memset(held, 0, B);
@@ -838,7 +844,7 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         if (!last[b]) continue;
         const float *row = logits + i++ * V;
         if (held[b]) {
-            draw(b, row, V, exits + b, ids, start, budget, cap, eos, chosen, used, n_chosen);
+            draw(b, row, V, exits + b, ids, start, budget, cap, eos, chosen, used, n_chosen, kept, keep_at);
         } else {
             if (row != logits + j * V) memmove(logits + j * V, row, V * sizeof(float));
             j++;

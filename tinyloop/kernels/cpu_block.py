@@ -331,7 +331,7 @@ class DecodeStep:
     def iterate_until(self, cache, cells: list[int], done: list[int], tokens: list[int | None], exits: list,
                       lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
                       compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1,
-                      wait: int = COALESCE) -> Until:
+                      wait: int = COALESCE, keep: list[bool] | None = None) -> Until:
         """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
         cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
         (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
@@ -346,7 +346,8 @@ class DecodeStep:
         does drawing for longer than RUN_AHEAD_S. A greedy row whose token ended may sit out up to `wait` passes
         (no K/V written or read, its state kept) so that its head, and its next token's prelude, run in one product
         with its batch-mates' (cpu_block.c's keep_waiting; 0: never): the same bits, fewer weight streams. A
-        finished token's skipped loops hold copies of its last loop's K/V (copy)."""
+        finished token's skipped loops hold copies of its last loop's K/V (copy). keep[b]: row b also brings back
+        the logits [V] each of its draws was chosen from (Until.kept), for its log-probabilities."""
         B, cfg, cap = len(cells), self.cfg, RUN_AHEAD
         ids = [0 if t is None else t for t in tokens]
         ahead = ahead or [[]] * B
@@ -368,23 +369,33 @@ class DecodeStep:
             lane.budget[b] = len(depths)
             lane.depth[b * cap:b * cap + len(depths)] = depths
         lane.struct.mask, lane.struct.mask_width = None, 0
-        logits = torch.empty(B, self.struct.head.rows)  # (room for every row; the finished rows' come first)
+        V = self.struct.head.rows
+        logits = torch.empty(B, V)  # (room for every row; the finished rows' come first)
+        # (a fresh buffer each call, room for the draws of the rows that keep theirs: what it hands back are views)
+        keep_at, n = [-1] * B, 0
+        for b in range(B):
+            if keep is not None and keep[b] and ahead[b]:
+                keep_at[b], n = n, n + len(ahead[b])
+        kept = torch.empty(n, V) if n else None
+        lane.keep_at[:B] = keep_at
         table, (e, s, out) = cache.table, latent
         gate_w, gate_b = (None, 0.0) if gate is None else (gate[0].data_ptr(), gate[1])
         ids_at, pos_at, loop_at, start_at, exits_at, finish_at, work_at, rows_at, *drawn_at = lane.until
         _lib().tl_iterate_until(self.ref, lane.ref, table.data_ptr(), table.stride(0), ids_at, pos_at, loop_at,
                                 start_at, exits_at, gate_w, gate_b, int(compute), finish_at, e.data_ptr(),
                                 s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at, drawn_at[0], cap,
-                                eos, *drawn_at[1:], logits.data_ptr(), RUN_AHEAD_S, wait,
-                                ctypes.addressof(lane.heads))  # (the greedy rows' logits go there first)
+                                eos, *drawn_at[1:], logits.data_ptr(),  # (the greedy rows' logits go there first)
+                                RUN_AHEAD_S, wait, ctypes.addressof(lane.heads), _ptr(kept),
+                                ctypes.addressof(lane.keep_at))
         for b, x in enumerate(exits):
             got = lane.exits[b]
             x[3:] = got.threshold, got.chosen, got.used, got.cdf, got.rest
         finished = [b for b in range(B) if lane.finish[b]]
         drawn = [list(zip(lane.chosen[b * cap:b * cap + lane.n_chosen[b]], lane.used[b * cap:b * cap + lane.n_chosen[b]]))
                  for b in range(B)]
+        rows = [None if k < 0 or kept is None else kept[k:k + len(drawn[b])] for b, k in enumerate(keep_at)]
         return Until(lane.loop[:B], finished, logits[:len(finished)], drawn, [bool(lane.start[b]) for b in range(B)],
-                     lane.heads.value)
+                     lane.heads.value, rows)
 
     def _require_rows(self, cache, lanes: list[int], cells: list[int], loop: list[int], tokens: list[int | None],
                       finish: list[bool]) -> None:
@@ -450,13 +461,15 @@ def _rows(t: torch.Tensor, B: int, d: int) -> torch.Tensor:
 class Until(NamedTuple):
     """What a DecodeStep.iterate_until call did: per row the loops its token in flight has run, the rows whose token
     ended (their logits [n, V], row order), per row its greedy draws [(token, loops it ran)], and per row whether its
-    next token starts from its last draw (it has none in flight), and the head products the call ran."""
+    next token starts from its last draw (it has none in flight), the head products the call ran, and per row that
+    keeps them the logits its draws were chosen from ([len(drawn[b]), V]; None for the others)."""
     done: list[int]
     finished: list[int]
     logits: torch.Tensor
     drawn: list[list[tuple[int, int]]]
     starts: list[bool]
     heads: int
+    kept: list[torch.Tensor | None]
 
 
 class _Lanes:
@@ -477,7 +490,7 @@ class _Lanes:
                             table_stride, self.work.data_ptr() + 4 * step_work)
         self.ref = ctypes.byref(self.struct)
         # iterate_until's greedy draws: per row its budget, the forced depths of its next tokens, what it drew
-        self.budget, self.n_chosen, self.heads = (_L * B)(), (_L * B)(), _L()
+        self.budget, self.n_chosen, self.heads, self.keep_at = (_L * B)(), (_L * B)(), _L(), (_L * B)()
         self.depth, self.chosen, self.used = (ctypes.c_double * (B * RUN_AHEAD))(), (_L * (B * RUN_AHEAD))(), \
             (_L * (B * RUN_AHEAD))()
         self.until = (*map(ctypes.addressof, (self.ids, self.pos, self.loop, self.start, self.exits, self.finish)),
@@ -497,7 +510,7 @@ def _lib() -> ctypes.CDLL:
         lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
         lib.tl_iterate_rows.restype = None
         lib.tl_iterate_until.argtypes = [_p, _p, _p, _L, _p, _p, _p, _p, _p, _p, ctypes.c_double, _L, *[_p] * 8,
-                                         _L, _L, *[_p] * 5, ctypes.c_double, _L, _p]
+                                         _L, _L, *[_p] * 5, ctypes.c_double, _L, _p, _p, _p]
         lib.tl_iterate_until.restype = _L
     return lib
 
