@@ -132,6 +132,7 @@ class Executor:
             got = sub.execute(ring_plan)
             out.tokens.update((lane_of[j], v) for j, v in got.tokens.items())
             out.drawn.update((lane_of[j], v) for j, v in got.drawn.items())
+            out.chosen_from.update((lane_of[j], v) for j, v in got.chosen_from.items())
             out.verified.update((lane_of[j], v) for j, v in got.verified.items())
             out.failed.update((lane_of[j], v) for j, v in got.failed.items())
             out.pieces += [(lane_of[j], n, logits, used, seconds) for j, n, logits, used, seconds in got.pieces]
