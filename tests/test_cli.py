@@ -44,10 +44,16 @@ def test_inspect_shows_config_beta_losses_and_cache_costs():
     assert bad.returncode == 2 and "no such artifact" in bad.stderr
 
 
-def test_bench_quick_prints_ratios():
-    out = tinyloop_cli("bench", "--quick", "--section", "decode", timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "naive" in out.stdout and out.stdout.count("x ") >= 9  # 3 loop counts x 3 cache modes
+def test_bench_quick_prints_ratios_and_plots_only_decode_rows(tmp_path):
+    """The decode and cache-agreement sections in one run: the decode ratios printed, the agreement in the JSON, and
+    --plot of sections that measured no decode rows an error that says what to run, not an empty picture."""
+    out = tinyloop_cli("bench", "--quick", "--section", "decode", "--section", "cache_agreement", "--json",
+                       str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"), timeout=600)
+    assert "naive" in out.stdout and out.stdout.count("x ") >= 9, out.stderr  # 3 loop counts x 3 cache modes
+    assert out.returncode == 2 and "--peers" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert list(res["sections"]) == ["decode", "cache_agreement"]
+    assert res["sections"]["cache_agreement"]["lines"][0].startswith("greedy agreement") and not (tmp_path / "b.png").exists()
 
 
 def test_bench_depth_quick_gives_every_figure_with_the_same_tokens(tmp_path):
