@@ -1,10 +1,18 @@
 """Shared fixtures: small randomly initialised artifacts (fast, any architecture) and the bundled model."""
 from __future__ import annotations
 
+import os
 import zlib
 
-import pytest
-import torch
+# OpenMP threads that sleep while they wait instead of spinning, for this process and every process a test starts
+# (they inherit the environment), set before torch loads libgomp. This 2-core machine is shared: a spinning thread
+# is descheduled for whole time slices whenever another job runs (tinyloop/kernels/cpu.py, scripts/run.sh), and
+# test_engine.py with test_scheduler.py measured 590 s spinning against 36 s passive at load 3-4. The runtime's
+# results do not depend on it (it changes how idle threads wait, not what they compute).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import tinyloop
 from tinyloop.model import LoopedLM

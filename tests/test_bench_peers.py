@@ -167,14 +167,8 @@ def test_bench_peers_json_and_plot(tmp_path):
     assert matplotlib.image.imread(str(png)).shape[2] in (3, 4)
 
 
-def test_bench_plot_without_rows_says_so(tmp_path):
-    """--plot of sections that measured no decode rows is an error that says what to run, not an empty picture."""
-    run = subprocess.run([sys.executable, "-m", "scripts.cli", "bench", "--section", "cache_agreement", "--quick",
-                          "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 2 and "--peers" in run.stderr
-    res = json.loads((tmp_path / "b.json").read_text())
-    assert res["sections"]["cache_agreement"]["lines"][0].startswith("greedy agreement") and not (tmp_path / "b.png").exists()
+# --plot of sections that measured no decode rows: test_cli.py's test_bench_quick_prints_ratios_and_plots_only_decode_rows
+# (on the decode section's run).
 
 
 def test_llama_peer_that_cannot_load_fails_its_own_row_with_the_reason(tmp_path):

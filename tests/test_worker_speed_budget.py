@@ -72,14 +72,27 @@ def test_workers_divide_the_physical_cores():
 
 def test_first_request_after_ready_is_fast_on_a_cold_kernel_cache(tmp_path, monkeypatch):
     """The worker builds the C kernels (an empty cache: a fresh clone) and warms up before "ready": the first
-    request's prefill is well under a second (a cold build alone takes 10-20 s)."""
-    monkeypatch.setenv("TINYLOOP_CACHE_DIR", str(tmp_path / "kernels"))  # the worker inherits the environment
+    request's prefill is well under a second (a cold build alone takes 10-20 s).
+
+    The one cold build of the suite (a build takes 40 s on a busy 2-core machine) also proves the cache is keyed by
+    content (tinyloop/kernels/cpu.py's _build): the fresh cache dir holds the one library, atomically renamed into
+    place (no temp file left behind), and a build in this process, with the same source, flags, compiler and CPU,
+    finds that very file instead of compiling again."""
+    from tinyloop.kernels import cpu
+
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("TINYLOOP_CACHE_DIR", str(cache))  # the worker inherits the environment
     with launcher.LocalService(1, ["--max-seq-len", "256", "--max-handles", "0", "--threads", "1"],
                                startup_timeout=300) as svc:
-        assert list((tmp_path / "kernels").glob("cpu_gemv-*.so")), "the kernels were not built before ready"
+        built = list(cache.glob("cpu_gemv-*.so"))
+        assert built, "the kernels were not built before ready"
         with Client(svc.frontend, timeout=60) as client:
             reply = client.generate("def fibonacci(n):\n", max_tokens=4)
     assert reply.stats["prefill_ms"] < 1000, reply.stats
+    assert [p.name for p in cache.iterdir()] == [built[0].name]  # one library, no temp file left behind
+    mtime = built[0].stat().st_mtime_ns
+    assert cpu._build() == built[0]  # the same key here: found, not compiled again
+    assert built[0].stat().st_mtime_ns == mtime and [p.name for p in cache.iterdir()] == [built[0].name]
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -104,19 +117,26 @@ def test_peak_rss_under_48_long_prompts_stays_within_the_budget():
     assert peak <= budget, f"peak RSS {peak / 2**20:.1f} MiB over the budget of {budget / 2**20:.1f} MiB"
 
 
-def worker_plan(*args: str) -> dict:
-    out = subprocess.run(launcher.service_command("worker", "--plan-only", "--connect", "ipc:///tmp/tl-none", *args),
-                         capture_output=True, text=True, timeout=120, env=launcher.child_env(), cwd=str(launcher.REPO_ROOT))
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def worker_plans(*runs: list[str]) -> list[dict]:
+    """`tinyloop worker --plan-only` with each run's arguments, the processes side by side (each its own baseline)."""
+    procs = [subprocess.Popen(launcher.service_command("worker", "--plan-only", "--connect", "ipc:///tmp/tl-none", *args),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launcher.child_env(),
+                              cwd=str(launcher.REPO_ROOT)) for args in runs]
+    plans = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        plans.append(json.loads(out.strip().splitlines()[-1]))
+    return plans
 
 
 def test_the_plan_sizes_the_pool_for_the_lanes_that_run_together():
     """Item 7: without a budget the pool holds --max-lanes full-length sequences (not one), so the batch's lanes do
     not preempt each other at full length; the baseline line is the process itself."""
     pools = {}
-    for lanes in (1, 4, 16):
-        plan = worker_plan("--max-seq-len", "256", "--max-handles", "0", "--max-lanes", str(lanes))
+    all_lanes = (1, 4, 16)
+    plans = worker_plans(*(["--max-seq-len", "256", "--max-handles", "0", "--max-lanes", str(lanes)] for lanes in all_lanes))
+    for lanes, plan in zip(all_lanes, plans):
         pool = next(b for name, b in plan["items"] if name.startswith("KV block pool"))
         assert any(name.startswith("KV block pool") and f"{lanes} x 256 tok" in name for name, _ in plan["items"])
         pools[lanes] = pool

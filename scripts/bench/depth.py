@@ -21,6 +21,9 @@ firing):
                 early exit's rate over it is what running lanes at different depths in one batch costs
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
+--quick (a smoke run: every figure and every tokens-equal check, none of them worth quoting) runs 16 tokens, one
+round of everything, 48-token shallow requests and, in place of the ~50M config, a ~7M one (QUICK_FORCED) of the
+same layout, int8 and forced exit pattern.
 """
 from __future__ import annotations
 
@@ -128,6 +131,9 @@ SCHEDULE = (2, 4, 16, 3, 6, 12, 5, 8)  # the forced exit pattern's loops per tok
 # ~50M parameters: 8192 x 768 tied embedding, 1 + 3 + 1 layers of d 768 (12 heads, 4 KV heads, SwiGLU 3072)
 FORCED = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=3072, n_prelude=1, n_core=3,
                      n_coda=1, max_loops=L, default_loops=L, injection="adapter", bos_id=1, eos_id=2)
+# --quick's: the same layers at the bundled model's width (d 256, 4 heads, 2 KV heads, SwiGLU 1024), ~7M parameters
+QUICK_FORCED = replace(FORCED, d_model=256, n_heads=4, n_kv_heads=2, ffn_hidden=1024)
+QUICK_SHALLOW_TOKENS = 48
 
 
 def depths_around(mean: float) -> list[int]:
@@ -142,12 +148,16 @@ def interpolate(at: dict[int, float], x: float) -> float:
     return ya + (yb - ya) * (x - a) / (b - a) if b > a else ya
 
 
-def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int, k: int) -> tuple[list[str], dict]:
+def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int, k: int,
+            exit_rounds: int | None = None, shallow_tokens: int = SHALLOW_TOKENS) -> tuple[list[str], dict]:
     """The early-exit, mixed-depth, lane-iteration and in-scheduler shallow figures of one model, `early` its early
-    exit request (n tokens, as every request here); k requests per lane in the 16-lane workloads."""
+    exit request (n tokens, as every request here but the shallow figure's, of shallow_tokens each); k requests per
+    lane in the 16-lane workloads; the early-exit lines best of exit_rounds (short runs: 2 * rounds + 1 unless
+    given)."""
+    exit_rounds = 2 * rounds + 1 if exit_rounds is None else exit_rounds
     fixed, early = GenerateConfig(max_tokens=n, loops=L, ignore_eos=True), replace(early, max_tokens=n)
     run(model, [early, fixed], 2)  # warm-up
-    lines, data = [f"  {label} (best of {rounds} rounds, the early-exit lines of {2 * rounds + 1}):"], {}
+    lines, data = [f"  {label} (best of {rounds} rounds, the early-exit lines of {exit_rounds}):"], {}
     for batch in (1, 16):
         # decode's time, after the prompts are in (a prompt's chunks run every loop under every rule), and that of
         # fixed-depth batches at the two whole loop counts around early exit's mean depth (its tokens are the same in
@@ -157,7 +167,7 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         got = best_of({"fixed": runs(model, [fixed] * batch, batch, SHORT_PROMPTS),
                        "early": runs(model, [early] * batch, batch, SHORT_PROMPTS),
                        **{loops: runs(model, [replace(fixed, loops=loops)] * batch, batch, SHORT_PROMPTS)
-                          for loops in around}}, 2 * rounds + 1, "decode_s")  # (short runs: more rounds)
+                          for loops in around}}, exit_rounds, "decode_s")
         f, e = got["fixed"], got["early"]
         mean = sum(e[False]["loops"]) / batch
         ideal = L / mean
@@ -204,7 +214,7 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
         data[f"early_lane_iterations_{name}"] = erate / urate
         data[f"uniform_at_mean_lane_iterations_{name}"] = mrate / urate
         data[f"early_lane_iterations_same_depth_{name}"] = erate / mrate
-    two, m = GenerateConfig(max_tokens=SHALLOW_TOKENS, loops=2, ignore_eos=True), SHALLOW_TOKENS
+    two, m = GenerateConfig(max_tokens=shallow_tokens, loops=2, ignore_eos=True), shallow_tokens
     mates = [GenerateConfig(max_tokens=m, loops=8, ignore_eos=True), GenerateConfig(max_tokens=m, loops=L, ignore_eos=True)]
     got = best_of({"solo": lambda: {"s": run(model, [two], 4)["ends"][0]},
                    "beside": lambda: {"s": run(model, [two, *mates], 4)["ends"][0]}}, rounds)
@@ -216,8 +226,8 @@ def figures(model: Model, label: str, early: GenerateConfig, n: int, rounds: int
     return lines, data
 
 
-def served_shallow(rounds: int, before: bool) -> float:
-    """A 2-loop request sent right after an 8- and a 16-loop one (SHALLOW_TOKENS each) to a 1-worker service of the
+def served_shallow(rounds: int, before: bool, tokens: int = SHALLOW_TOKENS) -> float:
+    """A 2-loop request sent right after an 8- and a 16-loop one (`tokens` each) to a 1-worker service of the
     bundled model: its time to the final answer over its time alone (best of the rounds each)."""
     env = os.environ.get("TINYLOOP_DEPTH_STEPS")
     os.environ["TINYLOOP_DEPTH_STEPS"] = "0" if before else "1"  # the worker inherits it
@@ -225,11 +235,11 @@ def served_shallow(rounds: int, before: bool) -> float:
         with LocalService(1, ["--max-seq-len", "1024", "--max-handles", "0"]) as svc, \
                 Client(svc.frontend, timeout=600) as client:
             def shallow_time(beside: bool) -> float:
-                deep = [client.submit("generate", {"prompt": LONG_CODE_PROMPTS[i], "max_tokens": SHALLOW_TOKENS,
+                deep = [client.submit("generate", {"prompt": LONG_CODE_PROMPTS[i], "max_tokens": tokens,
                                                    "loops": loops, "ignore_eos": True})
                         for i, loops in enumerate((8, 16))] if beside else []
                 t0 = time.perf_counter()
-                client.submit("generate", {"prompt": LONG_CODE_PROMPTS[2], "max_tokens": SHALLOW_TOKENS, "loops": 2,
+                client.submit("generate", {"prompt": LONG_CODE_PROMPTS[2], "max_tokens": tokens, "loops": 2,
                                            "ignore_eos": True}).result()
                 took = time.perf_counter() - t0
                 for p in deep:
@@ -249,28 +259,30 @@ def served_shallow(rounds: int, before: bool) -> float:
 
 def bench_depth(model_path: str | None, quick: bool) -> Report:
     n, rounds, k = (16, 1, 1) if quick else (48, 3, 4)
+    exit_rounds, shallow_tokens, forced = (1, QUICK_SHALLOW_TOKENS, QUICK_FORCED) if quick else \
+        (2 * rounds + 1, SHALLOW_TOKENS, FORCED)
     lines = [f"continuous-depth batching, {n} tokens per request; 'now' steps loop iterations, "
              f"'before' whole tokens (TINYLOOP_DEPTH_STEPS=0), alternating"]
     data: dict = {}
     model = load_model(model_path, 1024)
     got, data["bundled"] = figures(model, "bundled model, early exit by its latent rule at 0.07",
                                    GenerateConfig(max_tokens=n, loops=L, early_exit_threshold=0.07, ignore_eos=True),
-                                   n, rounds, k)
+                                   n, rounds, k, exit_rounds, shallow_tokens)
     lines += got
     free_model(model)
     with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(str(random_artifact(FORCED, Path(tmp) / "forced.tinyloop")), 1024, weights="int8")
+        model = load_model(str(random_artifact(forced, Path(tmp) / "forced.tinyloop")), 1024, weights="int8")
         with shapes_only():
-            params = LoopedLM(FORCED, max_seq_len=1).num_params()
+            params = LoopedLM(forced, max_seq_len=1).num_params()
         got, data["forced"] = figures(model, f"random {params / 1e6:.0f}M config, int8, forced exit pattern {SCHEDULE}",
                                       GenerateConfig(max_tokens=n, loops=L, exit_schedule=SCHEDULE, ignore_eos=True),
-                                      max(8, n // 3), 1 if quick else 2, k)
+                                      max(8, n // 3), 1 if quick else 2, k, exit_rounds, shallow_tokens)
         lines += got
         free_model(model)
     for before in ((False,) if quick else (False, True)):
-        ratio = served_shallow(rounds, before)
+        ratio = served_shallow(rounds, before, shallow_tokens)
         name = "before" if before else "now"
         lines.append(f"  a 2-loop request sent after an 8- and a 16-loop one to a 1-worker service "
-                     f"({SHALLOW_TOKENS} tokens each, best of {rounds}), {name:<6}: {ratio:.2f}x its time alone")
+                     f"({shallow_tokens} tokens each, best of {rounds}), {name:<6}: {ratio:.2f}x its time alone")
         data[f"served_shallow_{name}"] = ratio
     return Report(lines, data)
