@@ -117,26 +117,19 @@ def test_peak_rss_under_48_long_prompts_stays_within_the_budget():
     assert peak <= budget, f"peak RSS {peak / 2**20:.1f} MiB over the budget of {budget / 2**20:.1f} MiB"
 
 
-def worker_plans(*runs: list[str]) -> list[dict]:
-    """`tinyloop worker --plan-only` with each run's arguments, the processes side by side (each its own baseline)."""
-    procs = [subprocess.Popen(launcher.service_command("worker", "--plan-only", "--connect", "ipc:///tmp/tl-none", *args),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launcher.child_env(),
-                              cwd=str(launcher.REPO_ROOT)) for args in runs]
-    plans = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        plans.append(json.loads(out.strip().splitlines()[-1]))
-    return plans
+def worker_plan(*args: str) -> dict:
+    out = subprocess.run(launcher.service_command("worker", "--plan-only", "--connect", "ipc:///tmp/tl-none", *args),
+                         capture_output=True, text=True, timeout=120, env=launcher.child_env(), cwd=str(launcher.REPO_ROOT))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_the_plan_sizes_the_pool_for_the_lanes_that_run_together():
     """Item 7: without a budget the pool holds --max-lanes full-length sequences (not one), so the batch's lanes do
     not preempt each other at full length; the baseline line is the process itself."""
     pools = {}
-    all_lanes = (1, 4, 16)
-    plans = worker_plans(*(["--max-seq-len", "256", "--max-handles", "0", "--max-lanes", str(lanes)] for lanes in all_lanes))
-    for lanes, plan in zip(all_lanes, plans):
+    for lanes in (1, 4, 16):
+        plan = worker_plan("--max-seq-len", "256", "--max-handles", "0", "--max-lanes", str(lanes))
         pool = next(b for name, b in plan["items"] if name.startswith("KV block pool"))
         assert any(name.startswith("KV block pool") and f"{lanes} x 256 tok" in name for name, _ in plan["items"])
         pools[lanes] = pool

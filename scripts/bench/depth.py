@@ -22,8 +22,8 @@ firing):
   shallow       a 2-loop request submitted beside 8- and 16-loop ones (200 tokens each), in one scheduler (a worker's
                 batch) and through a 1-worker service (`tinyloop serve`'s processes, the bundled model), against alone
 --quick (a smoke run: every figure and every tokens-equal check, none of them worth quoting) runs 16 tokens, one
-round of everything, 48-token shallow requests and, in place of the ~50M config, a ~7M one (QUICK_FORCED) of the
-same layout, int8 and forced exit pattern.
+round of everything, 48-token shallow requests and, in place of the ~50M config, a ~2M one (QUICK_FORCED) of the
+same layers, int8 and forced exit pattern.
 """
 from __future__ import annotations
 
@@ -131,8 +131,8 @@ SCHEDULE = (2, 4, 16, 3, 6, 12, 5, 8)  # the forced exit pattern's loops per tok
 # ~50M parameters: 8192 x 768 tied embedding, 1 + 3 + 1 layers of d 768 (12 heads, 4 KV heads, SwiGLU 3072)
 FORCED = ModelConfig(vocab_size=8192, d_model=768, n_heads=12, n_kv_heads=4, ffn_hidden=3072, n_prelude=1, n_core=3,
                      n_coda=1, max_loops=L, default_loops=L, injection="adapter", bos_id=1, eos_id=2)
-# --quick's: the same layers at the bundled model's width (d 256, 4 heads, 2 KV heads, SwiGLU 1024), ~7M parameters
-QUICK_FORCED = replace(FORCED, d_model=256, n_heads=4, n_kv_heads=2, ffn_hidden=1024)
+# --quick's: the same layers at d 128 (4 heads, 2 KV heads, SwiGLU 512), ~2M parameters
+QUICK_FORCED = replace(FORCED, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=512)
 QUICK_SHALLOW_TOKENS = 48
 
 
