@@ -416,5 +416,5 @@ def test_cuda_graph_step_body_reads_full_length_correctly(monkeypatch):
         graph_step.ids.copy_(tok)
         graph_step.pos.copy_(torch.tensor([[6], [2]]))
         graph_step.require()
-        got = net(graph_step.ids, 2, ctx=graph_step._context())
+        got = step.loop_range(net, graph_step._context(), 0, 2, None, graph_step.ids)
     torch.testing.assert_close(got, plain[0], atol=1e-5, rtol=1e-5)

@@ -102,22 +102,22 @@ def test_verification_has_the_bits_of_plain_decode(make_artifact, monkeypatch):
     model = tinyloop.load_model(make_artifact(state_init="normal"), 128)
     D, V = 2, 6
     plain_logits, verified = {}, {}
-    real_rows, real_lane = paged.decode_rows, paged.LoopForward.lane
+    real_rows, real_lane = paged.decode_rows, paged.LoopForward.rows
 
     def rows(net, tokens, positions, loops, cache):
         out = real_rows(net, tokens, positions, loops, cache)
         plain_logits[positions[0]] = out[0].clone()
         return out
 
-    def lane(self, positions, first, last, latent, tokens=None, head=True):
-        out = real_lane(self, positions, first, last, latent, tokens, head)
+    def lane(self, positions, first, last, latent, tokens=None, head=True, lanes=None):
+        out = real_lane(self, positions, first, last, latent, tokens, head, lanes)
         if first == D and last == V:
             assert self.plan is not None  # the C step
             verified.update((p, out[0, i].clone()) for i, p in enumerate(positions))
         return out
 
     monkeypatch.setattr(paged, "decode_rows", rows)
-    monkeypatch.setattr(paged.LoopForward, "lane", lane)
+    monkeypatch.setattr(paged.LoopForward, "rows", lane)
     _, spec = same_as_plain(model, SpeculativeConfig(D, V, 4), max_tokens=30)
     committed = range(len(PROMPT), len(PROMPT) + spec.stats.generated_tokens - 1)
     assert spec.stats.accepted < spec.stats.drafted  # some drafts were rejected

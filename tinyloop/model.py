@@ -588,43 +588,50 @@ class LoopedLM(nn.Module):
             logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
         return logits.view(ctx.B, 1 if last_only else ctx.T, -1)
 
+    def run_loops(self, s: torch.Tensor, e: torch.Tensor, ctx, first: int, last: int,
+                  exits: "ExitState | None" = None) -> torch.Tensor:
+        """Loops first..last-1 of states s [B, T, d], injected with the prelude's output e, over every row of the
+        context: the one loop driver, under the dense forward, the cached forward of a loop range (engine/forward.py:
+        `loop_range`), each pass of an adaptive forward and of an iteration step. exits: a chunk's exit choice per
+        token (the cdf rule), noted after each loop (the chunk still runs every loop: its K/V are all needed)."""
+        for k in range(first, last):
+            s = self.loop(s, e, k, ctx)
+            if exits is not None:
+                exits.after(k, list(range(s.shape[0])), None, s)
+        return s
+
+    def chunk_exits(self, s: torch.Tensor, loops: int, exit_threshold: "ExitRule | float") -> "ExitState | None":
+        """The exit choice of a chunk whose tokens start from states s at loop 0 (Ouro's cdf rule with a threshold:
+        each position's logits come from the loop it exits at, as the reference does for every position), or None
+        (the chunk's logits are its last loop's)."""
+        rule = ExitRule.of(exit_threshold, self.cfg.exit_rule)
+        return ExitState(self, s, [loops] * s.shape[0], rule) if rule.threshold > 0 and rule.rule == "cdf" else None
+
     # --- whole forward ------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, ctx=None,
-                grad_loops: int | None = None, return_states: bool = False, exit_threshold: float = 0.0,
-                last_only: bool = False):
-        """Logits [B, T, V] for a chunk ids [B, T]. Without a context this is a plain causal forward over the chunk
-        (training, full recompute); calls with a KV cache pass the cached step's context (engine/forward.py).
+    def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, grad_loops: int | None = None,
+                return_states: bool = False, exit_threshold: float = 0.0, last_only: bool = False):
+        """Logits [B, T, V] for a chunk ids [B, T]: the plain causal forward over the chunk, with no cache (training,
+        full recompute; a forward over the paged cache is tinyloop.engine.forward.forward).
 
         grad_loops: when training, backpropagate through only the last `grad_loops` loops (the earlier ones
         run without autograd), which bounds memory and compute like truncated backprop through time.
-        exit_threshold: under the cdf exit rule (Ouro) each position's logits come from the loop it exits at, as the
-        reference does for every position (the chunk still runs every loop: its K/V are all needed). Under the
-        latent rule a chunk's logits are its last loop's. last_only: logits of the last position only ([B, 1, V]).
+        exit_threshold: under the cdf exit rule (Ouro) each position's logits come from the loop it exits at
+        (chunk_exits). last_only: logits of the last position only ([B, 1, V]).
         """
-        if ctx is not None and not hasattr(ctx, "attend"):
-            raise TypeError(f"LoopedLM.forward: ctx must be a forward context, got {type(ctx).__name__} (a cached "
-                            f"forward is tinyloop.engine.forward.forward(net, ids, loops, step, cache))")
-        if ctx is None:
-            if step is None:
-                T = ids.shape[1]
-                step = self.make_step(torch.arange(T, device=ids.device).expand(ids.shape[0], T), T)
-            ctx = self.dense(step)
+        if step is None:
+            T = ids.shape[1]
+            step = self.make_step(torch.arange(T, device=ids.device).expand(ids.shape[0], T), T)
+        ctx = self.dense(step)
         e = self.encode(ids, ctx)
         s = self.init_state(e, ctx.step)
         states = [s]
         no_grad_until = loops - grad_loops if grad_loops is not None else 0
-        rule = ExitRule.of(exit_threshold, self.cfg.exit_rule)
-        exits = ExitState(self, s, [loops] * ids.shape[0], rule) if rule.threshold > 0 and rule.rule == "cdf" else None
-        for k in range(loops):
-            if k < no_grad_until:
-                with torch.no_grad():
-                    s = self.loop(s, e, k, ctx)
-            else:
-                s = self.loop(s, e, k, ctx)
+        exits = self.chunk_exits(s, loops, exit_threshold)
+        for k in range(loops):  # (loop by loop: the states are kept, the first loops run without autograd)
+            with torch.no_grad() if k < no_grad_until else contextlib.nullcontext():
+                s = self.run_loops(s, e, ctx, k, k + 1, exits)
             if return_states:
                 states.append(s)
-            if exits is not None:
-                exits.after(k, list(range(ids.shape[0])), None, s)
         logits = self.decode_head(s if exits is None else exits.out, ctx, last_only)
         return (logits, states) if return_states else logits
 
@@ -677,7 +684,7 @@ class LoopedLM(nn.Module):
             if not active:
                 break
             if len(active) == B:
-                s_old, s_new = s, self.loop(s, e, k, ctx)
+                s_old, s_new = s, self.run_loops(s, e, ctx, k, k + 1)
                 s = s_new
                 logits = self.decode_head(s_new, ctx)[:, -1] if exits.reads_logits else None
             else:
@@ -685,7 +692,7 @@ class LoopedLM(nn.Module):
                 if self.cfg.value_embeds:  # the lanes' tokens go with them (one per lane here)
                     sub.ids = ctx.ids[idx]
                 s_old = s[idx]
-                s_new = self.loop(s_old, e[idx], k, sub)
+                s_new = self.run_loops(s_old, e[idx], sub, k, k + 1)
                 logits = self.decode_head(s_new, sub)[:, -1] if exits.reads_logits else None
                 sub.commit()
                 s[idx] = s_new

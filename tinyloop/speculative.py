@@ -385,7 +385,7 @@ class Speculator:
         """Loops first..last-1 of the chunk's latent rows (from tokens: prelude first) and, with head, the coda and
         head: logits [1, T, V] (else None). A chain's tokens sit at their positions; a tree's at its cells."""
         if tree is None:
-            return self.forward.lane(pos, first, last, lat, tokens, head)
+            return self.forward.rows(pos, first, last, lat, tokens, head, lanes=[0] * len(pos))
         ids = None if tokens is None else torch.tensor([tokens], device=self.model.device)
         return self.forward(tree.step(self.net, pos, cells), first, last, lat, ids, head)
 

@@ -6,9 +6,12 @@ is that context for every call with a cache (prefill chunks, decode rows, specul
 What every layer of a chunk shares is computed once per chunk, not per layer: lane and cell indices, the blocks
 the chunk writes, the mask, the rotary factors.
 
-The forward over a loop range (`forward_loops`, `LoopForward`: first and last loop, latent states in and out) is
-what speculative decoding drafts and verifies with: a draft runs its token from loop 0 to draft_loops, the verified
-chunk continues from there to verify_loops; a decode step is the range 0..loops.
+The forward over a loop range (`LoopForward`: first and last loop, latent states in and out, its backend chosen per
+call) is the one primitive every cached path runs: a decode step or a prefill chunk is the range 0..loops from the
+tokens; speculative decoding drafts a token from loop 0 to draft_loops and continues the drafted chunk from there to
+verify_loops; a resume handle deepens its prompt from its depth to a deeper one; an early-exit token's head is the
+range 0..0 from its state. Its torch backend (`loop_range`) runs the model's loops through LoopedLM.run_loops, the
+one loop driver, which the adaptive forward's and the iteration steps' passes call too.
 
 Backends:
   C       token rows on CPU (the fp16 cache mode holding fp32, no ring): decode rows (one token per lane) and
@@ -350,35 +353,14 @@ class torch_threads:
 
 def forward(net: LoopedLM, ids: torch.Tensor, loops: int, step: Step, cache: KVCache,
             exit_threshold: "ExitRule | float" = 0.0, last_only: bool = False) -> torch.Tensor:
-    """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`
-    (exit_threshold: LoopedLM.forward's, the cdf rule's choice of each position's loop). A chunk of up to
-    cpu_block.MAX_LANES tokens in all runs as the C step's rows where it can (c_chunk): each row then has the bits of
-    its token decoded alone at its cell, whatever chunk it came in."""
-    exits = ExitRule.of(exit_threshold, net.cfg.exit_rule)
-    exit_threshold = exits if exits.threshold > 0 else 0.0  # (the compiled paths take no exit rule)
-    B, T = ids.shape
-    chunk = step.cells is None and step.mask is None
-    rows = T == 1 and chunk
-    if rows and ids.device.type == "cuda" and use_triton(ids.device) and graphs_enabled() \
-            and triton_supports(net.cfg) and not exit_threshold:
-        return cuda_graph(net, cache, B, loops).run(ids, step.pos)
-    plan = c_chunk(net, cache, B * T, exits) if chunk else None
-    if plan is not None:  # the whole forward in one C call
-        cells, lanes = _c_rows(step)
-        flat = plan.run(cache, cells, 0, loops, **lanes, tokens=ids.reshape(-1).tolist())
-        assert flat is not None  # (with the head)
-        logits = flat.view(B, T, -1)
-        return logits[:, -1:] if last_only else logits
-    c_blocks = rows and ids.device.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype)
-    threads = decode_threads(B, net.cfg, c_blocks=c_blocks) if rows and ids.device.type == "cpu" else 0
-    with torch_threads(threads):
-        ctx = context(net, step, cache)
-        if rows:
-            cfg = net.cfg
-            ctx.read_ahead([*range(cfg.n_prelude + cfg.n_core * loops), *range(cfg.coda_slot(0), cfg.n_slots())])
-        logits = net(ids, loops, ctx=ctx, exit_threshold=exit_threshold, last_only=last_only)
-        ctx.flush()
-        return logits
+    """Logits [B, T, V] of a chunk ids [B, T] at step.pos, every lane at `loops` loops, through `cache`: the loop range
+    0..loops from ids with the head (LoopForward; exit_threshold: the cdf rule's choice of each position's loop,
+    LoopedLM.chunk_exits). A chunk of up to cpu_block.MAX_LANES tokens in all runs as the C step's rows where it can:
+    each row then has the bits of its token decoded alone at its cell, whatever chunk it came in."""
+    logits = LoopForward(net, cache)(step, 0, loops, None, ids, last_only=last_only,
+                                     exits=ExitRule.of(exit_threshold, net.cfg.exit_rule))
+    assert logits is not None  # (with the head)
+    return logits
 
 
 def c_chunk(net: LoopedLM, cache: KVCache, rows: int, exits: ExitRule | None = None) -> cpu_block.DecodeStep | None:
@@ -408,24 +390,15 @@ def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: i
     those rows, without building tensors the CPU's whole-step decode would only turn back into lists. `lanes`: the
     rows' lanes where some lane has several rows (a speculative chunk's, at consecutive positions; the C step only,
     forward.c_chunk says when)."""
-    B, dev = len(tokens), cache.device
-    if dev.type == "cpu" and cpu_block.supported(net.cfg, cache, B, net.embed.weight.dtype):
-        plan = c_step(net, cache)
-        if plan is not None:
-            with torch_threads(decode_threads(B, net.cfg, c_blocks=True)):
-                logits = plan.run(cache, positions, 0, loops, lanes=lanes, tokens=tokens)
-                assert logits is not None  # (with the head)
-                return logits
-    assert lanes is None, "rows of one lane at several positions run in the C step only"
-    ids = torch.tensor([[t] for t in tokens], device=dev)
-    pos = torch.tensor([[p] for p in positions], device=dev)
-    return forward(net, ids, loops, net.make_step(pos, max(positions) + 1), cache)[:, -1]
+    logits = LoopForward(net, cache).rows(positions, 0, loops, None, tokens, lanes=lanes)
+    assert logits is not None  # (with the head)
+    return logits.view(len(tokens), -1)
 
 
 @dataclasses.dataclass
 class Latent:
     """A chunk's latent rows between loops ([B, T, d] each): e, the prelude's output that every loop is injected
-    with, and s, the state after the loops run so far. `forward_loops` reads and writes them in place."""
+    with, and s, the state after the loops run so far. `LoopForward` reads and writes them in place."""
     e: torch.Tensor
     s: torch.Tensor
 
@@ -440,81 +413,110 @@ class Latent:
 
 
 class LoopForward:
-    """The cached forward of a call's chunks over loop ranges (`forward_loops`), its backend chosen once: within a
-    call the model is held (Model.busy), its weights and the call's cache stay what they were."""
+    """The cached forward of a loop range, the one primitive every cached path runs: prefill chunks and decode rows
+    (`forward`, `decode_rows`: the range 0..loops from ids with the head), speculative drafts (0..draft_loops) and
+    their verification (on to verify_loops), a resume handle's build and deepening, the heads of early-exit tokens
+    (the range 0..0 from their states). Its backend is chosen per call, the model's math written once
+    (model.LoopedLM.run_loops and the pieces around it):
+      CUDA graph  decode rows on CUDA with Triton, the whole range from ids with the head (CudaGraphStep)
+      C           up to cpu_block.MAX_LANES token rows on the CPU where the cache and model allow (c_chunk): one call
+      torch       the model's pieces over the chunk's `Cached` context (`loop_range`)
+    Within a call the model is held (Model.busy), its weights and the call's cache stay what they were, so a caller
+    running many chunks over one cache keeps one LoopForward."""
 
     def __init__(self, net: LoopedLM, cache: KVCache):
         self.net, self.cache = net, cache
-        self.plan = c_chunk(net, cache, 1)  # (chunks of up to MAX_LANES rows: c_chunk's rule, as `forward`)
+        self.plan = c_chunk(net, cache, 1)  # (chunks of up to MAX_LANES rows: c_chunk's rule)
         self.cpu = cache.device.type == "cpu"
+        self.graphs = cache.device.type == "cuda" and use_triton(cache.device) and graphs_enabled() \
+            and triton_supports(net.cfg)
 
-    def __call__(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None = None,
-                 head: bool = True, last_only: bool = False) -> torch.Tensor | None:
-        """forward_loops of the chunk at `step`."""
+    def __call__(self, step: Step, first: int, last: int, latent: "Latent | None", ids: torch.Tensor | None = None,
+                 head: bool = True, last_only: bool = False, exits: ExitRule | None = None) -> torch.Tensor | None:
+        """Loops first..last-1 of the chunk at `step` (B lanes x T tokens): from ids [B, T] (first == 0: embedding,
+        prelude and initial state, into `latent`), or continuing `latent` (the chunk's states after `first` loops);
+        latent.s holds the states after `last` loops on return (latent None: a forward from ids whose states nobody
+        keeps). With head, then the coda, final norm and head: logits [B, T, V] (else None; with last_only
+        [B, 1, V]: every token's coda, the last one's head). exits: a chunk's exit choice per token (the cdf rule
+        with a threshold; torch only), from ids over the whole range."""
         B, T = step.pos.shape
-        if self.plan is not None and B * T <= cpu_block.MAX_LANES and (step.cells is None or B == 1):
-            cells, rows = _c_rows(step)
-            logits = self._c(cells, rows, first, last, latent, None if ids is None else ids.reshape(-1).tolist(),
+        rows = T == 1 and step.cells is None and step.mask is None
+        chooses = exits is not None and exits.rule == "cdf" and exits.threshold > 0
+        if self.graphs and rows and latent is None and not chooses and first == 0 and ids is not None and head:
+            return cuda_graph(self.net, self.cache, B, last).run(ids, step.pos)
+        if self.plan is not None and not chooses and B * T <= cpu_block.MAX_LANES and (step.cells is None or B == 1):
+            cells, extra = _c_rows(step)
+            logits = self._c(cells, extra, first, last, latent, None if ids is None else ids.reshape(-1).tolist(),
                              head, (B, T))
             return logits[:, -1:] if last_only and logits is not None else logits
-        return self._torch(step, first, last, latent, ids, head, last_only)
+        c_blocks = rows and self.cpu and cpu_block.supported(self.net.cfg, self.cache, B, self.net.embed.weight.dtype)
+        with torch_threads(decode_threads(B * T, self.net.cfg, c_blocks=c_blocks) if self.cpu else 0):
+            return loop_range(self.net, context(self.net, step, self.cache), first, last, latent, ids, head,
+                              last_only, exits if chooses else None)
 
-    def lane(self, positions: list[int], first: int, last: int, latent: Latent, tokens: list[int] | None = None,
-             head: bool = True) -> torch.Tensor | None:
-        """forward_loops of one lane's tokens at `positions` (lane 0, cell = position): a speculative chain, without
-        the tensors the C step would only turn back into lists."""
+    def rows(self, positions: list[int], first: int, last: int, latent: "Latent | None",
+             tokens: list[int] | None = None, head: bool = True, lanes: list[int] | None = None
+             ) -> torch.Tensor | None:
+        """The loop range of token rows given as lists, without the tensors the C step would only turn back into
+        lists: one token per lane at `positions` (lanes None: row b is lane b), or one lane's chain (lanes all 0,
+        cell = position; other mixes run in the C step only). Logits [1, T, V] of a chain, [B, 1, V] of lanes."""
         T = len(positions)
+        chain = lanes is not None and T > 1
         if self.plan is not None and T <= cpu_block.MAX_LANES:
-            return self._c(positions, {} if T == 1 else {"lanes": [0] * T}, first, last, latent, tokens, head, (1, T))
+            return self._c(positions, {} if lanes is None else {"lanes": lanes}, first, last, latent, tokens, head,
+                           (1, T) if chain else (T, 1))
+        assert lanes is None or not any(lanes), "rows of several lanes at several positions run in the C step only"
         dev = self.cache.device
-        ids = None if tokens is None else torch.tensor([tokens], device=dev)
-        step = self.net.make_step(torch.tensor([positions], device=dev), max(positions) + 1)
-        return self._torch(step, first, last, latent, ids, head)
+        pos = torch.tensor([positions] if chain else [[p] for p in positions], device=dev)
+        ids = None if tokens is None else torch.tensor(tokens, device=dev).view(pos.shape)
+        return self(self.net.make_step(pos, max(positions) + 1), first, last, latent, ids, head)
 
-    def _c(self, cells: list[int], rows: dict, first: int, last: int, latent: Latent, tokens: list[int] | None,
-           head: bool, shape: tuple[int, int]) -> torch.Tensor | None:
+    def _c(self, cells: list[int], rows: dict, first: int, last: int, latent: "Latent | None",
+           tokens: list[int] | None, head: bool, shape: tuple[int, int]) -> torch.Tensor | None:
         assert self.plan is not None  # (the caller checked)
-        logits = self.plan.run(self.cache, cells, first, last, **rows, tokens=tokens, e=latent.e, s=latent.s,
-                               head=head)  # (C blocks keep torch's threads: decode_threads)
+        with torch_threads(decode_threads(len(cells), self.net.cfg, c_blocks=True)):
+            logits = self.plan.run(self.cache, cells, first, last, **rows, tokens=tokens,
+                                   e=None if latent is None else latent.e, s=None if latent is None else latent.s,
+                                   head=head)
         return None if logits is None else logits.view(*shape, -1)
 
-    def _torch(self, step: Step, first: int, last: int, latent: Latent, ids: torch.Tensor | None,
-               head: bool, last_only: bool = False) -> torch.Tensor | None:
-        net = self.net
-        with torch_threads(decode_threads(step.pos.numel(), net.cfg, c_blocks=False) if self.cpu else 0):
-            return chunk_loops(net, step, self.cache, first, last, latent, ids, head, last_only)
 
-
-def chunk_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
-                ids: torch.Tensor | None = None, head: bool = True, last_only: bool = False) -> torch.Tensor | None:
-    """forward_loops through the model's pieces over the chunk's `Cached` context: the path of a chunk the C step
-    does not run (`forward`'s too), so a handle built and deepened piece by piece (tinyloop/resume.py, through
-    forward_loops) has the bits of generate's prefill."""
-    ctx = context(net, step, cache)
+def loop_range(net: LoopedLM, ctx, first: int, last: int, latent: "Latent | None", ids: torch.Tensor | None = None,
+               head: bool = True, last_only: bool = False, exits: ExitRule | None = None) -> torch.Tensor | None:
+    """LoopForward's torch backend over a chunk's context: from ids (prelude, initial state) or `latent`, the loops
+    first..last-1 (LoopedLM.run_loops), into `latent`, then with head the coda and head. Decode rows from ids read
+    every slot they touch through one buffer (Cached.read_ahead)."""
+    cfg = net.cfg
+    if ids is not None and head and ctx.T == 1:
+        ctx.read_ahead([*range(cfg.n_prelude), *range(cfg.core_slot(first, 0), cfg.core_slot(last, 0)),
+                        *range(cfg.coda_slot(0), cfg.n_slots())])
     if ids is not None:
-        latent.e.copy_(net.encode(ids, ctx))
-        latent.s.copy_(net.init_state(latent.e, step))
-    s = latent.s
-    for k in range(first, last):
-        s = net.loop(s, latent.e, k, ctx)
-    latent.s.copy_(s)
-    return net.decode_head(latent.s, ctx, last_only) if head else None
+        e = net.encode(ids, ctx)
+        s = net.init_state(e, ctx.step)
+    else:
+        assert latent is not None  # (the range continues the chunk's states)
+        e, s = latent.e, latent.s
+    choice = net.chunk_exits(s, last, exits) if exits is not None else None
+    s = net.run_loops(s, e, ctx, first, last, choice)
+    if latent is not None:
+        if ids is not None:
+            latent.e.copy_(e)
+        latent.s.copy_(s)
+    logits = net.decode_head(s if choice is None else choice.out, ctx, last_only) if head else None
+    ctx.flush()
+    return logits
 
 
-def forward_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: Latent,
+def chunk_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: "Latent",
+                ids: torch.Tensor | None = None, head: bool = True, last_only: bool = False) -> torch.Tensor | None:
+    """The loop range through the model's pieces (torch) whatever backend LoopForward would choose: a test's
+    reference for the C step."""
+    return loop_range(net, context(net, step, cache), first, last, latent, ids, head, last_only)
+
+
+def forward_loops(net: LoopedLM, step: Step, cache: KVCache, first: int, last: int, latent: "Latent | None",
                   ids: torch.Tensor | None = None, head: bool = True, last_only: bool = False) -> torch.Tensor | None:
-    """The cached forward of a chunk (B lanes x T tokens at step.pos) over loops first..last-1: from ids [B, T]
-    (first == 0: embedding, prelude and initial state, into `latent`), or continuing `latent` (the chunk's states
-    after `first` loops); latent.s holds the states after `last` loops on return. With head, then the coda, final
-    norm and head: logits [B, T, V] (else None; with last_only [B, 1, V]: every token's coda, the last one's head).
-    A decode step is 0..loops from ids with the head; speculative decoding drafts tokens over 0..draft_loops and
-    continues the drafted chunk from there to verify_loops.
-
-    Backends: on the CPU, when the cache and model allow (`cpu_block.supported`), the C step (one call:
-    DecodeStep), whose rows are the chunk's tokens: a row attends over its lane's cells up to its own (a chunk at
-    consecutive cells is causal; a tree brings its ancestor mask), and its logits have the bits of the same token
-    decoded alone at that cell. Otherwise the model's pieces over the chunk's `Cached` context (torch, or Triton
-    for decode rows). A caller running many chunks over one cache keeps a LoopForward instead."""
+    """The loop range first..last-1 of a chunk (LoopForward, built for this one call)."""
     return LoopForward(net, cache)(step, first, last, latent, ids, head, last_only)
 
 
@@ -597,11 +599,11 @@ class CudaGraphStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.net(self.ids, self.loops, ctx=ctx)
+                loop_range(self.net, ctx, 0, self.loops, None, self.ids)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = self.net(self.ids, self.loops, ctx=ctx)
+                self.logits = loop_range(self.net, ctx, 0, self.loops, None, self.ids)
         self.graph.replay()
         assert self.logits is not None  # (captured with the graph)
         return self.logits.clone()  # the next replay overwrites the graph's buffer

@@ -86,13 +86,13 @@ def _torch(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int],
     ctxs = {k: _rows(net, cache, positions, lanes, rows) for k, rows in groups.items()}
     if len(groups) == 1:  # every row at one loop: the plain pass
         (k, ctx), = ctxs.items()
-        s.copy_(net.loop(s, e, k, ctx))
+        s.copy_(net.run_loops(s, e, ctx, k, k + 1))
     elif all(ctx.native is None for ctx in ctxs.values()):
         index = [(torch.tensor(groups[k], device=dev), k, ctx) for k, ctx in ctxs.items()]
-        s.copy_(net.loop(s, e, 0, _Mixed(net, B, index)))
+        s.copy_(net.run_loops(s, e, _Mixed(net, B, index), 0, 1))
     else:  # C blocks run a group's whole pass themselves (a model the C step does not fit): one pass per group
         for k, ctx in ctxs.items():
-            s[groups[k]] = net.loop(s[groups[k]], e[groups[k]], k, ctx)
+            s[groups[k]] = net.run_loops(s[groups[k]], e[groups[k]], ctx, k, k + 1)
     for ctx in ctxs.values():
         ctx.commit()
     ends = [b for b in range(B) if finish[b]]
