@@ -93,7 +93,7 @@ def exit_stops(net, rules: list[ExitRule], done: list[int], last: torch.Tensor, 
     where only the cdf rule acts), `done` the loops each row has now run, `last` [B, 1] its last loop, `logits`
     [B, V] of this loop where a row's rule reads them. Updates `track` (None where no row's rule is TRACKED);
     returns which tokens may stop [B, T]. One
-    decision for the loop-iteration steps (engine/runner.py) and a forward of whole tokens (model.ExitState)."""
+    decision for the loop-iteration steps (engine/executor.py) and a chunk's choice per token (model.ChunkExits)."""
     B, T, dev = s_new.shape[0], s_new.shape[1], s_new.device
     stop = torch.zeros(B, T, dtype=torch.bool, device=dev)
     thr = torch.tensor([r.threshold for r in rules], dtype=torch.float32, device=dev)

@@ -250,7 +250,7 @@ _params: "weakref.WeakKeyDictionary[LoopedLM, list]" = weakref.WeakKeyDictionary
 
 def weights_version(net: "LoopedLM") -> tuple[int, ...]:
     """The parameters' version counters: they move on any in-place change (load_state_dict, training). The
-    parameter list is kept (walking the modules costs ~60 us, a few percent of a decode step)."""
+    parameter list is kept (walking the modules every step would cost a noticeable part of a decode step)."""
     params = _params.get(net)
     if params is None:
         params = _params[net] = list(net.parameters())
@@ -589,23 +589,23 @@ class LoopedLM(nn.Module):
         return logits.view(ctx.B, 1 if last_only else ctx.T, -1)
 
     def run_loops(self, s: torch.Tensor, e: torch.Tensor, ctx, first: int, last: int,
-                  exits: "ExitState | None" = None) -> torch.Tensor:
+                  exits: "ChunkExits | None" = None) -> torch.Tensor:
         """Loops first..last-1 of states s [B, T, d], injected with the prelude's output e, over every row of the
         context: the one loop driver, under the dense forward, the cached forward of a loop range (engine/forward.py:
-        `loop_range`), each pass of an adaptive forward and of an iteration step. exits: a chunk's exit choice per
+        `loop_range`) and each pass of an iteration step (engine/iteration.py). exits: a chunk's exit choice per
         token (the cdf rule), noted after each loop (the chunk still runs every loop: its K/V are all needed)."""
         for k in range(first, last):
             s = self.loop(s, e, k, ctx)
             if exits is not None:
-                exits.after(k, list(range(s.shape[0])), None, s)
+                exits.after(k, s)
         return s
 
-    def chunk_exits(self, s: torch.Tensor, loops: int, exit_threshold: "ExitRule | float") -> "ExitState | None":
+    def chunk_exits(self, s: torch.Tensor, loops: int, exit_threshold: "ExitRule | float") -> "ChunkExits | None":
         """The exit choice of a chunk whose tokens start from states s at loop 0 (Ouro's cdf rule with a threshold:
         each position's logits come from the loop it exits at, as the reference does for every position), or None
         (the chunk's logits are its last loop's)."""
         rule = ExitRule.of(exit_threshold, self.cfg.exit_rule)
-        return ExitState(self, s, [loops] * s.shape[0], rule) if rule.threshold > 0 and rule.rule == "cdf" else None
+        return ChunkExits(self, s, loops, rule) if rule.threshold > 0 and rule.rule == "cdf" else None
 
     # --- whole forward ------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, loops: int, step: Step | None = None, grad_loops: int | None = None,
@@ -660,80 +660,24 @@ class LoopedLM(nn.Module):
             done |= (gate >= 0.5).all(dim=-1)
         return done
 
-    def forward_adaptive(self, ids: torch.Tensor, loops: int | list[int], ctx,
-                         rules: "ExitRule | float | list" = 0.0) -> tuple[torch.Tensor, list[int]]:
-        """Cached forward of one token per lane, each lane at its own loop count and exit rule (tinyloop/exits.py; a
-        plain threshold: the model's rule); returns logits [B, 1, V] and the loops each lane used.
 
-        Each loop runs only the lanes still looping (ctx.subset). A lane that exits keeps its state; its K/V for
-        the loops it skipped (up to its own loop count) are copies of its last loop's, so later tokens still find
-        keys at every depth (DESIGN section 2). A lane never writes a slot beyond its own loop count. A rule that
-        reads logits (Huginn's) runs the coda and head after each loop (their K/V rewritten by the last).
-        """
-        B = ids.shape[0]
-        want = [loops] * B if isinstance(loops, int) else list(loops)
-        e = self.encode(ids, ctx)
-        s = self.init_state(e, ctx.step).clone()
-        # exit_kv "compute" (Ouro's reference computes every loop): a lane that exits keeps looping, so its K/V at
-        # later loops are the real ones, and `exits.out` keeps the state it exited with, which gives its logits.
-        compute = self.cfg.exit_kv == "compute"
-        exits = ExitState(self, s, want, rules)
-        active = list(range(B))
-        for k in range(max(want)):
-            active = [i for i in active if want[i] > k]
-            if not active:
-                break
-            if len(active) == B:
-                s_old, s_new = s, self.run_loops(s, e, ctx, k, k + 1)
-                s = s_new
-                logits = self.decode_head(s_new, ctx)[:, -1] if exits.reads_logits else None
-            else:
-                sub, idx = ctx.subset(active), torch.tensor(active, device=ids.device)
-                if self.cfg.value_embeds:  # the lanes' tokens go with them (one per lane here)
-                    sub.ids = ctx.ids[idx]
-                s_old = s[idx]
-                s_new = self.run_loops(s_old, e[idx], sub, k, k + 1)
-                logits = self.decode_head(s_new, sub)[:, -1] if exits.reads_logits else None
-                sub.commit()
-                s[idx] = s_new
-            exits.after(k, active, s_old, s_new, logits)
-            if not compute:
-                active = [i for i in active if exits.used[i] > k + 1]
-        if not compute:
-            for i in range(B):
-                ctx.fill_skipped(i, exits.used[i], want[i])
-        return self.decode_head(exits.out, ctx), exits.used
+class ChunkExits:
+    """A chunk's exit choice per token under Ouro's cdf rule (LoopedLM.chunk_exits): the loop each token exits at,
+    and the states to take logits from. The chunk runs every loop (its K/V are all needed); each token's logits come
+    from the state of the loop it exits at. The decision is exits.exit_stops, the one the engine's loop iterations
+    make for a decoding token."""
 
-
-class ExitState:
-    """Early-exit bookkeeping of a forward: which loop each lane (or, in a chunk under the cdf rule, each token)
-    exits at, and the states to take logits from.
-
-    Each lane has its own ExitRule (tinyloop/exits.py: latent, cdf, entropy, kl, argmax; a plain threshold means
-    the model's rule); the decision is exits.exit_stops, shared with the runner's loop-iteration steps."""
-
-    def __init__(self, net: LoopedLM, s: torch.Tensor, want: list[int], rules):
+    def __init__(self, net: LoopedLM, s: torch.Tensor, loops: int, rule: ExitRule):
         B, T = s.shape[:2]
-        self.net, self.want, self.used = net, want, list(want)
-        self.rules = [ExitRule.of(r, net.cfg.exit_rule) for r in (rules if isinstance(rules, list) else [rules] * B)]
-        self.reads_logits = any(r.reads_logits for r in self.rules)
+        self.net, self.loops, self.rules = net, loops, [rule] * B
         self.out = s.clone()
         self.chosen = torch.zeros(B, T, dtype=torch.bool, device=s.device)  # tokens whose exit loop is decided
         self.track = Track.start(B, T, net.cfg.vocab_size, s.device)
 
-    def after(self, k: int, lanes: list[int], s_old: torch.Tensor | None, s_new: torch.Tensor,
-              logits: torch.Tensor | None = None) -> None:
-        """Loop k (0-based) of `lanes` gave states s_new [len(lanes), T, d] from s_old (and logits [len(lanes), V]
-        where reads_logits)."""
-        idx = torch.tensor(lanes, device=s_new.device)
-        last = torch.tensor([k == self.want[i] - 1 for i in lanes], device=s_new.device).unsqueeze(1)
-        track = self.track.rows(idx)
-        stop = exit_stops(self.net, [self.rules[i] for i in lanes], [k + 1] * len(lanes), last, s_old, s_new, track,
-                          logits)
-        self.track.put(idx, track)
-        fresh = ~self.chosen[idx]
-        self.out[idx] = torch.where(fresh.unsqueeze(-1), s_new, self.out[idx])
-        self.chosen[idx] |= stop
-        for i, lane_stops in zip(lanes, stop.all(dim=1).tolist()):
-            if lane_stops and self.used[i] == self.want[i] and k + 1 < self.want[i]:
-                self.used[i] = k + 1
+    def after(self, k: int, s: torch.Tensor) -> None:
+        """Loop k (0-based) gave the chunk's states s [B, T, d]."""
+        B = s.shape[0]
+        last = torch.full((B, 1), k == self.loops - 1, device=s.device)
+        stop = exit_stops(self.net, self.rules, [k + 1] * B, last, None, s, self.track)
+        self.out = torch.where(self.chosen.unsqueeze(-1), self.out, s)
+        self.chosen |= stop

@@ -145,9 +145,9 @@ class SpeculativeStats(GenerateStats):
 
 
 # --- the speculator ------------------------------------------------------------------------------------
-# A chain stops drafting after a draft token the draft itself gives less than this probability: on the bundled model
-# (draft 2 -> verify 8) one in ten drafts, accepted ~79 % of the time against ~97 % for the others; the drafts
-# after a rejected one are thrown away, so they are not worth drafting (docs/speculative.md, measured).
+# A chain stops drafting after a draft token the draft itself gives less than this probability: such drafts are
+# rejected far more often than the others, and the drafts after a rejected one are thrown away, so they are not worth
+# drafting (docs/speculative.md has the measurement).
 DRAFT_CONFIDENCE = 0.05
 
 
@@ -395,7 +395,7 @@ class Speculator:
         logits [1, T, V] (or None) and the loop-steps executed.
 
         With early exit a token whose latent stops changing freezes, copies its K/V into the slots of every loop it
-        skips (up to verify_loops) and leaves the chunk, exactly as forward_adaptive does per token.
+        skips (up to verify_loops) and leaves the chunk, exactly as an early-exit decode row does (Executor.exit_heads).
         """
         T = len(pos)
         if not self.adaptive:  # one call: the loops and the head

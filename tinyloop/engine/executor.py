@@ -42,7 +42,7 @@ class Executor:
         self.flights: dict[int, InFlight] = {}  # lane -> the token it is looping (continuous-depth batching)
         # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
         # step (`iterate`); off for cores that need token ids (value embeddings)
-        self.iterative = not model.cfg.value_embeds and options.depth_steps
+        self.iterative = options.depth_steps
         # the C calls (passes with their exit decisions, prefill rows) and the latent rows they keep between calls;
         # a greedy row whose token ended may wait a pass or two there to share its head with batch-mates'
         self.c = CBackend(model, cache, options.coalesce)
@@ -153,23 +153,28 @@ class Executor:
         return paged.forward(self.net, x, loops or self.loops, step, self.lane(lane), exit_threshold=exits,
                              last_only=not all_rows)[0]
 
-    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
-               loops: list[int] | int | None = None, exits: list[ExitRule] | ExitRule | None = None
-               ) -> tuple[torch.Tensor, list[int]]:
-        """One token per lane (lanes 0..B-1 of `cache`, default the whole cache), each lane at its own loop count and
-        exit rule (lists, or one value for all): logits [B, V] and the loops each lane ran."""
-        cache = self.cache if cache is None else cache
+    def decode(self, tokens: list[int], positions: list[int], loops: list[int] | int | None = None,
+               exits: list[ExitRule] | ExitRule | None = None) -> tuple[torch.Tensor, list[int]]:
+        """One token per lane (lanes 0..B-1), each lane at its own loop count and exit rule (lists, or one value for
+        all), for callers that feed the forwards themselves: logits [B, V] and the loops each lane ran."""
         B = len(tokens)
         loops = [loops or self.loops] * B if not isinstance(loops, list) else loops
         exits = [self.early_exit if exits is None else exits] * B if not isinstance(exits, list) else exits
-        if len(set(loops)) == 1 and not any(self.is_adaptive(e) for e in exits):
-            return paged.decode_rows(self.net, tokens, positions, loops[0], cache), loops
-        dev = self.model.device
-        ids = torch.tensor([[t] for t in tokens], device=dev)
-        pos = torch.tensor([[p] for p in positions], device=dev)
-        out, used = paged.forward_adaptive(self.net, ids, loops, self.net.make_step(pos, max(positions) + 1), cache,
-                                           exits)
-        return out[:, -1], list(used)
+        out = Outputs()
+        self.token_step([Row(i, t, p, n, e, self.is_adaptive(e))
+                         for i, (t, p, n, e) in enumerate(zip(tokens, positions, loops, exits))], out)
+        logits, used = zip(*(out.tokens[i] for i in range(B)))
+        return torch.stack(logits), list(used)
+
+    def whole_tokens(self, rows: list[Row], out: Outputs) -> None:
+        """The rows' tokens, each at its own loop count and exit rule, all done within this call: loop iterations
+        (`iterate`) until every row's token is done, no greedy token drawn ahead. The path of the rows when
+        iteration-level steps are off (TINYLOOP_DEPTH_STEPS=0), of a one-token prompt that may exit early, and of the
+        refeed of such tokens."""
+        pending = [replace(r, greedy=False, draws=[]) for r in rows]
+        while pending:
+            self.iterate(pending, out)
+            pending = [r for r in pending if r.lane not in out.tokens]
 
     # --- a step -------------------------------------------------------------------------------------------
     def execute(self, plan: Plan) -> Outputs:
@@ -212,8 +217,9 @@ class Executor:
         elif piece.keep_latent:
             logits = self.latent_piece(piece, out)
         elif piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit):
-            row, ran = self.decode(piece.tokens, [0], self.lane(piece.lane), piece.loops, piece.exit)
-            logits, used = row[0], ran[0]
+            token = Outputs()
+            self.whole_tokens([Row(piece.lane, piece.tokens[0], 0, piece.loops, piece.exit, True)], token)
+            logits, used = token.tokens[piece.lane]
         else:
             logits = self.prefill(piece.tokens, piece.start, piece.lane, piece.loops, piece.exit)[-1]
         # (a copy: not a view pinning [T, V])
@@ -247,18 +253,26 @@ class Executor:
             return
         if self.iterative and self.by_iteration(rows):
             self.iterate(rows, out)
+        else:
+            self.token_step(rows, out)
+
+    def token_step(self, rows: list[Row], out: Outputs) -> None:
+        """Every row's whole token in this call: one forward of every loop where the rows run at one fixed depth,
+        else loop iterations until each token is done (`whole_tokens`)."""
+        if len({r.loops for r in rows}) > 1 or any(r.adaptive for r in rows):
+            self.whole_tokens(rows, out)
             return
         view = self.cache.select([r.lane for r in rows])
         t = time.perf_counter()
         try:
-            logits, used = self.decode([r.token for r in rows], [r.position for r in rows], view,
-                                       [r.loops for r in rows], [r.exit for r in rows])
+            logits = paged.decode_rows(self.net, [r.token for r in rows], [r.position for r in rows], rows[0].loops,
+                                       view)
         finally:
             view.commit()
         if len(rows) == 1:
             out.lone_row_seconds = time.perf_counter() - t
         for r, row in enumerate(rows):
-            out.tokens[row.lane] = (logits[r], used[r])
+            out.tokens[row.lane] = (logits[r], row.loops)
 
     def with_chunks(self, rows: list[Row], chunks: list[Chunk], out: Outputs) -> bool:
         """The decode rows and the drafted chunks' rows in one C call of every loop, where the rows are a token step
@@ -291,7 +305,7 @@ class Executor:
     def by_iteration(self, rows: list[Row]) -> bool:
         """Whether this step's rows advance by loop iterations: a token is in flight, or the rows' depths differ, or
         one may exit early, or every row draws its next tokens in C (one call then runs several tokens of each row,
-        where a token step runs one: greedy decoding at fixed depth 1.1-1.25x faster at batch 1). Otherwise, all at
+        where a token step runs one: faster greedy decoding at fixed depth, docs/engine.md). Otherwise, all at
         one fixed depth, one forward of every loop per step does the same work in fewer calls."""
         return any(r.lane in self.flights for r in rows) or len({r.loops for r in rows}) > 1 \
             or any(r.adaptive for r in rows) \
@@ -348,7 +362,8 @@ class Executor:
         positions = [r.position for r in rows]
         logits = iteration.iterate(net, self.cache, positions, [f.done for f in flights],
                                    [r.token if new else None for r, new in zip(rows, starting)], finish, latent,
-                                   lanes=[r.lane for r in rows])
+                                   lanes=[r.lane for r in rows],
+                                   looping=[r.token for r in rows] if net.cfg.value_embeds else None)
         heads = iter(logits)
         done = False
         for b, (row, f) in enumerate(zip(rows, flights)):
@@ -369,7 +384,7 @@ class Executor:
         return done
 
     def exits(self, rows: list[Row], s_old: torch.Tensor, s_new: torch.Tensor) -> list[Row]:
-        """The exit rule of every early-exit row after its pass, in one go (exits.exit_stops, what model.ExitState
+        """The exit rule of every early-exit row after its pass, in one go (exits.exit_stops, what model.ChunkExits
         does for a token); a rule that reads logits (Huginn's) gets this loop's, from the coda and head of the rows
         whose exit is not yet chosen. Returns the rows whose token's loops are done."""
         net, dev = self.net, s_new.device
@@ -408,7 +423,8 @@ class Executor:
         net, dev = self.net, self.model.device
         view = self.cache.select([r.lane for r in rows])
         positions = torch.tensor([[r.position] for r in rows], device=dev)
-        latent = paged.Latent(torch.cat([self.flights[r.lane].e for r in rows]), s.contiguous())
+        latent = paged.Latent(torch.cat([self.flights[r.lane].e for r in rows]), s.contiguous(),
+                              torch.tensor([[r.token] for r in rows], device=dev) if net.cfg.value_embeds else None)
         try:
             logits = paged.forward_loops(net, net.make_step(positions, int(positions.max()) + 1), view, 0, 0, latent)
             assert logits is not None  # (with the head)
@@ -456,8 +472,7 @@ class Executor:
             sub.refeed(i, tokens, start, loops, exits)
             return
         for j, (token, rule) in enumerate(zip(tokens, exits)):
-            adaptive = self.is_adaptive(rule)
-            if self.iterative and adaptive:
-                self.iterate([Row(lane, token, start + j, loops, rule, adaptive)], Outputs())
+            if self.is_adaptive(rule):
+                self.whole_tokens([Row(lane, token, start + j, loops, rule, True)], Outputs())
             else:
-                self.decode([token], [start + j], self.lane(lane), loops, rule)
+                paged.decode_rows(self.net, [token], [start + j], loops, self.lane(lane))

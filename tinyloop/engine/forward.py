@@ -57,8 +57,10 @@ def _triton_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 # --- the context ---------------------------------------------------------------------------------------------
 class Cached:
     """The context of a chunk (B lanes x T tokens at step.pos) over `cache`: what model.block asks of it (rope,
-    attend) and what early exit needs (subset, fill_skipped). A tree chunk (speculative decoding) brings its own
+    attend, and the chunk's tokens where its layers read them: `ids`, value embeddings). A tree chunk (speculative decoding) brings its own
     cells, key positions and ancestor mask (Step.cells / key_pos / mask)."""
+
+    ids: torch.Tensor | None = None  # the chunk's token ids [B*T] (set by encode) where layers read them (value embeddings)
 
     def __init__(self, net: LoopedLM, cache: KVCache, step: Step, weights: Weights, triton: bool):
         pos = step.pos  # [B, T]
@@ -200,21 +202,8 @@ class Cached:
         if cache.cell_pos is not None:
             cache.cell_pos[slot, self.lane, self.cells[:, self.keep]] = self.pos[:, self.keep]
 
-    # --- early exit -------------------------------------------------------------------------------------
-    def subset(self, lanes: list[int]) -> "Cached":
-        """The context of some of the chunk's lanes (they keep looping while the others stopped); `commit` it after."""
-        pos = self.pos[lanes]
-        step = Step(pos, max(self.hi[i] for i in lanes) + 1, self.step.table_cos, self.step.table_sin)
-        return Cached(self.net, self.cache.select(lanes), step, self.weights, self.triton)
-
     def commit(self) -> None:
         self.cache.commit()
-
-    def fill_skipped(self, lane: int, used: int, loops: int) -> None:
-        """A lane that stopped after `used` of its `loops` loops: copy its last loop's entries into the slots of the
-        loops it skipped, so later tokens find keys at every depth."""
-        for pos in self.pos[lane].tolist():
-            self.cache.fill_skipped(lane, pos, used, loops)
 
     # --- read-ahead (decode rows) -----------------------------------------------------------------------
     def read_ahead(self, slots: list[int]) -> None:
@@ -318,7 +307,7 @@ def decode_threads(lanes: int, cfg, cache: KVCache | None = None, c_blocks: bool
 
     A step whose blocks run as C calls (kernels/cpu_block.py: decode rows over a cache they support) keeps torch's
     threads: each block is one OpenMP team, so threads cost one wake-up per block, and two threads won at every
-    batch (the bundled model at batch 1: 345 against 215 tok/s). A step through torch's operations is hundreds
+    batch (docs/kernels.md). A step through torch's operations is hundreds
     of operations of a few microseconds each; splitting them over threads costs more in wake-ups than it saves,
     and on a busy machine spinning threads wait for cores (measured in docs/kernels.md). There, below ~262K
     multiply-adds per d x d projection (batch 1 of a model up to d_model 512) one thread runs the step.
@@ -368,8 +357,7 @@ def c_chunk(net: LoopedLM, cache: KVCache, rows: int, exits: ExitRule | None = N
     torch run it): on the CPU, up to cpu_block.MAX_LANES rows where cpu_block.supported says the blocks run in C,
     and not under the cdf rule with a threshold (LoopedLM.forward picks each position's exit loop). A prefill piece
     that fits runs here, alone or with other prompts' pieces (Runner.prefill_rows): the row kernels stream each
-    weight once for all its rows, where the torch path costs hundreds of operations per loop (a 2-token prompt of
-    the bundled model at 16 loops: ~16 ms through torch, ~2 ms here)."""
+    weight once for all its rows, where the torch path costs hundreds of operations per loop."""
     if cache.device.type != "cpu" or rows > cpu_block.MAX_LANES or \
             exits is not None and exits.rule == "cdf" and exits.threshold > 0:
         return None
@@ -398,9 +386,11 @@ def decode_rows(net: LoopedLM, tokens: list[int], positions: list[int], loops: i
 @dataclasses.dataclass
 class Latent:
     """A chunk's latent rows between loops ([B, T, d] each): e, the prelude's output that every loop is injected
-    with, and s, the state after the loops run so far. `LoopForward` reads and writes them in place."""
+    with, and s, the state after the loops run so far. `LoopForward` reads and writes them in place. ids: the rows'
+    tokens [B, T], for a model whose layers read them at every loop (value embeddings; the torch backend)."""
     e: torch.Tensor
     s: torch.Tensor
+    ids: torch.Tensor | None = None
 
     @staticmethod
     def empty(B: int, T: int, net: LoopedLM) -> "Latent":
@@ -496,6 +486,7 @@ def loop_range(net: LoopedLM, ctx, first: int, last: int, latent: "Latent | None
     else:
         assert latent is not None  # (the range continues the chunk's states)
         e, s = latent.e, latent.s
+        ctx.ids = None if latent.ids is None else latent.ids.reshape(-1)
     choice = net.chunk_exits(s, last, exits) if exits is not None else None
     s = net.run_loops(s, e, ctx, first, last, choice)
     if latent is not None:
@@ -536,15 +527,6 @@ def _c_rows(step: Step) -> tuple[list[int], dict]:
     lo = int(blind[0]) if len(blind) else step.end
     tree = {"mask": mask[:, lo:].to(torch.uint8).contiguous(), "mask_from": lo} if lo < step.end else {}
     return step.cells.reshape(-1).tolist(), {**rows, "pos": pos, **tree}
-
-
-def forward_adaptive(net: LoopedLM, ids: torch.Tensor, loops: int | list[int], step: Step, cache: KVCache,
-                     rules: "ExitRule | float | list" = 0.0) -> tuple[torch.Tensor, list[int]]:
-    """One token per lane, each lane at its own loop count, stopping early where its exit rule (tinyloop/exits.py)
-    says so: logits [B, 1, V] and the loops each lane used (LoopedLM.forward_adaptive)."""
-    threads = decode_threads(ids.shape[0], net.cfg, cache) if ids.device.type == "cpu" else 0
-    with torch_threads(threads):
-        return net.forward_adaptive(ids, loops, context(net, step, cache), rules)
 
 
 # --- CUDA graphs ------------------------------------------------------------------------------------------

@@ -28,12 +28,14 @@ from .forward import Cached, Latent, c_step, torch_threads, context, decode_thre
 
 
 def iterate(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int], tokens: list[int | None],
-            finish: list[bool], latent: Latent, lanes: list[int] | None = None) -> torch.Tensor:
+            finish: list[bool], latent: Latent, lanes: list[int] | None = None,
+            looping: list[int] | None = None) -> torch.Tensor:
     """One iteration-level step over rows b = 0..B-1: row b is lane lanes[b] of `cache` (default lane b; one row per
     lane) at position positions[b], running one core pass at loop index loop[b] (0-based), preceded by its token's
     embedding, prelude and initial state when tokens[b] is not None (then loop[b] must be 0), followed by the coda,
     final norm and head when finish[b]. latent: the rows' e and s ([B, 1, d] each, Latent.empty(B, 1, net)), read
-    and written in place: s[b] holds the state after loop[b] + 1 loops. Returns the finishing rows' logits
+    and written in place: s[b] holds the state after loop[b] + 1 loops. looping: every row's token, for a model whose
+    layers read it at every loop (value embeddings; the torch path). Returns the finishing rows' logits
     [n finishing, V], in row order."""
     B, cfg = len(positions), net.cfg
     lanes = list(range(B)) if lanes is None else list(lanes)
@@ -44,7 +46,7 @@ def iterate(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int]
             with torch_threads(decode_threads(B, cfg, c_blocks=True)):
                 return plan.iterate(cache, positions, loop, tokens, finish, latent.e, latent.s, lanes=lanes)
     with torch_threads(decode_threads(B, cfg, c_blocks=False) if cache.device.type == "cpu" else 0):
-        return _torch(net, cache, positions, loop, tokens, finish, latent, lanes)
+        return _torch(net, cache, positions, loop, tokens, finish, latent, lanes, looping)
 
 
 def _check(cfg, cache: KVCache, positions: list[int], loop: list[int], tokens: list[int | None], finish: list[bool],
@@ -68,14 +70,23 @@ def _check(cfg, cache: KVCache, positions: list[int], loop: list[int], tokens: l
 
 
 def _torch(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int], tokens: list[int | None],
-           finish: list[bool], latent: Latent, lanes: list[int]) -> torch.Tensor:
+           finish: list[bool], latent: Latent, lanes: list[int], looping: list[int] | None) -> torch.Tensor:
     """The step through the model's pieces. Each context runs over a selection of the cache's lanes, created after
     the previous one committed its block tables (a selection copies them)."""
     B, dev = len(positions), cache.device
+    if net.cfg.value_embeds and looping is None:
+        raise ValueError("this model's layers read every row's token at every loop (value embeddings): pass `looping`")
+    ids = None if looping is None else torch.tensor(looping, device=dev)
+
+    def rows(chosen: list[int]) -> Cached:
+        ctx = _rows(net, cache, positions, lanes, chosen)
+        ctx.ids = None if ids is None else ids[chosen]
+        return ctx
+
     e, s = latent.e.view(B, 1, -1), latent.s.view(B, 1, -1)
     starts = [b for b in range(B) if tokens[b] is not None]
     if starts:
-        ctx = _rows(net, cache, positions, lanes, starts)
+        ctx = rows(starts)
         x = net.encode(torch.tensor([[tokens[b]] for b in starts], device=dev), ctx)
         e[starts] = x
         s[starts] = net.init_state(x, ctx.step)
@@ -83,13 +94,13 @@ def _torch(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int],
     groups: dict[int, list[int]] = {}
     for b, k in enumerate(loop):
         groups.setdefault(k, []).append(b)
-    ctxs = {k: _rows(net, cache, positions, lanes, rows) for k, rows in groups.items()}
+    ctxs = {k: rows(group) for k, group in groups.items()}
     if len(groups) == 1:  # every row at one loop: the plain pass
         (k, ctx), = ctxs.items()
         s.copy_(net.run_loops(s, e, ctx, k, k + 1))
     elif all(ctx.native is None for ctx in ctxs.values()):
         index = [(torch.tensor(groups[k], device=dev), k, ctx) for k, ctx in ctxs.items()]
-        s.copy_(net.run_loops(s, e, _Mixed(net, B, index), 0, 1))
+        s.copy_(net.run_loops(s, e, _Mixed(net, B, index, ids), 0, 1))
     else:  # C blocks run a group's whole pass themselves (a model the C step does not fit): one pass per group
         for k, ctx in ctxs.items():
             s[groups[k]] = net.run_loops(s[groups[k]], e[groups[k]], ctx, k, k + 1)
@@ -98,7 +109,7 @@ def _torch(net: LoopedLM, cache: KVCache, positions: list[int], loop: list[int],
     ends = [b for b in range(B) if finish[b]]
     if not ends:
         return torch.empty(0, net.cfg.vocab_size, device=dev, dtype=latent.s.dtype)
-    ctx = _rows(net, cache, positions, lanes, ends)
+    ctx = rows(ends)
     logits = net.decode_head(s[ends], ctx)[:, 0]
     ctx.commit()
     return logits
@@ -119,8 +130,10 @@ class _Mixed:
 
     native = None  # model.blocks then runs model.block, which asks rope and attend of this context
 
-    def __init__(self, net: LoopedLM, B: int, groups: list[tuple[torch.Tensor, int, Cached]]):
+    def __init__(self, net: LoopedLM, B: int, groups: list[tuple[torch.Tensor, int, Cached]],
+                 ids: torch.Tensor | None):
         self.B, self.T, self.groups, self.n_core = B, 1, groups, net.cfg.n_core
+        self.ids = ids  # every row's token (value embeddings)
         self.weights = groups[0][2].weights
 
     def rope(self, qk: torch.Tensor) -> torch.Tensor:

@@ -63,10 +63,9 @@ class Runner:
                 exits: ExitRule | None = None, all_rows: bool = False) -> torch.Tensor:
         return self.executor.prefill(ids, start, lane, loops, exits, all_rows)
 
-    def decode(self, tokens: list[int], positions: list[int], cache: KVCache | None = None,
-               loops: list[int] | int | None = None, exits: list[ExitRule] | ExitRule | None = None
-               ) -> tuple[torch.Tensor, list[int]]:
-        return self.executor.decode(tokens, positions, cache, loops, exits)
+    def decode(self, tokens: list[int], positions: list[int], loops: list[int] | int | None = None,
+               exits: list[ExitRule] | ExitRule | None = None) -> tuple[torch.Tensor, list[int]]:
+        return self.executor.decode(tokens, positions, loops, exits)
 
     @property
     def adaptive(self) -> bool:

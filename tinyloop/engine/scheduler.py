@@ -220,7 +220,7 @@ class Scheduler:
             if hit and hit == len(seq.prompt) - 1 and not self.executor.is_adaptive(seq.prefill_exit):
                 # Only the prompt's last token is left: it goes in as a row of this step's decode forward (the same
                 # forward at that position) instead of a forward of its own, which costs about a decode step of a
-                # few lanes (a repeated prompt at 8 lanes: ~10 % of a worker's time).
+                # few lanes (a large share of a worker's time under repeated prompts).
                 log.debug("step %d: #%d joins the decode rows (%d prompt tokens cached, lane %d)", self.steps,
                           at.arrival, len(seq.prompt) - 1, at.lane)
                 at.cached, at.prompt_row = len(seq.prompt), True

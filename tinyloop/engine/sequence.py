@@ -89,7 +89,7 @@ class Place:
 class InFlight:
     """A token between loop iterations (continuous-depth batching, Executor.iterate): the passes it has run, its latent
     rows (the prelude's output e and the state s, [1, 1, d] each), and, for a lane that may exit early, what the
-    model's ExitState keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
+    exit bookkeeping keeps for one token: the state it exits with, whether its exit loop is chosen, the loops it
     used, what its rule remembers between loops (exits.Track, one row), and the logits of its exit loop where its
     rule read them; while its passes run in C, e, s and out are its lane's rows of CBackend.latent."""
     done: int
@@ -240,7 +240,7 @@ class Sequence:
         chosen = logp[torch.arange(len(asking)), torch.tensor([tokens[i] for i in asking])].tolist()
         k = max(seqs[i].cfg.logprobs or 0 for i in asking)  # (not None: asking)
         top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        # (one tolist for all rows, not two a row: ~1 us a token against ~6; 16 lanes' draws are ~100 tokens a step)
+        # (one tolist for all rows, not two a row: a wide batch's draws are many tokens a step)
         ids, values = top_i.tolist(), top_v.tolist()
         for r, i in enumerate(asking):
             n = seqs[i].cfg.logprobs

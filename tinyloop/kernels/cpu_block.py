@@ -32,13 +32,13 @@ from . import cpu
 _FMT = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 MAX_LANES = 32
 RUN_AHEAD = 15  # the most tokens a row draws in one iterate_until call (one block of cells: cache.BLOCK_TOKENS - 1)
-RUN_AHEAD_S = 0.02  # and for how long: a streaming client gets its tokens at least every ~20 ms
+RUN_AHEAD_S = 0.02  # and for how long (seconds): a streaming client gets its tokens at least this often
 # the most passes a greedy row whose token ended waits for its batch-mates' to end too, to share their head and
 # prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (EngineOptions.coalesce): 0, none
 COALESCE = 2
 # and only in calls of this many rows or more: with few rows a head is shared by few, while the wait costs the row
-# up to 2 passes of a token that may be 2 passes long (a 2-loop request beside an 8- and a 16-loop one, bundled
-# model: 158-162 ms waiting, 133-136 not); the wide batches where lanes end tokens at scattered passes keep it
+# up to 2 passes of a token that may be 2 passes long (measured slower for a 2-loop request beside deeper ones,
+# docs/engine.md); the wide batches where lanes end tokens at scattered passes keep it
 COALESCE_FROM_ROWS = 8
 _p, _L = ctypes.c_void_p, ctypes.c_long
 
@@ -129,7 +129,7 @@ class Rows:
 
     def blocks(self, ws: list, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """model.block of BlockWeights ws (weights_struct built for each) in turn over token rows x [B, d], block i
-        writing layer slot slots[i]: one C call (a Python call per block cost ~10 us, 0.2-0.3 ms of a d768 token)."""
+        writing layer slot slots[i]: one C call (a Python call per block costs a visible part of a token)."""
         cache, n = self.cache, len(ws)
         if n == 0:
             return x
@@ -155,8 +155,8 @@ def chunk_supported(cfg, cache, rows: int, dtype: torch.dtype, shape: _Weights) 
 class Chunk(Rows):
     """A prefill chunk as the C blocks see it (cpu_block.c: tl_block_chunk): B lanes of T tokens at positions pos
     [B, T], rows lane-major, each row attending over its lane's cells up to its own; the products of its many rows
-    take the tiled GEMM, the steps between them run in C instead of ~25 torch operations per block (a 40-token
-    prompt of a d768 model prefills 1.2-1.3x faster, docs/kernels.md)."""
+    take the tiled GEMM, the steps between them run in C instead of ~25 torch operations per block (faster
+    prefill, measured in docs/kernels.md)."""
 
     def __init__(self, cfg, cache, pos: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, shape: _Weights):
         B, T = pos.shape
@@ -188,10 +188,10 @@ class DecodeStep:
     the prelude and the initial state (when given tokens), each loop's injection, core and loop norm, and the coda,
     final norm and head (when asked). A decode step is rows 0..B-1 (one per lane) from loop 0 to `loops`; speculative
     decoding drafts a row from 0 to draft_loops and continues a chunk (rows of one lane at consecutive cells) from
-    there to verify_loops. It calls the same C pieces as the step through Python (model.forward over a Cached
+    there to verify_loops. It calls the same C pieces as the step through Python (the torch loop range over a Cached
     context whose blocks run here), in the same order and at the same thread count, so the logits have the same
-    bits; what goes is the Python around them, ~0.5 ms per token (Cached, Step, the model's pieces, a call per
-    pass): a sixth of an int4 d768 token. Built once per model and weights (`decode_step`), for every loop count up
+    bits; what goes is the Python around them (Cached, Step, the model's pieces, a call per pass: docs/kernels.md
+    has the cost). Built once per model and weights (`decode_step`), for every loop count up
     to max_loops."""
 
     def __init__(self, net, weights):
@@ -418,8 +418,8 @@ class DecodeStep:
                  coda: bool) -> None:
         """Check the blocks of the rows' cells in every slot the call writes (cache.require). Skipped while the rows
         stay in the blocks checked last time for this range and the pool took, shared or freed no block since (its
-        epoch): then they are all there and the lanes' own. After a decode step's ~50 MB of weights, the 20 slots' checks
-        of a d768 step cost ~0.1-0.2 ms, where they take 13 us in a loop."""
+        epoch): then they are all there and the lanes' own. Python run right after a decode step's weights went through
+        the caches is slow, so these checks are worth skipping (docs/kernels.md)."""
         key, blocks = (first, last, prelude, coda), (lanes, [c // cache.bt for c in cells])
         held, pool = cache.held, cache.pool
         done = self._prepared.get(key)
