@@ -1,8 +1,12 @@
 """Shared fixtures: small randomly initialised artifacts (fast, any architecture) and the bundled model."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 # OpenMP threads that sleep while they wait instead of spinning, for this process and every process a test starts
 # (they inherit the environment), set before torch loads libgomp. This 2-core machine is shared: a spinning thread
@@ -15,6 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tinyloop
+from tinyloop.kernels.cpu import _cache_dir
 from tinyloop.model import LoopedLM
 from tinyloop.tokenizer import TextCodec, train_tokenizer
 
@@ -90,3 +95,40 @@ def tiny_model(make_artifact):
 def bundled_model():
     """The shipped default model, loaded once per test session (fp16 cache)."""
     return tinyloop.load_model(None, 1024, cache_mode="fp16")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fresh_interpreter(code: str) -> str:
+    """The standard output of `code` run by a fresh interpreter in a clean environment: the repository on the path,
+    none of this shell's settings, except this process's OMP_WAIT_POLICY (see above) and compiled-kernel cache (one
+    of its own would compile the C kernels again, ~30 s)."""
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": "/tmp", "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
+           "TINYLOOP_CACHE_DIR": str(_cache_dir())}
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="session")
+def fresh_modules() -> dict[str, set[str]]:
+    """The modules a fresh interpreter holds after each step: "generate" (the bundled model loaded and a generate
+    call), then "quantised" (the model loaded again in int4 weights, and a generate call), then "grammar" (a request
+    under a grammar). One interpreter for the import checks of test_layout.py and test_artifact.py: each costs
+    seconds (torch's import, a model's load)."""
+    code = """if True:
+        import json, sys
+        import tinyloop
+        seen = {}
+        model = tinyloop.load_model(None, 64)
+        tinyloop.generate(model, "def f(x):", tinyloop.GenerateConfig(max_tokens=4))
+        seen["generate"] = sorted(sys.modules)
+        int4 = tinyloop.load_model(None, 64, weights="int4")
+        tinyloop.generate(int4, "def f(x):", tinyloop.GenerateConfig(max_tokens=4))
+        seen["quantised"] = sorted(sys.modules)
+        tinyloop.generate(model, "x", tinyloop.GenerateConfig(max_tokens=4, grammar={"regex": "[0-9]+"}))
+        seen["grammar"] = sorted(sys.modules)
+        print(json.dumps(seen))
+    """
+    return {step: set(names) for step, names in json.loads(fresh_interpreter(code)).items()}

@@ -11,11 +11,11 @@ Every import counts, at the top of a file or inside a function. The rules:
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import fresh_interpreter
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("tinyloop", "broker", "workers", "scripts")
@@ -166,16 +166,11 @@ def test_the_checks_see_a_cycle_and_a_forbidden_edge(tmp_path):
 
 def loaded_after(code: str) -> set[str]:
     """The modules a fresh interpreter holds after running `code`."""
-    probe = f"import sys\n{code}\nprint('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=str(REPO), capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": "/tmp"})
-    assert out.returncode == 0, out.stderr
-    return set(out.stdout.split())
+    return set(fresh_interpreter(f"import sys\n{code}\nprint('\\n'.join(sorted(sys.modules)))").split())
 
 
-def test_a_generate_call_loads_no_tool_and_no_service_library():
-    loaded = loaded_after("import tinyloop\nm = tinyloop.load_model()\n"
-                          "tinyloop.generate(m, 'def f(x):', tinyloop.GenerateConfig(max_tokens=2))")
+def test_a_generate_call_loads_no_tool_and_no_service_library(fresh_modules):
+    loaded = fresh_modules["generate"]  # a fresh interpreter's, after load_model() and a generate call (conftest)
     assert "tinyloop.generation" in loaded  # the call ran
     tops = {name.split(".")[0] for name in loaded}
     assert not tops & {"scripts", "broker", "workers", "click", "uvicorn", "starlette", "matplotlib", "zmq"}, \

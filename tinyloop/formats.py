@@ -102,6 +102,11 @@ def quantize(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> Matrix:
     if fmt == "bf16":
         return QMatrix("bf16", w.to(torch.bfloat16).contiguous(), None)
     N, K = w.shape
+    if w.is_meta:  # shapes only (model.shapes_only, no meta op): the layout of one zero row, repeated N times
+        row = quantize(torch.zeros(1, K, device="cpu"), fmt, group)
+        assert isinstance(row, QMatrix) and row.scale is not None  # (int8 and int4 have one)
+        return QMatrix(fmt, row.data.new_empty((N, *row.data.shape[1:]), device="meta"),
+                       row.scale.new_empty((N, *row.scale.shape[1:]), device="meta"), row.group, row.width)
     if fmt == "int8":
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)

@@ -46,9 +46,18 @@ class _SkipInit(TorchFunctionMode):
 def shapes_only() -> Iterator[None]:
     """Modules built inside have parameters on the meta device, not initialised: their shapes, for weights that
     are about to be replaced or only counted. Initialising meta tensors would run torch's Python decompositions,
-    whose first use imports torch._dynamo (~1.5 s in every process that loads a model)."""
+    whose first use imports torch._dynamo (~1.5 s in every process that loads a model). For the same reason the
+    functions that fuse and quantise weights compute nothing on meta tensors (_cat, formats.quantize): torch.cat and
+    arithmetic on meta tensors run in Python too (factories, views and dtype casts do not)."""
     with torch.device("meta"), _SkipInit():
         yield
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat by rows; for meta tensors (shapes_only) an empty tensor of the result's shape, with no meta op."""
+    if parts[0].is_meta:
+        return parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+    return torch.cat(parts)
 
 
 class RMSNorm(nn.Module):
@@ -209,7 +218,7 @@ def _fuse(linears: list[nn.Linear | None], rebind: bool) -> torch.Tensor:
     """The linears' weights concatenated by rows. rebind: each linear's weight becomes a view of its rows of the
     result, so the fused matrix is the only copy (plan_memory counts the weights once)."""
     present = [lin for lin in linears if lin is not None]  # (relu2 has no gate)
-    fused = torch.cat([lin.weight for lin in present])
+    fused = _cat([lin.weight for lin in present])
     if rebind:
         row = 0
         for lin in present:
@@ -222,7 +231,7 @@ def _fuse(linears: list[nn.Linear | None], rebind: bool) -> torch.Tensor:
 def _block_weights(block: Block, rebind: bool) -> BlockWeights:
     a, m = block.attn, block.mlp
     wqkv = _fuse([a.wq, a.wk, a.wv], rebind)
-    bqkv = None if a.wq.bias is None else torch.cat((a.wq.bias, a.wk.bias, torch.zeros_like(a.wk.bias)))
+    bqkv = None if a.wq.bias is None else _cat([a.wq.bias, a.wk.bias, torch.zeros_like(a.wk.bias)])
     return BlockWeights(block.attn_norm.weight, wqkv, wqkv[a.wq.weight.shape[0]:], a.wo.weight, block.mlp_norm.weight,
                         _fuse([m.w_gate, m.w_up], rebind), m.w_down.weight,
                         block.attn_out_norm.weight if block.sandwich else None,
@@ -235,7 +244,9 @@ def _all_weights(net: "LoopedLM", rebind: bool) -> Weights:
     prelude, core, coda = ([_block_weights(cast(Block, b), rebind) for b in part] for part in (net.prelude, net.core, net.coda))
     head = net.embed.weight if net.lm_head is None else net.lm_head.weight
     decay = dt = None
-    if net.decay is not None:  # the reference's order of operations: dt = softplus(dt_bias), exp(-dt * exp(A_log))
+    if net.decay is not None and net.decay.dt_bias.is_meta:  # shapes only (shapes_only: no meta op)
+        dt, decay = torch.empty_like(net.decay.dt_bias), torch.empty_like(net.decay.dt_bias)
+    elif net.decay is not None:  # the reference's order of operations: dt = softplus(dt_bias), exp(-dt * exp(A_log))
         dt = F.softplus(net.decay.dt_bias)
         decay = torch.exp(-dt * torch.exp(net.decay.a_log))
     return Weights("fp32", prelude, core, coda, None if net.adapter is None else net.adapter.weight, net.norm.weight, head,
