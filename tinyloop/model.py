@@ -46,7 +46,7 @@ class _SkipInit(TorchFunctionMode):
 def shapes_only() -> Iterator[None]:
     """Modules built inside have parameters on the meta device, not initialised: their shapes, for weights that
     are about to be replaced or only counted. Initialising meta tensors would run torch's Python decompositions,
-    whose first use imports torch._dynamo (~1.5 s in every process that loads a model). For the same reason the
+    whose first use imports torch._dynamo (seconds in every process that loads a model). For the same reason the
     functions that fuse and quantise weights compute nothing on meta tensors (_cat, formats.quantize): torch.cat and
     arithmetic on meta tensors run in Python too (factories, views and dtype casts do not)."""
     with torch.device("meta"), _SkipInit():
