@@ -94,6 +94,32 @@ def test_the_controller_lowers_under_load_and_raises_when_it_falls(bundled_model
     assert after.index(after[-1]) >= 24
 
 
+def test_a_lane_over_its_own_tpot_is_lowered_to_fit_while_the_batch_mean_is_within(bundled_model):
+    """Under continuous-depth batching a token takes as many steps as its loops: a ranged lane at full depth beside one
+    at its floor waits four steps a token, its own TPOT over the target while the batch's mean TPOT is within it. The
+    controller measures each ranged lane's own TPOT and lowers that lane straight to a cap that meets the target,
+    never below its floor; a request first seen then starts no deeper than the lanes' TPOT allows."""
+    m = bundled_model
+    now = [0.0]
+    ctl = DepthController(Targets(tpot_s=2.5), clock=lambda: now[0])  # (a step: one tick of this clock)
+    runner = Runner(m, m.new_cache(2, 256), options=EngineOptions(run_ahead=False), depth_control=ctl)
+    cfg = GenerateConfig(max_tokens=64, loops=8, min_loops=2)
+    shallow, deep, late = (Sequence(m, m.encode_prompt(p), cfg) for p in PROMPTS)
+    ctl.move(shallow, NOTCHES)  # at its floor, 2 loops: a step (its token's passes) per token; the deep lane's 8: 4
+    runner.add(shallow)
+    runner.add(deep)
+    while deep.depth_cap is None and not runner.idle:
+        now[0] += 1
+        runner.step()
+        mean = ctl.tpot
+    assert deep.depth_cap is not None and 2 <= deep.depth_cap <= 5  # its own TPOT 4 ticks: 8 loops x 2.5 / 4
+    assert 0 < mean < 2.5  # the batch's mean TPOT was within the target: it alone would not have lowered anything
+    runner.add(late)  # waits for a lane: its prompt will run at the depth it starts at
+    now[0] += 1
+    runner.step()
+    assert late.depth_cap is not None and late.depth_cap <= 5
+
+
 def test_the_least_important_lanes_give_up_depth_first(bundled_model):
     """Under load the least important half of the ranged lanes (highest priority value, vLLM's convention) gives up
     more depth than the rest; and a worker admits waiting requests by priority."""

@@ -3,7 +3,10 @@
 A request gives a depth range beside its `loops` (GenerateConfig.min_loops at a fixed depth, or max_loss_increase:
 Sequence.floor). The runner calls `DepthController.steer(admitted, waiting)` once per step, after retire. It measures
 the pressure, the largest of
-  - time per output token (TPOT) of the decoding lanes over the last WINDOW steps / Targets.tpot_s,
+  - time per output token (TPOT) of the decoding lanes over the last WINDOW steps / Targets.tpot_s, and of each
+    ranged lane on its own over the last LANE_WINDOW steps (under continuous-depth batching a token takes as many
+    steps as its loops, so a lane at full depth beside lanes at their floor waits several times the batch's mean
+    TPOT per token: its own TPOT is what its client sees),
   - the age of the oldest request still without a first token (its broker queue time included) / Targets.ttft_s,
   - the age of the oldest waiting request (no lane yet; in a service, also the broker's oldest, as its last dispatch
     to this worker reported it: note_backlog) / Targets.queue_s (ttft_s when no queue_s is given),
@@ -41,7 +44,10 @@ NOTCHES = 8  # steps across a lane's range [floor, loops]
 LOWER_EVERY = 4  # steps between two lowerings
 RAISE_AFTER = 24  # calm steps in a row before depth climbs a notch
 CALM = 0.6  # pressure under which a step counts as calm
-WINDOW = 8  # steps the TPOT is measured over
+WINDOW = 8  # steps the TPOT of the decoding lanes is measured over
+# steps each ranged lane's own TPOT is measured over: long enough to see a token of a lane at full depth (a lane's
+# tokens take as many steps as its loops while its batch-mates run fewer: its TPOT is its own, not the batch's mean)
+LANE_WINDOW = 32
 # seconds a note of the broker's backlog stands: a worker under a backlog gets a request each time a lane frees (every
 # few steps), so an older note means the broker's queue has emptied (or this worker's lanes run long requests)
 BACKLOG_TTL = 0.25
@@ -107,6 +113,11 @@ class DepthController:
         self.level = 0
         self.seen: set[int] = set()  # id(seq) of the lanes steered so far (those still admitted)
         self.backlog: tuple[float, float] | None = None  # (the broker's oldest waiting request's age, noted when)
+        # id(seq) -> (when, tokens) of a decoding ranged lane, oldest first, over the last LANE_WINDOW steps (since it
+        # was last lowered), and its own TPOT over the target where measured
+        self.lane_counts: dict[int, deque[tuple[float, int]]] = {}
+        self.lane_ratios: dict[int, float] = {}
+        self.loop_s: float | None = None  # a loop's share of a measured lane's TPOT (the median lane's)
 
     def note_backlog(self, seconds: float) -> None:
         """The age of the oldest request still in the broker's queue when it sent this worker a request (0: none).
@@ -133,6 +144,8 @@ class DepthController:
         self.tpot = seconds * lanes / tokens if tokens else 0.0
         t = self.targets
         ratios = [self.tpot / t.tpot_s] if t.tpot_s and tokens else []
+        self.lane_ratios = {i: tpot / t.tpot_s for i, tpot in self.lane_tpots(admitted, now).items()} if t.tpot_s else {}
+        ratios += self.lane_ratios.values()
         first = [s for s in admitted if s.count == 0] + list(waiting)
         if t.ttft_s and first:
             ratios.append(max(now - s.t_call + s.queued_s for s in first) / t.ttft_s)
@@ -142,6 +155,23 @@ class DepthController:
         if queue and self.backlog is not None and self.backlogged():
             ratios.append((self.backlog[0] + now - self.backlog[1]) / queue)
         return max(ratios, default=0.0)
+
+    def lane_tpots(self, admitted: list[Sequence], now: float) -> dict[int, float]:
+        """Each decoding ranged lane's own TPOT over the last LANE_WINDOW steps (id(seq) -> seconds per token), or the
+        time since the window's start where it took none (at least that)."""
+        kept, tpots, per_loop = {}, {}, []
+        for seq in admitted:
+            if not seq.count or seq.floor is None:
+                continue
+            seen = kept[id(seq)] = self.lane_counts.get(id(seq)) or deque(maxlen=LANE_WINDOW)
+            seen.append((now, seq.count))
+            t0, c0 = seen[0]
+            if len(seen) == LANE_WINDOW or seq.count - c0 >= 2:  # (a span long enough to mean something)
+                tpots[id(seq)] = (now - t0) / max(1, seq.count - c0)
+                per_loop.append(tpots[id(seq)] / (seq.depth_cap or seq.loops))
+        self.lane_counts = kept
+        self.loop_s = sorted(per_loop)[len(per_loop) // 2] if per_loop else None
+        return tpots
 
     # --- steering -----------------------------------------------------------------------------------------------
     @staticmethod
@@ -166,21 +196,37 @@ class DepthController:
                 break
         self.move(seq, notch)
 
+    def fitting_notch(self, seq: Sequence) -> int:
+        """The first notch from the lane's own whose cap would bring its TPOT within the target: from its own TPOT
+        where measured, else (a request first seen) from a loop's share of the measured lanes' TPOT; its notch now
+        where it is within the target or nothing is measured. A token's time is taken as proportional to its loops,
+        which overstates what a loop costs (the prelude, coda and head are counted in): the cap errs low."""
+        ratio, notch, target = self.lane_ratios.get(id(seq)), seq.depth_notch, self.targets.tpot_s
+        if ratio is not None:
+            want = (seq.depth_cap or seq.loops) / ratio if ratio > 1 else math.inf
+        else:
+            want = target / self.loop_s if target and self.loop_s else math.inf
+        while notch < NOTCHES and (notch_cap(seq, notch) or seq.loops) > want:
+            notch += 1
+        return notch
+
     def steer(self, admitted: list[Sequence], waiting: list[Sequence]) -> None:
         """Once per step (the runner's, after retire): measure, then lower or raise the depth caps of ranged lanes."""
         self.steps += 1
         self.since_lowered += 1
         self.pressure = self.measure(admitted, waiting)
         ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
-        # a request first seen starts at the level (at its floor while the broker holds a backlog and the service is
-        # over target: it is full, and a request arriving then would only be lowered during its few steps); one still
-        # waiting too, so that its prompt runs at that depth
+        # a request first seen starts at the level (at its floor while the service is over target: a request arriving
+        # then would only be lowered during its few steps), and no deeper than the measured lanes' TPOT says fits the
+        # target; one still waiting too, so that its prompt runs at that depth
         fresh = [s for s in waiting if s.floor is not None and s.beam is None and s.driver is None
                  and s.prompt_loops is None]
-        start = NOTCHES if self.pressure > 1.0 and self.backlogged() else self.level
+        start = NOTCHES if self.pressure > 1.0 else self.level
         for seq in ranged + fresh:
-            if id(seq) not in self.seen and start:
-                self.move(seq, start)
+            if id(seq) not in self.seen:
+                notch = max(start, self.fitting_notch(seq))  # (no deeper than the lanes' TPOT allows)
+                if notch:
+                    self.move(seq, notch)
         self.seen = {id(s) for s in ranged + fresh}
         self.adjust(ranged)
         notches = sorted(s.depth_notch for s in ranged)
@@ -196,9 +242,13 @@ class DepthController:
                 steps = notches_for(self.pressure)
                 half = math.ceil(len(down) / 2)
                 for i, seq in enumerate(down):
+                    before = seq.depth_notch
                     for _ in range(steps if i < half else steps // 2):
                         self.shift(seq, 1)
-                        self.lowered += 1
+                    if i < half:  # (a tolerant lane over its own target: straight to a cap that meets it)
+                        self.move(seq, max(seq.depth_notch, self.fitting_notch(seq)))
+                    self.lowered += seq.depth_notch - before
+                    self.lane_counts.pop(id(seq), None)  # (its TPOT is measured again at its new depth)
                 self.since_lowered = 0
             return
         self.over = 0
