@@ -15,12 +15,14 @@ forced_depth) in notches: NOTCHES steps across [floor, loops].
   - over target (pressure > 1) for LOWER_EVERY steps in a row, and at most every LOWER_EVERY steps: the most
     tolerant half of the lanes that are above their floor go down (the least important first: the highest
     GenerateConfig.priority, then the widest range, then the least lowered, so lanes come down together), one notch
-    just over target, 2 from 1.5x, 4 from 3x (`notches_for`), and the other half half as many; never below a floor;
+    just over target, 2 from 1.5x, 4 from 3x (`notches_for`), and the other half half as many, a tolerant lane over
+    its own TPOT target straight to a cap that meets it (fitting_notch); never below a floor;
   - calm (pressure < CALM for RAISE_AFTER steps in a row, none lowered meanwhile): the least tolerant half of the
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
   - a ranged request starts at the controller's level (the median notch of the ranged lanes, one lower after every
     RAISE_AFTER calm steps) when first seen, waiting or admitted, so a request that arrives under sustained load does
-    not start at full depth; at its floor while over target with a backlog in the broker (the service is full); its prompt runs at the cap it stands at when its first piece is planned
+    not start at full depth; at its floor while over target with a backlog in the broker (the service is full); never deeper than the measured lanes' TPOT says meets
+    the target (fitting_notch); its prompt runs at the cap it stands at when its first piece is planned
     (Sequence.prompt_depth), the K/V slots of the loops above it filled with copies of its last loop's;
   - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
 A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
@@ -216,12 +218,12 @@ class DepthController:
         self.since_lowered += 1
         self.pressure = self.measure(admitted, waiting)
         ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
-        # a request first seen starts at the level (at its floor while the service is over target: a request arriving
-        # then would only be lowered during its few steps), and no deeper than the measured lanes' TPOT says fits the
+        # a request first seen starts at the level (at its floor while the broker holds a backlog and the service is
+        # over target: it is full, and a request arriving then would only be lowered during its few steps), and no deeper than the measured lanes' TPOT says fits the
         # target; one still waiting too, so that its prompt runs at that depth
         fresh = [s for s in waiting if s.floor is not None and s.beam is None and s.driver is None
                  and s.prompt_loops is None]
-        start = NOTCHES if self.pressure > 1.0 else self.level
+        start = NOTCHES if self.pressure > 1.0 and self.backlogged() else self.level
         for seq in ranged + fresh:
             if id(seq) not in self.seen:
                 notch = max(start, self.fitting_notch(seq))  # (no deeper than the lanes' TPOT allows)

@@ -41,7 +41,7 @@ class Executor:
         self.views: dict[int, KVCache] = {}
         self.flights: dict[int, InFlight] = {}  # lane -> the token it is looping (continuous-depth batching)
         # continuous-depth batching: decode rows at different depths, or exiting early, advance one loop iteration per
-        # step (`iterate`); off for cores that need token ids (value embeddings)
+        # step (`iterate`); off (TINYLOOP_DEPTH_STEPS=0), each step runs such rows' whole tokens (`whole_tokens`)
         self.iterative = options.depth_steps
         # the C calls (passes with their exit decisions, prefill rows) and the latent rows they keep between calls;
         # a greedy row whose token ended may wait a pass or two there to share its head with batch-mates'
