@@ -10,7 +10,7 @@ generated tokens, the estimated loss increase (the model's loss-by-loops table),
 run's tokens are identical to fixed depth's (no depth given up when it is not needed).
 
 The targets default to what fixed depth meets at half its capacity, with a margin (TPOT: 1.25x its p99; TTFT: 2x its
-p99, at least 4x an unloaded request's latency; the worse of two runs), measured on a service without targets before
+p99, at least 4x an unloaded request's latency; the worse of two runs, one with the measured loads' arrivals), measured on a service without targets before
 the runs, so the
 figure means the same on a fast and a slow machine. Request loops are bounded (`loops`, `floor`),
 every service listens on loopback (ipc) only.
@@ -27,6 +27,7 @@ from broker.launcher import LocalService
 from scripts.load.loadtest import DEFAULT_PROMPTS, summarize
 
 LOADS = (0.5, 1.0, 1.5, 2.0)
+ARRIVALS_SEED = 7  # the Poisson arrivals of every measured load (the same for fixed and elastic)
 
 
 async def elastic_request(client: AsyncClient, prompt: str, params: dict, timeout: float, index: int) -> dict:
@@ -126,9 +127,10 @@ def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, .
                                                      closed=lanes * n_workers))
             capacity = len(records) / seconds
             # the targets: what fixed depth meets at half its capacity, with a margin (so at 0.5x no depth is needed),
-            # in the worse of two runs (one run's p99 swings by tens of percent on a shared machine)
+            # in the worse of two runs (one run's p99 swings by tens of percent on a shared machine), one of them with
+            # the arrivals the measured loads use (ARRIVALS_SEED: a burst of them is what the 0.5x run meets)
             halves = [asyncio.run(open_loop(svc.frontend, capacity / 2, n_requests, fixed_p, seed, 600))[0]
-                      for seed in (3, 5)]
+                      for seed in (ARRIVALS_SEED, 3)]
         unloaded = min(r["ttft"] + (r["tpot"] or 0) * (len(r["tokens"]) - 1) for r in alone)
         tpot = tpot_slo or 1.25 * max(summarize([r["tpot"] for r in h if r["tpot"]])["p99"] for h in halves)
         ttft = ttft_slo or max(4 * unloaded, 2 * max(summarize([r["ttft"] for r in h])["p99"] for h in halves))
@@ -144,7 +146,8 @@ def elastic_side_by_side(*, model_path: str | None = None, workers: tuple[int, .
                 echo(f"   load {x:.1f}x ({rate:.2f} req/s, {n_requests} requests, Poisson):")
                 pair = {}
                 for name, params in (("fixed", fixed_p), ("elastic", elastic_p)):
-                    records, seconds = asyncio.run(open_loop(svc.frontend, rate, n_requests, params, 7, 600))
+                    records, seconds = asyncio.run(open_loop(svc.frontend, rate, n_requests, params, ARRIVALS_SEED,
+                                                             600))
                     pair[name] = figures(records, seconds, tpot, ttft)
                     echo(line(name, pair[name]))
                 same = pair["fixed"]["tokens"] == pair["elastic"]["tokens"]
