@@ -392,6 +392,26 @@ def test_parcae_value_embeddings_sit_where_the_reference_has_table_and_gate():
     assert read_hf_config(DATA / "parcae-tiny").value_embeds == (1, 3, 5)
 
 
+def test_parcae_lanes_at_their_own_depths_advance_by_loop_iterations(monkeypatch):
+    """A model whose layers read the token at every loop (Parcae's value embeddings) takes loop iterations like any
+    other, each pass given every row's token (engine/iteration.py's `looping`): lanes at different loop counts and one
+    that may exit early, batched, each give the tokens and loop counts of the same request alone, and the passes ran."""
+    from tinyloop.engine.executor import Executor
+    m = tinyloop.load_model(DATA / "parcae-tiny", 128, dtype=torch.float32, init_scale=0.0)
+    _, meta = reference("parcae")
+    prompts = [meta["prompts"][k] for k in ("a", "b", "c")]
+    cfgs = [greedy(10, loops=2), greedy(10, loops=5), greedy(10, loops=6, early_exit_threshold=0.3)]
+    passes = [0]
+    one_pass = Executor.one_pass
+    monkeypatch.setattr(Executor, "one_pass", lambda *a: (passes.__setitem__(0, passes[0] + 1), one_pass(*a))[1])
+    batched = tinyloop.generate_batch(m, prompts, cfgs)
+    assert passes[0] > 0  # (before, such a model ran whole tokens only)
+    for prompt, cfg, res in zip(prompts, cfgs, batched):
+        alone = tinyloop.generate(m, prompt, cfg)
+        assert (res.tokens, res.loops_used) == (alone.tokens, alone.loops_used)
+    assert min(batched[2].loops_used) < 6  # (the threshold stopped its tokens early)
+
+
 def test_parcae_options_it_lacks_and_unsafe_pickles_are_refused(tmp_path):
     for change, words in (({"num_key_value_heads": 2}, "grouped-query heads"),
                           ({"norm_class_name": "LayerNorm"}, "norm 'LayerNorm'"),

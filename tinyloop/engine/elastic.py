@@ -21,8 +21,9 @@ forced_depth) in notches: NOTCHES steps across [floor, loops].
     capped lanes go one notch up; a lane back at its loops is uncapped (its rows are plain fixed-depth rows again);
   - a ranged request starts at the controller's level (the median notch of the ranged lanes, one lower after every
     RAISE_AFTER calm steps) when first seen, waiting or admitted, so a request that arrives under sustained load does
-    not start at full depth; at its floor while over target with a backlog in the broker (the service is full); never deeper than the measured lanes' TPOT says meets
-    the target (fitting_notch); its prompt runs at the cap it stands at when its first piece is planned
+    not start at full depth; at its floor while over target with a backlog in the broker (the service is full);
+    never deeper than the measured lanes' TPOT says meets the target (fitting_notch); its prompt runs at the cap it
+    stands at when its first piece is planned
     (Sequence.prompt_depth), the K/V slots of the loops above it filled with copies of its last loop's;
   - between CALM and 1: nothing (hysteresis: depth neither falls nor climbs back and forth).
 A lane without a range is never touched: its rows are the rows of a fixed-depth run (same forwards, same tokens).
@@ -146,7 +147,8 @@ class DepthController:
         self.tpot = seconds * lanes / tokens if tokens else 0.0
         t = self.targets
         ratios = [self.tpot / t.tpot_s] if t.tpot_s and tokens else []
-        self.lane_ratios = {i: tpot / t.tpot_s for i, tpot in self.lane_tpots(admitted, now).items()} if t.tpot_s else {}
+        lanes_tpot = self.lane_tpots(admitted, now)
+        self.lane_ratios = {i: tpot / t.tpot_s for i, tpot in lanes_tpot.items()} if t.tpot_s else {}
         ratios += self.lane_ratios.values()
         first = [s for s in admitted if s.count == 0] + list(waiting)
         if t.ttft_s and first:
@@ -219,8 +221,9 @@ class DepthController:
         self.pressure = self.measure(admitted, waiting)
         ranged = [s for s in admitted if s.floor is not None and s.beam is None and s.driver is None]
         # a request first seen starts at the level (at its floor while the broker holds a backlog and the service is
-        # over target: it is full, and a request arriving then would only be lowered during its few steps), and no deeper than the measured lanes' TPOT says fits the
-        # target; one still waiting too, so that its prompt runs at that depth
+        # over target: it is full, and a request arriving then would only be lowered during its few steps), and no
+        # deeper than the measured lanes' TPOT says fits the target; one still waiting too, so that its prompt runs
+        # at that depth
         fresh = [s for s in waiting if s.floor is not None and s.beam is None and s.driver is None
                  and s.prompt_loops is None]
         start = NOTCHES if self.pressure > 1.0 and self.backlogged() else self.level

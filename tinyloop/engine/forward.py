@@ -11,7 +11,7 @@ call) is the one primitive every cached path runs: a decode step or a prefill ch
 tokens; speculative decoding drafts a token from loop 0 to draft_loops and continues the drafted chunk from there to
 verify_loops; a resume handle deepens its prompt from its depth to a deeper one; an early-exit token's head is the
 range 0..0 from its state. Its torch backend (`loop_range`) runs the model's loops through LoopedLM.run_loops, the
-one loop driver, which the adaptive forward's and the iteration steps' passes call too.
+one loop driver, which the iteration steps' passes (engine/iteration.py) call too.
 
 Backends:
   C       token rows on CPU (the fp16 cache mode holding fp32, no ring): decode rows (one token per lane) and
@@ -57,10 +57,11 @@ def _triton_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 # --- the context ---------------------------------------------------------------------------------------------
 class Cached:
     """The context of a chunk (B lanes x T tokens at step.pos) over `cache`: what model.block asks of it (rope,
-    attend, and the chunk's tokens where its layers read them: `ids`, value embeddings). A tree chunk (speculative decoding) brings its own
+    attend, and the chunk's tokens where its layers read them: `ids`, value embeddings). A tree chunk (speculative
+    decoding) brings its own
     cells, key positions and ancestor mask (Step.cells / key_pos / mask)."""
 
-    ids: torch.Tensor | None = None  # the chunk's token ids [B*T] (set by encode) where layers read them (value embeddings)
+    ids: torch.Tensor | None = None  # the chunk's token ids [B*T] (set by encode), read by value-embedding layers
 
     def __init__(self, net: LoopedLM, cache: KVCache, step: Step, weights: Weights, triton: bool):
         pos = step.pos  # [B, T]
