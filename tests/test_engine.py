@@ -125,14 +125,13 @@ def test_loaded_run_stays_within_the_budget():
 
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
-    """Rows with a loop count (and threshold) per lane, their tokens done in one call (the executor's loop iterations,
-    Executor.whole_tokens): each lane's logits and loops used equal that lane run alone, and a lane at fewer loops
+    """Rows with a loop count (and threshold) per lane, their tokens done in one call (Executor.decode: the executor's
+    loop iterations until each token is done): each lane's logits and loops used equal that lane run alone, and a lane at fewer loops
     never writes (so never holds) the slots of the loops it does not run."""
     import torch
     from tinyloop.engine import forward as paged
     from tinyloop.engine.executor import Executor
     from tinyloop.engine.options import EngineOptions
-    from tinyloop.engine.plan import Outputs, Row
     from tinyloop.exits import ExitRule
     model = bundled_model  # trained: its latents settle, so a threshold stops lanes early
     net, cfg = model.net, model.cfg
@@ -146,13 +145,11 @@ def test_one_forward_runs_lanes_at_their_own_depth(bundled_model, threshold):
                 cache.lane_view(j).reserve([0], [0], [len(p)], loops[i])  # the prompt and the row, as a step takes
                 paged.forward(net, torch.tensor([p]), loops[i], net.make_step(torch.arange(len(p)).unsqueeze(0)),
                                cache.lane_view(j))
-            rules = [ExitRule.of(thresholds[i], cfg.exit_rule) for i in lanes]
-            rows = [Row(j, prompts[i][-1], len(prompts[i]) - 1, loops[i], rule, net.adaptive(rule))
-                    for j, (i, rule) in enumerate(zip(lanes, rules))]
-            out = Outputs()
-            Executor(model, cache, cfg.default_loops, ExitRule(), EngineOptions.from_env()).whole_tokens(rows, out)
-        logits, used = zip(*(out.tokens[j] for j in range(len(lanes))))
-        return torch.stack(logits), list(used), cache
+            executor = Executor(model, cache, cfg.default_loops, ExitRule(), EngineOptions.from_env())
+            logits, used = executor.decode([prompts[i][-1] for i in lanes], [len(prompts[i]) - 1 for i in lanes],
+                                           [loops[i] for i in lanes],
+                                           [ExitRule.of(thresholds[i], cfg.exit_rule) for i in lanes])
+        return logits, used, cache
 
     together, used, cache = run([0, 1, 2])
     if threshold:
