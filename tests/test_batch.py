@@ -128,18 +128,60 @@ def test_batch_is_one_call_on_a_busy_model(tiny_model):
         generate_batch(tiny_model, ["a"], GenerateConfig(max_tokens=2))
 
 
-def test_batch_cache_has_one_lane_per_prompt(tiny_model, monkeypatch):
-    """The batch cache is an N-lane KVCache sized for the longest lane, not the model's one-lane decode cache."""
-    made = []
-    real_init = tinyloop.KVCache.__init__
+def test_every_call_runs_in_the_models_one_engine(tiny_model, monkeypatch):
+    """generate, generate_batch, beam search and a Scheduler run through the model's one engine: once the first call
+    built it, no call makes a cache or a Runner of its own, and each runs at most its own lanes at once (a batch of
+    3 prompts: 3, a beam of 3: 3, a Scheduler of 2 lanes: 2)."""
+    from tinyloop.engine.runner import Runner
 
-    def spy(self, cfg, lanes, max_len, *a, **k):
-        made.append((lanes, max_len))
-        real_init(self, cfg, lanes, max_len, *a, **k)
+    generate(tiny_model, "warm", GenerateConfig(max_tokens=2))
+    engine, made, held = tiny_model.engine, [], []
+    for cls in (tinyloop.KVCache, Runner):
+        monkeypatch.setattr(cls, "__init__", lambda *a, **k: made.append(a[0]))
+    step = Runner.step
 
-    monkeypatch.setattr(tinyloop.KVCache, "__init__", spy)
-    generate_batch(tiny_model, [[1] * 10, [2] * 30, [3]], [GenerateConfig(max_tokens=5)] * 2 + [GenerateConfig(max_tokens=9)])
-    assert made == [(3, 35)]
+    def counting(self):
+        held.append(len(self.scheduler.admitted))
+        return step(self)
+
+    monkeypatch.setattr(Runner, "step", counting)
+    got = generate_batch(tiny_model, [[1] * 10, [2] * 30, [3], [4] * 5, [5] * 7], GenerateConfig(max_tokens=5))
+    assert max(held) == 5 and [r.tokens for r in got[:1]] == [generate(tiny_model, [1] * 10, GenerateConfig(max_tokens=5)).tokens]
+    held.clear()
+    generate(tiny_model, "a beam", GenerateConfig(max_tokens=4, beam_size=3))
+    assert max(held) == 3
+    held.clear()
+    sched = tinyloop.Scheduler(tiny_model, lanes=2)
+    seqs = [sched.submit([7] * (3 + i), GenerateConfig(max_tokens=4)) for i in range(5)]
+    finished = []
+    while not sched.idle():
+        finished += sched.step()
+    assert max(held) == 2 and sorted(map(id, finished)) == sorted(map(id, seqs))
+    assert made == [] and tiny_model.engine is engine and sched.runner is engine
+
+
+def test_a_call_between_scheduler_steps_steps_the_batch_with_it(tiny_model):
+    """A generate made between two of a Scheduler's steps runs in the same engine: the scheduler's request advances
+    with it and comes back from the scheduler's next step, both with their tokens alone; a Scheduler dropped with a
+    request still running gives it up at the engine's next step (its blocks back to the pool)."""
+    import gc
+
+    cfg = GenerateConfig(max_tokens=6)
+    alone = generate(tiny_model, [3] * 6, cfg).tokens
+    sched = tinyloop.Scheduler(tiny_model, lanes=2)
+    seq = sched.submit([3] * 6, cfg)
+    assert sched.step() == [] and seq.count == 1
+    assert generate(tiny_model, [4] * 5, GenerateConfig(max_tokens=8)).tokens == \
+        generate(tiny_model, [4] * 5, GenerateConfig(max_tokens=8)).tokens
+    assert seq.done and sched.step() == [seq] and seq.result().tokens == alone and sched.idle()
+    gone = tinyloop.Scheduler(tiny_model, lanes=2)
+    left = gone.submit([5] * 9, GenerateConfig(max_tokens=40))
+    gone.step()
+    assert tiny_model.pool.used > 0
+    del gone
+    gc.collect()
+    generate(tiny_model, "x", GenerateConfig(max_tokens=1))
+    assert left.done and tiny_model.engine.idle and tiny_model.pool.used == 0
 
 
 def test_lanes_sample_with_their_own_settings(tiny_model):

@@ -142,7 +142,7 @@ def test_iteration_logits_equal_the_token_level_forward(make_artifact, monkeypat
 
     for iterative in (True, False):
         def recording(seqs, logits, iterative=iterative):
-            seen[iterative] += [(s.place.arrival, s.count, row.clone()) for s, row in zip(seqs, logits)]
+            seen[iterative] += [(tuple(s.prompt), s.count, row.clone()) for s, row in zip(seqs, logits)]
             return sample_all(seqs, logits)
         monkeypatch.setattr(tinyloop.engine.sequence.Sequence, "sample_all", staticmethod(recording))
         sched = tinyloop.Scheduler(model, lanes=3)

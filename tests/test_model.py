@@ -24,7 +24,7 @@ def test_cached_decode_equals_full_recompute(make_artifact, injection, loops):
     model = tinyloop.load_model(make_artifact(injection=injection), 64)
     ids = torch.randint(1, 320, (24,), generator=torch.Generator().manual_seed(loops)).tolist()
     full = model.net(torch.tensor([ids]), loops)[0]
-    assert torch.allclose(cached_logits(model, ids, loops, model.decode_cache), full, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(cached_logits(model, ids, loops, model.new_cache(1, model.max_seq_len)), full, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -37,7 +37,7 @@ def test_architecture_variants_cache_exactly(make_artifact, overrides):
     model = tinyloop.load_model(make_artifact(**overrides), 64)
     ids = torch.randint(1, 320, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     full = model.net(torch.tensor([ids]), 5)[0]
-    assert torch.allclose(cached_logits(model, ids, 5, model.decode_cache, prefill=3), full, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(cached_logits(model, ids, 5, model.new_cache(1, model.max_seq_len), prefill=3), full, atol=1e-4, rtol=1e-4)
 
 
 def test_more_loops_change_the_output(make_artifact):
@@ -51,8 +51,8 @@ def test_quantised_cache_logits_stay_close_to_fp16(make_artifact, mode, tol):
     path = make_artifact()
     ref, quant = tinyloop.load_model(path, 64), tinyloop.load_model(path, 64, cache_mode=mode)
     ids = torch.randint(1, 320, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    a = cached_logits(ref, ids, 4, ref.decode_cache)
-    b = cached_logits(quant, ids, 4, quant.decode_cache)
+    a = cached_logits(ref, ids, 4, ref.new_cache(1, ref.max_seq_len))
+    b = cached_logits(quant, ids, 4, quant.new_cache(1, quant.max_seq_len))
     rel = (a - b).norm() / a.norm()
     assert 0 < rel < tol  # quantisation changes something, but not much
 
@@ -60,7 +60,7 @@ def test_quantised_cache_logits_stay_close_to_fp16(make_artifact, mode, tol):
 def test_quantised_cache_logits_on_bundled_model(bundled_model):
     """The trained model: int8 and int4 caches keep next-token distributions close to fp16."""
     ids = bundled_model.encode_prompt("import os\nimport sys\n\n\ndef main(argv):\n    parser = ")
-    ref = torch.softmax(cached_logits(bundled_model, ids, 8, bundled_model.decode_cache), -1)
+    ref = torch.softmax(cached_logits(bundled_model, ids, 8, bundled_model.new_cache(1, bundled_model.max_seq_len)), -1)
     for mode, max_tv in (("int8", 0.02), ("int4", 0.15)):
         cache = KVCache(bundled_model.cfg, 1, 128, mode)
         probs = torch.softmax(cached_logits(bundled_model, ids, 8, cache), -1)
@@ -85,7 +85,7 @@ def test_early_exit_copies_kv_into_skipped_loops(make_artifact):
     """With early exit, later tokens still find keys at every depth: equal to a recompute that freezes states."""
     model = tinyloop.load_model(make_artifact(), 64)
     ids = [5, 9, 14, 3, 22, 40, 7]
-    cache = model.decode_cache
+    cache = model.new_cache(1, model.max_seq_len)
     cache.reset()
     cache.reserve_all()
     runner = Runner(model, cache, 8, early_exit=0.5)  # large threshold: tokens exit after few loops

@@ -7,12 +7,12 @@ forwards `generate` runs, so greedy output equals `generate` on each prompt alon
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from .engine.calls import check_length, checked, lanes
-from .engine.runner import Runner
-from .engine.sequence import Sequence
+from .engine.calls import check_length, checked, engine, engine_of
+from .engine.sequence import Client, Sequence
 from .errors import BudgetError, ConfigError, TinyLoopError
 from .prefix import PrefixPool, check_pool
 from .resume import check_resume, refine_sequence
@@ -74,13 +74,21 @@ def generate_batch(model, prompts: Seq, cfg: GenerateConfig | Seq[GenerateConfig
     if not good:
         return out
     with model.busy():
-        with lanes(model, [ids[i] for i in good], [cfgs[i] for i in good], what="generate_batch prompt") as cache:
+        with engine(model, [ids[i] for i in good], [cfgs[i] for i in good], what="generate_batch prompt") as (runner,
+                                                                                                           client):
             t_call = time.perf_counter()
             lane_cb = (lambda i: None) if on_token is None else (lambda i: lambda token, index: on_token(i, token, index))
             seqs = [Sequence(model, ids[i], cfgs[i], lane_cb(i), t_call) for i in good]
-            for i, res in zip(good, Runner(model, cache).run(seqs, raise_errors=not return_exceptions)):
+            for i, res in zip(good, runner.run(seqs, raise_errors=not return_exceptions, client=client)):
                 out[i] = res
     return out
+
+
+def closed(runner, client: Client, depth_control) -> None:
+    """A Scheduler is gone (weakref.finalize, so at any moment: only flags, which the engine's next step reads)."""
+    client.closed = True
+    if depth_control is not None and runner.depth_control is depth_control:
+        runner.depth_control = None
 
 
 class Scheduler:
@@ -92,13 +100,21 @@ class Scheduler:
     K/V in a ring of their own over the same pool (the lane's KV policy, engine/executor.py's attach_ring), so its
     forwards read the ring while the other lanes' share their calls.
 
-    The model is held (BusyError otherwise) only during a step, so other calls may run between steps."""
+    Its requests run in the model's one engine (engine/calls.py's engine_of), as a client with `lanes` lanes: an
+    in-process call made between two steps runs through the same engine, and steps this scheduler's requests with
+    its own (what finishes then is returned by the next `step`). The model is held (BusyError otherwise) only during
+    a step, so other calls may run between steps."""
 
     def __init__(self, model, lanes: int = DEFAULT_LANES, depth_control=None):
         model.check_alive()
         self.model = model
-        # depth_control: elastic depth's controller (tinyloop/engine/elastic.py), None: every lane at its asked depth
-        self.runner = Runner(model, model.new_cache(lanes, model.max_seq_len), depth_control=depth_control)
+        self.runner = engine_of(model, lanes)
+        self.client = Client(lanes)
+        # depth_control: elastic depth's controller (tinyloop/engine/elastic.py), None: every lane at its asked depth;
+        # the engine's, for every lane with a depth range, from now on
+        self.runner.depth_control = depth_control
+        # once this scheduler is gone, its requests left in the engine are given up at the engine's next step
+        weakref.finalize(self, closed, self.runner, self.client, depth_control)
         self.pools: dict[int, PrefixPool] = {}  # id(seq) -> the pool a request goes through
 
     def submit(self, prompt, cfg: GenerateConfig | None = None, on_token: OnToken | None = None,
@@ -126,7 +142,7 @@ class Scheduler:
             check_pool(pool, model)
             pool.prune()
             seq.prefixes, self.pools[id(seq)] = pool.lookup(model), pool
-            self.runner.add(seq)
+            self.runner.add(seq, client=self.client)
         else:
             self.queue(seq)
         return seq
@@ -142,7 +158,7 @@ class Scheduler:
 
     def check_fits(self, cfg: GenerateConfig, prompt_len: int, loops: int) -> None:
         """BudgetError now for a request that can never fit this scheduler's lanes or the pool."""
-        width, lanes = cfg.beam_size, self.runner.cache.lanes  # a beam request holds beam_size lanes at once
+        width, lanes = cfg.beam_size, self.client.lanes  # a beam request holds beam_size lanes at once
         if width > lanes:
             raise BudgetError(f"beam_size {width} needs {width} lanes at once, and this scheduler has {lanes}: it can "
                               f"never fit; lower beam_size")
@@ -153,11 +169,13 @@ class Scheduler:
         cfg = seq.cfg
         if cfg.cache_window:
             self.model.net.ensure_positions(len(seq.prompt) + cfg.max_tokens + 1)  # a ring may run past max_seq_len
-        self.runner.add(seq, cached, first)
+        self.runner.add(seq, cached, first, self.client)
 
     def step(self) -> list[Sequence]:
+        """One step of the engine; returns this scheduler's requests that finished since its last step."""
         with self.model.busy():
-            done = self.runner.step()
+            self.runner.step()
+        done = self.client.take()
         for seq in done:
             pool = self.pools.pop(id(seq), None)
             if pool is not None:
@@ -165,4 +183,4 @@ class Scheduler:
         return done
 
     def idle(self) -> bool:
-        return self.runner.idle
+        return self.runner.idle_for(self.client)

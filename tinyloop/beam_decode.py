@@ -8,8 +8,7 @@ from __future__ import annotations
 import time
 
 from .engine.beam import LENGTH_PENALTY, BeamGroup, Hypothesis, length_normalised  # noqa: F401 (public names)
-from .engine.calls import checked, lanes
-from .engine.runner import Runner
+from .engine.calls import checked, engine
 from .engine.sequence import Sequence
 from .request import GenerateConfig, GenerateResult, OnToken
 
@@ -19,7 +18,7 @@ def beam_search(model, prompt, cfg: GenerateConfig, on_token: OnToken | None = N
     cfg = checked(model, cfg, "single")
     with model.busy():
         ids = model.encode_prompt(prompt)
-        with lanes(model, [ids], [cfg], n_lanes=cfg.beam_size, what="beam hypothesis") as cache:
+        with engine(model, [ids], [cfg], n_lanes=cfg.beam_size, what="beam hypothesis") as (runner, client):
             root = Sequence(model, ids, cfg, on_token, time.perf_counter())
             root.beam = BeamGroup(root)  # also at beam_size 1: greedy decode, with its hypothesis and score
-            return Runner(model, cache, root.loops, root.exit).run([root])[0]
+            return runner.run([root], client=client)[0]

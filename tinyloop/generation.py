@@ -1,8 +1,7 @@
 """Single-request generation: generate and generate_stream (beam search and grammar ride the same engine)."""
 from __future__ import annotations
 
-from .engine.calls import checked, lanes
-from .engine.runner import Runner
+from .engine.calls import checked, engine
 from .engine.sequence import Sequence
 from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken  # noqa: F401 (the public names live here too)
 
@@ -15,9 +14,8 @@ def generate_stream(model, prompt, cfg: GenerateConfig | None = None, on_token: 
         return beam_search(model, prompt, cfg, on_token)
     with model.busy():
         ids = model.encode_prompt(prompt)
-        with lanes(model, [ids], [cfg]) as cache:
-            seq = Sequence(model, ids, cfg, on_token)
-            return Runner(model, cache, seq.loops, seq.exit).run([seq])[0]
+        with engine(model, [ids], [cfg]) as (runner, client):
+            return runner.run([Sequence(model, ids, cfg, on_token)], client=client)[0]
 
 
 def generate(model, prompt, cfg: GenerateConfig | None = None) -> GenerateResult:

@@ -15,8 +15,7 @@ import torch
 
 from .cache import KVCache
 from .engine import forward as paged
-from .engine.calls import lanes
-from .engine.runner import Runner
+from .engine.calls import engine
 from .engine.sequence import Sequence
 from .errors import BusyError, ConfigError, HandleError
 from .loader import Model
@@ -122,12 +121,12 @@ def prefill_by_steps(model: Model, ids: list[int], loops: int, keep: Callable[[K
                 latent.e[:, a:a + e.shape[1]].copy_(e)
                 latent.s[:, a:a + s.shape[1]].copy_(s)
 
-    with lanes(model, [ids], [cfg], what=what) as cache:
-        seq.on_prefilled = prefilled
-        # a windowed prompt goes in as one piece (what ResumeHandle.pieces cuts, so a deepening runs the same pieces)
-        runner = Runner(model, cache, loops, chunk=0 if window else None)
-        runner.scheduler.prefixes = None  # (its own forwards: nothing of the automatic prefix cache is reused)
-        runner.run([seq])
+    seq.on_prefilled = prefilled
+    # a windowed prompt goes in as one piece (what ResumeHandle.pieces cuts, so a deepening runs the same pieces)
+    seq.whole_prompt = bool(window)
+    seq.prefix_cache = None  # (its own forwards: nothing of the automatic prefix cache is reused)
+    with engine(model, [ids], [cfg], what=what) as (runner, client):
+        runner.run([seq], client=client)
     return kept[0]
 
 

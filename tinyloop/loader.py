@@ -6,6 +6,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,9 +43,11 @@ class Model:
         self.model_id = next(_model_ids)
         self.freed = False
         self._lock = threading.Lock()
-        # Every cache of this model draws its blocks from one pool; the one-lane decode cache is a block table.
+        # Every cache of this model draws its blocks from one pool.
         self.pool = BlockPool(self.cfg, cache_mode, pool_blocks, device=self.device, dtype=self.dtype)
-        self.decode_cache = self.new_cache(1, max_seq_len)
+        # The model's one engine (a Runner, engine/calls.py's engine_of builds it at first use): every call, the
+        # worker's scheduler and the benches run their sequences through it.
+        self.engine: Any = None
         # Prompts are prefilled in pieces of this many tokens (0: whole), so the scheduler can interleave a long
         # prompt with decode steps; every call cuts at the same places, so outputs do not depend on the batch.
         self.prefill_chunk: int = env_number("TINYLOOP_PREFILL_CHUNK", int, DEFAULT_PREFILL_CHUNK, 0)
@@ -268,9 +271,10 @@ def free_model(model: Model) -> None:
         return
     with model.busy():
         model.freed = True
-        model.decode_cache.reset()
+        if model.engine is not None:
+            model.engine.cache.reset()
         # a freed model holds nothing: every later use raises HandleError first (Model checks `freed`)
         model.prefixes = None  # type: ignore[assignment]
         model.net = None  # type: ignore[assignment]
-        model.decode_cache = None  # type: ignore[assignment]
+        model.engine = None
         model.pool = None  # type: ignore[assignment]

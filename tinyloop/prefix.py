@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import BLOCK_TOKENS, KVCache, Span
-from .engine.calls import checked, lanes
-from .engine.runner import Runner
+from .engine.calls import checked, engine
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
 from .handle_base import Handle, encode_tokens, prefill_by_steps, tensor_bytes
@@ -96,14 +95,13 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
                    pc: PrefixCache | None = None, hit: int = 0, prefixes=None) -> GenerateResult:
     """Generate from ids; the first `hit` of them are pc's (lent, not prefilled), or `prefixes` (the model's prefix
     cache, or a lookup-only view of it) finds what is cached. Model is held."""
-    with lanes(model, [ids], [cfg]) as cache:
+    with engine(model, [ids], [cfg]) as (runner, client):
         seq = Sequence(model, ids, cfg, on_token)
-        runner = Runner(model, cache, seq.loops, seq.exit)
         if prefixes is not None:
-            runner.scheduler.prefixes = prefixes
-        if pc is None or not hit or (len(ids) == 1 and runner.adaptive):
+            seq.prefix_cache = prefixes
+        if pc is None or not hit or (len(ids) == 1 and model.net.adaptive(seq.exit)):
             # generate runs a one-token prompt adaptively; reuse would not match it, so prefill plainly
-            return runner.run([seq])[0]
+            return runner.run([seq], client=client)[0]
 
         def lend(lane: KVCache) -> Writes | None:
             pc.restore(lane, hit)
@@ -113,10 +111,10 @@ def _generate_from(model: Model, ids: list[int], cfg: GenerateConfig, on_token: 
             if hit == len(ids):
                 assert pc.logits is not None  # (built, not released)
                 return pc.logits[-1]
-            return runner.prefill(ids[hit:], hit)[-1]  # all loops, as generate's
+            return runner.prefill(ids[hit:], hit, seq.place.lane, seq.loops, seq.exit)[-1]  # all loops, as generate's
 
         seq.stats.prefix_hit_tokens = hit
-        return runner.run([seq], cached=hit, first=Start(lend, rest))[0]
+        return runner.run([seq], cached=hit, first=Start(lend, rest), client=client)[0]
 
 
 def _check_call(model: Model, cfg: GenerateConfig | None, n_loops: int | None) -> GenerateConfig:

@@ -26,8 +26,7 @@ from contextlib import nullcontext
 import torch
 
 from .cache import KVCache, Span
-from .engine.calls import checked, lanes
-from .engine.runner import Runner
+from .engine.calls import checked, engine
 from .engine.sequence import Sequence, Start, Writes
 from .errors import ConfigError, HandleError
 from .handle_base import Handle, encode_tokens, prefill_by_steps, tensor_bytes
@@ -290,6 +289,6 @@ def resume_generate(handle: ResumeHandle, loops: int | None = None, cfg: Generat
     base = cfg or GenerateConfig()
     cfg = check_resume(handle, base if loops is None else dataclasses.replace(base, loops=loops))
     model = handle.model
-    with handle.using(model), lanes(model, [handle.ids], [cfg]) as cache:
+    with handle.using(model), engine(model, [handle.ids], [cfg]) as (runner, client):
         seq, cached_tokens, first = refine_sequence(handle, cfg, on_token, held=True)
-        return Runner(model, cache).run([seq], cached=cached_tokens, first=first)[0]
+        return runner.run([seq], cached=cached_tokens, first=first, client=client)[0]

@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
-from .engine.calls import checked, lanes
-from .engine.runner import Runner
+from .engine.calls import checked, engine
 from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
 from .exits import exit_stops
@@ -578,9 +577,8 @@ def generate_speculative(model: Model, prompt, sc: SpeculativeConfig | None = No
     with model.busy():
         ids = model.encode_prompt(prompt)
         verify_loops = sc.resolved_verify_loops(model, cfg)
-        with lanes(model, [ids], [cfg], loops=verify_loops, ring=speculative_ring(sc, cfg)) as cache:
-            seq = speculative_sequence(model, ids, sc, cfg, on_token)
-            return Runner(model, cache).run([seq])[0]
+        with engine(model, [ids], [cfg], loops=verify_loops, ring=speculative_ring(sc, cfg)) as (runner, client):
+            return runner.run([speculative_sequence(model, ids, sc, cfg, on_token)], client=client)[0]
 
 
 def speculative_call(model: Model, sc: SpeculativeConfig | None, cfg: GenerateConfig | None

@@ -1,14 +1,18 @@
 """What every call does before and after its sequences run, written once: check the config against the mode matrix,
-hold the model, encode the prompts, check lengths and the block budget, lend a cache, and give its blocks back."""
+check lengths and the block budget, and run the sequences through the model's one engine (`engine_of`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..cache import KVCache
-from ..errors import ConfigError
+import torch
+
+from ..errors import BudgetError, ConfigError
 from ..modes import check_depth_range, check_modes
 from ..request import GenerateConfig
+from .options import EngineOptions
+from .runner import Runner
+from .sequence import Client
 
 # Lanes of an in-process batch: more prompts than this wait for a lane (a list of 1,000 prompts holds 32 lanes of
 # block tables, and blocks only for the lanes running).
@@ -35,12 +39,34 @@ def check_length(model, prompt_len: int, cfg: GenerateConfig, what: str = "promp
                           f"{model.max_seq_len} (GenerateConfig.max_tokens, or max_seq_len when loading the model)")
 
 
+def engine_of(model, lanes: int = 1) -> Runner:
+    """The model's one engine (a Runner over a cache of the model's pool), with at least `lanes` lanes: every call,
+    the worker's scheduler and the benches run through it. It is built at first use, and built again while it runs
+    nothing when more lanes are asked than it has or the engine's environment switches changed (EngineOptions)."""
+    runner, options = model.engine, EngineOptions.from_env()
+    if runner is None:
+        with torch.inference_mode(False):  # (its block tables are changed outside steps too: reset, free_model)
+            cache = model.new_cache(max(lanes, BATCH_LANES), model.max_seq_len)
+        model.engine = Runner(model, cache, options=options)
+        return model.engine
+    if runner.cache.lanes >= lanes and (runner.options == options or not runner.idle):
+        return runner  # (switches changed under a running batch apply from its next idle moment)
+    if not runner.idle:
+        raise BudgetError(f"{lanes} lanes at once: the model's engine has {runner.cache.lanes} and runs requests now "
+                          f"(it grows only while idle); lower beam_size or the scheduler's lanes, or retry")
+    with torch.inference_mode(False):
+        cache = runner.cache if runner.cache.lanes >= lanes else model.new_cache(lanes, model.max_seq_len)
+    runner.configure(cache, options)
+    return runner
+
+
 @contextmanager
-def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lanes: int | None = None,
-          loops: int | None = None, ring: int = 0, what: str = "prompt") -> Iterator[KVCache]:
-    """A cache with one lane per prompt (or n_lanes lanes for one prompt: beam hypotheses), once lengths and the
-    block budget allow them; its blocks go back to the pool when the call ends. `loops`: the deepest loop count a
-    lane runs (default: the configs')."""
+def engine(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lanes: int | None = None,
+           loops: int | None = None, ring: int = 0, what: str = "prompt") -> Iterator[tuple[Runner, Client]]:
+    """The model's engine and a client of it with one lane per prompt (or n_lanes lanes for one prompt: beam
+    hypotheses), once lengths and the block budget allow them; whatever of the client's is left in the engine when
+    the call ends (it raised) is given up, its blocks back to the pool. `loops`: the deepest loop count a lane runs
+    (default: the configs')."""
     for i, (ids, c) in enumerate(zip(prompts, cfgs)):
         check_length(model, len(ids), c, what if len(prompts) == 1 else f"lane {i}: {what}")
     longest = max(len(p) + c.max_tokens for p, c in zip(prompts, cfgs))
@@ -55,12 +81,8 @@ def lanes(model, prompts: list[list[int]], cfgs: list[GenerateConfig], *, n_lane
     else:  # batch lanes wait for blocks or are preempted (Runner.run): each request must fit on its own
         for p, c, ring_cells in zip(prompts, cfgs, cells):
             model.admit(c.beam_size, len(p) + c.max_tokens, loops, ring_cells, what=what, now=False)
-    # a windowed lane keeps its K/V in a ring of its own (Executor.attach_ring): the lent cache is plain, as long as
-    # the other lanes need
-    plain = max((len(p) + c.max_tokens for p, c in zip(prompts, cfgs) if not c.cache_window), default=1)
-    cache = model.decode_cache if n == 1 else model.new_cache(n, plain)
-    cache.reset()
+    runner, client = engine_of(model, n), Client(n)
     try:
-        yield cache
+        yield runner, client
     finally:
-        cache.reset()
+        runner.drop(client)

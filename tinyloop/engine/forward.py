@@ -357,7 +357,7 @@ def c_chunk(net: LoopedLM, cache: KVCache, rows: int, exits: ExitRule | None = N
     """The C step that runs a chunk of `rows` tokens over `cache` at every loop, or None (the model's pieces through
     torch run it): on the CPU, up to cpu_block.MAX_LANES rows where cpu_block.supported says the blocks run in C,
     and not under the cdf rule with a threshold (LoopedLM.forward picks each position's exit loop). A prefill piece
-    that fits runs here, alone or with other prompts' pieces (Runner.prefill_rows): the row kernels stream each
+    that fits runs here, alone or with other prompts' pieces (CBackend.prefill_rows): the row kernels stream each
     weight once for all its rows, where the torch path costs hundreds of operations per loop."""
     if cache.device.type != "cpu" or rows > cpu_block.MAX_LANES or \
             exits is not None and exits.rule == "cdf" and exits.threshold > 0:

@@ -44,7 +44,7 @@ class Row:
     adaptive: bool  # its depth is decided per token: an early-exit rule, the exit gate, a forced depth
     greedy: bool = False  # its next token is a plain argmax that C may draw, and nothing waits for a lane or a prefill
     # greedy tokens it may draw inside a C call after this one, as their forced depths (each its exit threshold where
-    # it has no schedule); empty: it returns to the sampler (Runner.ahead)
+    # it has no schedule); empty: it returns to the sampler
     draws: list[float] = field(default_factory=list)
     ignore_eos: bool = False
     # its request asks for log-probabilities: its draws bring back the logits each was chosen from (Outputs.chosen_from)

@@ -1,7 +1,10 @@
 """Runner: the engine of one cache. It steps sequences through the model, each in a lane of the cache while it runs.
 
-Sequences may be added at any time (`add`); one `step()` is one scheduling iteration (iteration-level scheduling,
-as in Orca and vLLM), and both the in-process calls (`run`: add, then step until done) and the worker drive it.
+A model has one (`engine/calls.py`'s `engine_of`): every in-process call, the worker's scheduler and the benches run
+their sequences through it, each as a `Client` with a quota of lanes, and a client gets back its own finished
+sequences. Sequences may be added at any time (`add`); one `step()` is one scheduling iteration (iteration-level
+scheduling, as in Orca and vLLM) over every client's sequences: an in-process call (`run`: add, then step until its
+own are done) made between two of the worker's steps advances the worker's batch with it.
 One step, schedule -> execute -> postprocess (the shape of nano-vllm's and vLLM v1's engine step):
   1. retire: drop sequences cancelled from outside (`Sequence.cancel`) and give their lanes back; then, with a
      depth controller (engine/elastic.py), steer the depth caps of the lanes with a depth range;
@@ -35,7 +38,7 @@ from .executor import Executor
 from .options import EngineOptions
 from .plan import Chunk, Outputs, Plan
 from .scheduler import Scheduler
-from .sequence import Sequence, Start
+from .sequence import Client, Sequence, Start
 
 T = TypeVar("T")
 
@@ -46,17 +49,25 @@ class Runner:
     def __init__(self, model, cache: KVCache, loops: int | None = None, early_exit: "ExitRule | float" = 0.0,
                  chunk: int | None = None, options: EngineOptions | None = None,
                  depth_control: DepthController | None = None):
-        self.model, self.cache = model, cache
+        self.model = model
         # elastic depth (engine/elastic.py): steers the depth caps of lanes with a depth range once per step
         self.depth_control = depth_control
-        options = options or EngineOptions.from_env()
-        # defaults for callers that feed the forwards themselves (beam search, resume); sequences bring their own
-        loops, rule = loops or model.cfg.default_loops, ExitRule.of(early_exit, model.cfg.exit_rule)
-        self.executor = Executor(model, cache, loops, rule, options)
-        prefixes = model.prefixes if model.prefix_caching else None  # automatic prefix caching
-        self.scheduler = Scheduler(model, cache, self.executor, model.prefill_chunk if chunk is None else chunk,
-                                   prefixes)
+        # defaults for callers that feed the forwards themselves (tests); sequences bring their own
+        self.loops, self.rule = loops or model.cfg.default_loops, ExitRule.of(early_exit, model.cfg.exit_rule)
+        self.chunk = chunk  # None: the model's prefill_chunk
         self.fail_at_step: int | None = None  # a test-only hook: that step's forwards raise (workers/engine.py)
+        self.cache, self.options = cache, options or EngineOptions.from_env()
+        self.executor = Executor(model, cache, self.loops, self.rule, self.options)
+        self.scheduler = Scheduler(model, cache, self.executor, chunk)
+
+    def configure(self, cache: KVCache, options: EngineOptions) -> None:
+        """Run over `cache` with `options` from now on (only while idle: the old cache's blocks go back)."""
+        assert self.idle
+        if self.cache is not cache:
+            self.cache.reset()
+        self.cache, self.options = cache, options
+        self.executor = Executor(self.model, cache, self.loops, self.rule, options)
+        self.scheduler = Scheduler(self.model, cache, self.executor, self.chunk)
 
     # the forwards, for callers that feed them themselves
     def prefill(self, ids: list[int], start: int, lane: int = 0, loops: int | None = None,
@@ -68,16 +79,31 @@ class Runner:
         return self.executor.decode(tokens, positions, loops, exits)
 
     @property
-    def adaptive(self) -> bool:
-        """Whether the runner's default exit rule decides depth per token."""
-        return self.executor.is_adaptive(self.executor.early_exit)
-
-    @property
     def idle(self) -> bool:
         return self.scheduler.idle
 
-    def add(self, seq: Sequence, cached: int = 0, first: Start | None = None) -> None:
+    def add(self, seq: Sequence, cached: int = 0, first: Start | None = None, client: Client | None = None) -> None:
+        seq.client = client
         self.scheduler.add(seq, cached, first)
+
+    def idle_for(self, client: Client) -> bool:
+        """Whether none of client's sequences is left in the runner, finished ones not taken included."""
+        return not client.finished and not any(s.client is client for s in self.scheduler.waiting) \
+            and not any((s.beam.root if s.beam is not None else s).client is client for s in self.scheduler.admitted)
+
+    def drop(self, client: Client) -> None:
+        """Give up every sequence of client's still in the runner (a call that ended on an error): their lanes and
+        blocks go back now."""
+        sched = self.scheduler
+        for seq in [s for s in sched.waiting if s.client is client]:
+            sched.waiting.remove(seq)
+        for root in {id(r): r for r in (s.beam.root if s.beam is not None else s for s in sched.admitted)
+                     if r.client is client}.values():
+            root.cancel()
+            if root.beam is not None:
+                root.beam.cancel()
+            sched.release(root)
+        client.finished = []
 
     # --- a step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -86,6 +112,9 @@ class Runner:
         (`seq.error` set when one had to be given up: it could not get a block with nothing else running, or a fault
         of its own)."""
         self.scheduler.steps += 1
+        for client in {id(s.client): s.client for s in self.scheduler.waiting + self.scheduler.admitted
+                       if s.client is not None and s.client.closed}.values():
+            self.drop(client)
         finished = self.scheduler.retire()
         if self.depth_control is not None:
             self.depth_control.steer(self.scheduler.admitted, self.scheduler.waiting)
@@ -94,7 +123,11 @@ class Runner:
             finished += self.execute(plan)
         except Exception as exc:  # noqa: BLE001 (a shared forward broke: its lanes fail, nobody else's)
             finished += self.fail_step(plan, exc)
-        return finished + self.postprocess()
+        finished += self.postprocess()
+        for seq in finished:
+            if seq.client is not None:
+                seq.client.finished.append(seq)
+        return finished
 
     def execute(self, plan: Plan) -> list[Sequence]:
         """The plan's forwards (the executor's), their outputs given to the sequences, then each driven lane's round.
@@ -162,7 +195,7 @@ class Runner:
         sequence's own `on_prefilled` (a prefix or resume handle built by this step keeps them)."""
         seq.t_prefilled = time.perf_counter()
         lane = self.executor.lane(seq.place.lane)
-        prefixes = self.scheduler.prefixes
+        prefixes = self.scheduler.prefix_cache(seq)
         if prefixes is not None and seq.cacheable:
             prefixes.keep(seq.prompt, seq.loops, lane)
         if seq.on_prefilled is not None:
@@ -283,14 +316,19 @@ class Runner:
         return failed
 
     # --- in-process calls -------------------------------------------------------------------------------------
-    def run(self, seqs: list[Sequence], cached: int = 0, first: Start | None = None, raise_errors: bool = True
-            ) -> list:
-        '''Take every sequence from its prompt to its result: add them all, then step until none is left. A sequence
-        given up raises its error (raise_errors), or has it in its place among the results.'''
+    def run(self, seqs: list[Sequence], cached: int = 0, first: Start | None = None, raise_errors: bool = True,
+            client: Client | None = None) -> list:
+        '''Take every sequence from its prompt to its result: add them all, then step until they are done (other
+        clients' sequences step with them). A sequence given up raises its error (raise_errors), or has it in its
+        place among the results.'''
+        client = client or Client(self.cache.lanes)
         for seq in seqs:
-            self.add(seq, cached, first)
-        while not self.idle:
-            for seq in self.step():
+            self.add(seq, cached, first, client)
+        left = {id(s) for s in seqs}
+        while left and not self.idle:
+            self.step()
+            for seq in client.take():
+                left.discard(id(seq))
                 if seq.error is not None and raise_errors:
                     raise seq.error
         return [seq.result() if seq.error is None else seq.error for seq in seqs]

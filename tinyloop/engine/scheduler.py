@@ -25,7 +25,7 @@ from ..sampling import MIN_TEMPERATURE
 from .beam import BeamGroup
 from .executor import Executor
 from .plan import Piece, Plan, Row
-from .sequence import BeamRequest, Place, Sequence, Start
+from .sequence import ENGINE_PREFIXES, BeamRequest, Place, Sequence, Start
 
 # Every decision at DEBUG level, one line each: admit, prefill piece, decode group, finish, preempt (docs/engine.md).
 log = logging.getLogger("tinyloop.scheduler")
@@ -53,9 +53,9 @@ def draws_plainly(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, model, cache: KVCache, executor: Executor, chunk: int, prefixes):
-        self.model, self.cache, self.executor, self.chunk = model, cache, executor, chunk  # chunk 0: a prompt whole
-        self.prefixes = prefixes  # automatic prefix caching (None: off)
+    def __init__(self, model, cache: KVCache, executor: Executor, chunk: int | None = None):
+        self.model, self.cache, self.executor = model, cache, executor
+        self.fixed_chunk = chunk  # None: the model's prefill_chunk, read at each use (0: a prompt whole)
         self.free_lanes = list(range(cache.lanes))
         self.waiting: list[Sequence] = []   # without a lane (new or preempted), in admission_order
         self.admitted: list[Sequence] = []  # holding a lane, in admission order: the youngest last
@@ -63,6 +63,23 @@ class Scheduler:
         self.arrivals = self.steps = 0
         self.reserved: dict[int, tuple] = {}  # lane -> what `reserve` took for it last
         self.reserved_epoch = -1  # the pool's epoch after that
+
+    @property
+    def chunk(self) -> int:
+        return self.model.prefill_chunk if self.fixed_chunk is None else self.fixed_chunk
+
+    @property
+    def prefixes(self):
+        """The automatic prefix cache (None: the model's prefix caching is off)."""
+        return self.model.prefixes if self.model.prefix_caching else None
+
+    def prefix_cache(self, seq: Sequence):
+        """The prefix cache seq reads its prompt from and adds its blocks to: its own choice (Sequence.prefix_cache:
+        None, or a lookup-only view), else the automatic one."""
+        return self.prefixes if seq.prefix_cache is ENGINE_PREFIXES else seq.prefix_cache
+
+    def chunk_of(self, seq: Sequence) -> int:
+        return 0 if seq.whole_prompt else self.chunk
 
     def lane(self, i: int) -> KVCache:
         return self.executor.lane(i)
@@ -110,8 +127,8 @@ class Scheduler:
         """Prompt tokens seq's next prefill forward runs: up to the next multiple of the chunk, whatever else runs,
         so a prompt is cut at the same places alone or in a batch."""
         at = seq.place
-        n = len(seq.prompt) - at.cached
-        return min(n, self.chunk - at.cached % self.chunk) if self.chunk and at.first is None else n
+        n, chunk = len(seq.prompt) - at.cached, self.chunk_of(seq)
+        return min(n, chunk - at.cached % chunk) if chunk and at.first is None else n
 
     def schedule(self, finished: list[Sequence]) -> Plan:
         """Decide what this step's forwards run and take their blocks: admit waiting sequences; pieces of admitted
@@ -248,7 +265,7 @@ class Scheduler:
     def prefixes_for(self, seq: Sequence):
         """Where seq's prompt prefix may be found: its pool's scaffolds (even with prefix caching off), else the
         prefix cache; none for a windowed lane (a ring holds no prefix)."""
-        return None if seq.cfg.cache_window else seq.prefixes or self.prefixes
+        return None if seq.cfg.cache_window else seq.prefixes or self.prefix_cache(seq)
 
     def reuse(self, prefixes, seq: Sequence) -> int:
         """Lend the longest prefix of seq's prompt the prefix cache holds to its lane, and take the cells its rest
@@ -310,8 +327,11 @@ class Scheduler:
         if self.hold_back and self.admitted:
             return  # after a preemption sequences rejoin only once a running one has finished (no thrashing)
         self.hold_back = False
-        while self.waiting and len(self.free_lanes) >= self.waiting[0].cfg.beam_size:
-            seq = self.waiting[0]
+        while True:
+            # the first in admission order whose client has lanes of its quota left (the rest wait their turn)
+            seq = next((s for s in self.waiting if self.within_quota(s)), None)
+            if seq is None or len(self.free_lanes) < seq.cfg.beam_size:
+                return
             # its blocks now, and room for every admitted lane (a beam request's every lane) to cross into a new block
             # on the next step
             need = blocks_for(cfg, len(seq.prompt) + seq.count + 1, seq.loops, seq.ring) + \
@@ -320,7 +340,7 @@ class Scheduler:
                 log.debug("step %d: #%d waits: needs %d blocks, %d free", self.steps, seq.place.arrival, need,
                           pool.room())
                 return
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.place.lane = self.free_lanes.pop(0)
             rebuilt = [seq]  # the sequences whose lanes a preempted request had (a beam's live hypotheses)
             if seq.beam is not None:
@@ -342,6 +362,14 @@ class Scheduler:
                     self.out_of_blocks(exc)
                     return
 
+    def within_quota(self, seq: Sequence) -> bool:
+        """Whether seq's client (Runner.add) has lanes of its quota left for it."""
+        client = seq.client
+        if client is None:
+            return True
+        held = sum((s.beam.root if s.beam is not None else s).client is client for s in self.admitted)
+        return held + seq.cfg.beam_size <= client.lanes
+
     def rebuild(self, members: list[Sequence]) -> None:
         """Rebuild a preempted request's lanes with the forwards that first built them (the executor's, the one place
         where the scheduler runs forwards: they must be in before the request's next step is planned): its prompt's
@@ -349,7 +377,7 @@ class Scheduler:
         time, each under the exit rule it was first fed with; the token a lane was about to feed comes next."""
         first, P, ex = members[0], len(members[0].prompt), self.executor
         self.reserve([first], [0], [P - 1])
-        ex.rebuild(first.place.lane, first.prompt, self.chunk, first.prompt_depth(), first.prefill_exit, first.loops)
+        ex.rebuild(first.place.lane, first.prompt, self.chunk_of(first), first.prompt_depth(), first.prefill_exit, first.loops)
         if len(members) > 1:
             self.executor.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
         fed = [m for m in members if len(m.history) - 2 >= P]
@@ -414,10 +442,11 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.admitted:
-            if self.prefixes is not None and seq.done and not self.executor.is_adaptive(seq.exit) and seq.place.cached \
+            prefixes = self.prefix_cache(seq)
+            if prefixes is not None and seq.done and not self.executor.is_adaptive(seq.exit) and seq.place.cached \
                     and seq.cacheable:
                 # (not at adaptive depth: its decode fills skipped loops by copies)
-                self.prefixes.keep(seq.history, seq.loops, self.lane(seq.place.lane))
+                prefixes.keep(seq.history, seq.loops, self.lane(seq.place.lane))
             if seq.done:
                 log.debug("step %d: #%d done (%s, %d tokens): lane %d and its blocks free", self.steps,
                           seq.place.arrival, seq.stop_reason, seq.count, seq.place.lane)

@@ -46,6 +46,24 @@ class BeamRequest(Protocol):
     def cancel(self) -> None: ...
 
 
+class Client:
+    """Who added a sequence to a runner: at most `lanes` of its sequences' lanes run at once, and the sequences of its
+    that finish, in whoever's step, wait in `finished` until it takes them."""
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self.finished: list[Sequence] = []
+        self.closed = False  # gone (a Scheduler collected): the engine gives up its sequences at its next step
+
+    def take(self) -> list[Sequence]:
+        done, self.finished = self.finished, []
+        return done
+
+
+# Sequence.prefix_cache's default: the engine's automatic prefix cache (when the model has prefix caching on)
+ENGINE_PREFIXES = object()
+
+
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
 Writes = tuple[list[int], int, int]
 
@@ -166,6 +184,11 @@ class Sequence:
         self.t_prefilled = self.t_end = self.t_call
         self.place = Place()  # where it stands in the engine (engine/scheduler.py): the scheduler's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
+        # the prefix cache it reads its prompt from and adds its blocks to: the engine's (automatic prefix caching, when
+        # the model has it on), None, or its own (a lookup-only view)
+        self.prefix_cache: object = ENGINE_PREFIXES
+        self.whole_prompt = False  # its prompt goes in as one prefill piece (not cut at the model's prefill_chunk)
+        self.client: Client | None = None  # who added it to the engine (engine/runner.py), and takes it when finished
         self.beam: BeamRequest | None = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the

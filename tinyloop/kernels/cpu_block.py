@@ -340,7 +340,7 @@ class DecodeStep:
         place. gate: the exit gate's (weight [d], bias) for rules 1 and 3; compute: exit_kv "compute" (a token
         whose exit is chosen loops on to its `loops`). A row's e, s and exit state are rows lanes[b] of latent
         [3, lanes, d], read and written in place. The caller took the blocks of every slot the rows' tokens write
-        at their loop counts (Runner.reserve), for the cells the greedy draws move on to too.
+        at their loop counts (the scheduler, Scheduler.reserve), for the cells the greedy draws move on to too.
         ahead[b]: row b draws up to len(ahead[b]) tokens greedily here (the argmax of its logits) and goes on with
         them at the next cells, the i-th's forced depth ahead[b][i] (rule 2); a draw of `eos` ends the call, as
         does drawing for longer than RUN_AHEAD_S. A greedy row whose token ended may sit out up to `wait` passes
