@@ -184,3 +184,8 @@ class Scheduler:
 
     def idle(self) -> bool:
         return self.runner.idle_for(self.client)
+
+    def close(self) -> None:
+        """Give up every request of this scheduler's still in the engine (their lanes and blocks back now)."""
+        with self.model.busy():
+            self.runner.drop(self.client)

@@ -102,7 +102,10 @@ class ModelEngine:
         self.targets = targets  # elastic depth's latency targets (engine/elastic.py Targets; None: fixed depth)
         self.scheduler = self.new_scheduler()
         # test-only: the forwards of the batch's Nth step raise (a fault no request caused; tests/test_hard_to_break.py)
-        self.scheduler.runner.fail_at_step = env_number("TINYLOOP_TEST_FAIL_STEP", int, None, 1)
+        # (counted from here: the model's engine may have stepped before, a warm-up's or a prefix file's calls)
+        fail_at = env_number("TINYLOOP_TEST_FAIL_STEP", int, None, 1)
+        runner = self.scheduler.runner
+        runner.fail_at_step = None if fail_at is None else runner.scheduler.steps + fail_at
         self.batch: dict[int, Batched] = {}  # id(seq) -> the request it serves
         self.plan_bytes = plan_bytes
         self.model_name = model_name
@@ -250,6 +253,7 @@ class ModelEngine:
             failed: list[tuple[str, dict | EngineError]] = [(job.key, EngineError(Codes.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}"))
                       for job in self.batch.values()]
             self.batch.clear()
+            self.scheduler.close()  # (its requests leave the model's engine now)
             self.scheduler = self.new_scheduler()
             return failed
         now = time.monotonic()
