@@ -137,7 +137,8 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 def greedy_choice(adjusted: torch.Tensor) -> torch.Tensor:
     """The greedy token of each row of adjusted logits [..., V]: the most likely one, the lowest id among equal
     maxima (torch.argmax's rule). The C decode passes draw a plain_argmax lane's tokens by the same rule
-    (cpu_block.c: argmax, a strict > from the first index), so a token drawn there is the one chosen here."""
+    (cpu_block.c: argmax, a strict > from the first index), so a token drawn there is the one chosen here. (They
+    part only on a NaN logit, which torch takes for the maximum and C passes over: a model gone wrong either way.)"""
     return adjusted.argmax(dim=-1)
 
 
