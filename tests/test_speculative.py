@@ -57,6 +57,21 @@ def test_greedy_exact_across_architectures(make_artifact, overrides):
         same_as_plain(model, SpeculativeConfig(3, 5, 3, width))
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_every_choice_follows_the_samplers_adjustments(bundled_model, width):
+    """Drafts, acceptance and corrections choose by the sampler's rules (tinyloop/sampling.py) on the same adjusted
+    logits as plain decode: a greedy lane's presence and frequency penalties and logit bias (not only its repetition
+    penalty) hold in verification too, so its output is plain decode's; a sampled lane's min_p filters its drafts and
+    targets (min_p 1 keeps the most likely token alone: plain decode's tokens again)."""
+    m, sc = bundled_model, SpeculativeConfig(2, 8, 4, width)
+    cfgs = [GenerateConfig(max_tokens=20, loops=8, presence_penalty=0.4, logit_bias={7: 1.0}),
+            GenerateConfig(max_tokens=20, loops=8, frequency_penalty=0.5),
+            GenerateConfig(max_tokens=20, loops=8, temperature=1.0, min_p=1.0, seed=3)]
+    for prompt in ("def f(x):", "import os\n", "class Point:\n    x"):
+        for cfg in cfgs:
+            assert generate_speculative(m, prompt, sc, cfg).tokens == generate(m, prompt, cfg).tokens, (prompt, cfg)
+
+
 def test_drafts_and_verification_follow_weight_updates(make_artifact):
     """Drafts and verification run the C step built from the model's fused weights (kept per model): an in-place
     change of the model's parameters must reach it (else verification would use the old weights)."""

@@ -58,7 +58,7 @@ from .generation import generate
 from .engine import forward as paged
 from .model import Step
 from .loader import Model
-from .sampling import filter_logits
+from .sampling import accepts, adjust, distribution, draw, greedy_choice, greedy_proposals, residual
 from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 
@@ -230,7 +230,7 @@ class Speculator:
             asked = f"the {rule.rule} exit rule" + (f" with min_loops {rule.min_loops}" if rule.min_loops > 1 else "")
             raise ModeError(f"speculative decoding with early exit supports the latent exit rule only, not {asked}; "
                             f"decode without early_exit_threshold, or without speculation")
-        self.greedy = cfg.temperature == 0
+        self.greedy = seq.sampling().greedy  # the sampler's rule: below MIN_TEMPERATURE
         # a known continuation to verify before drafting (greedy chains without early exit only): see advance
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
         self.piece = 4  # the next guessed piece's length: doubles while pieces are taken whole
@@ -353,29 +353,25 @@ class Speculator:
         stats.draft_ms, stats.verify_ms = self.draft_s * 1000, self.verify_s * 1000
         stats.speculating = self.pays
 
-    # -- sampling helpers ---------------------------------------------------------------------------
+    # -- token choices: every one by the sampler's rules (tinyloop/sampling.py) ----------------------------------
     def penalised(self, logits: torch.Tensor, extra: list[int]) -> torch.Tensor:
+        """Logits [V] after every adjustment the lane asks for, `extra` the drafts taken after its history."""
         return self.seq.penalised(logits, extra)
 
     def probs(self, logits: torch.Tensor, extra: list[int]) -> torch.Tensor:
-        c = self.cfg
-        return torch.softmax(filter_logits(self.penalised(logits, extra), c.temperature, c.top_k, c.top_p), dim=-1)
-
-    def draw(self, probs: torch.Tensor, k: int = 1) -> list[int]:
-        return torch.multinomial(probs, k, replacement=True, generator=self.gen).tolist()
+        """The distribution [V] the lane samples from after its history and `extra` (sampling.distribution): the
+        draft's q and the target's p alike."""
+        lane = self.seq.sampling(extra)
+        return distribution(adjust(logits.unsqueeze(0), [lane]), [lane])[0]
 
     def propose(self, logits: torch.Tensor, extra: list[int], k: int) -> tuple[list[int], torch.Tensor | None, float]:
-        """k draft tokens after a node (greedy: the top k; sampled: k independent draws), their q, and the draft's
-        own probability of the first (greedy: at temperature 1)."""
+        """k draft tokens after a node (greedy: sampling.greedy_proposals; sampled: k independent draws), their q,
+        and the draft's own probability of the first (greedy: at temperature 1)."""
         if self.greedy:
-            x = self.penalised(logits, extra)
-            if k == 1:
-                sure, top = torch.softmax(x, -1).max(-1)
-                return [int(top)], None, float(sure)
-            best = torch.softmax(x, -1).topk(k)
-            return best.indices.tolist(), None, float(best.values[0])
+            drafts, sure = greedy_proposals(self.penalised(logits, extra), k)
+            return drafts, None, sure
         q = self.probs(logits, extra)
-        drawn = self.draw(q, k)
+        drawn = draw(q, self.gen, k)
         return drawn, q, float(q[drawn[0]])
 
     # -- depth: every pass goes through the cached forward's loop range (engine/forward.py: LoopForward) ----------
@@ -520,24 +516,24 @@ class Speculator:
         out: list[int] = []
         accepted: list[int] = []
         node = 0
-        # greedy without a penalty: every node's target at once (with one, it depends on the tokens taken before)
-        best = logits.argmax(-1).tolist() if self.greedy and self.cfg.repetition_penalty == 1.0 else None
+        # a plain argmax lane (LaneSampling.plain_argmax; its drafts only take it further past min_tokens): every
+        # node's target at once; else each node's from its adjusted logits, which depend on the tokens before it
+        best = greedy_choice(logits).tolist() if self.greedy and self.seq.sampling().plain_argmax else None
         while True:
             kids = [] if N == 1 else list(range(1, 1 + w)) if node == 0 else [node + w] if node + w < N else []
             if self.greedy:
-                t = best[node] if best is not None else int(torch.argmax(self.penalised(logits[node], out)))
+                t = best[node] if best is not None else int(greedy_choice(self.penalised(logits[node], out)))
                 nxt = next((c for c in kids if toks[c] == t), None)
             else:
                 target, nxt = self.probs(logits[node], out), None
                 for c in kids:  # candidates in turn; each rejection leaves the residual max(0, p - q)
-                    x, qn = toks[c], q[node]
+                    qn = q[node]
                     assert qn is not None  # (sampled: the children were drawn from it)
-                    if float(torch.rand((), generator=self.gen)) * float(qn[x]) < float(target[x]):
+                    if accepts(toks[c], target, qn, self.gen):
                         nxt = c
                         break
-                    resid = (target - qn).clamp_min(0)
-                    target = resid / resid.sum() if resid.sum() > 0 else target
-                t = toks[nxt] if nxt is not None else self.draw(target)[0]
+                    target = residual(target, qn)
+                t = toks[nxt] if nxt is not None else draw(target, self.gen)[0]
             out.append(t)
             if nxt is None:
                 break

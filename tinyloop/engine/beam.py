@@ -17,9 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from ..request import GenerateResult
+from ..sampling import beam_candidates
 from .sequence import AssignsLanes, Sequence
 
 LENGTH_PENALTY = 1.0
@@ -62,10 +61,8 @@ class BeamGroup:
         parents = self.live or [(self.root, 0.0)]
         cands = []  # (total logprob, parent index, token)
         for b, (seq, total) in enumerate(parents):
-            logp = seq.masked(torch.log_softmax(seq.penalised(seq.place.fresh()).float(), dim=-1))
-            top = torch.topk(logp, min(self.width, logp.shape[-1]))
-            cands += [(total + lp, b, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())
-                      if lp != float("-inf")]
+            expansions = beam_candidates(seq.penalised(seq.place.fresh()), self.width, seq.masked)
+            cands += [(total + lp, b, t) for lp, t in expansions]
             seq.place.logits = None
         cands.sort(key=lambda c: -c[0])
         live, sources = [], []

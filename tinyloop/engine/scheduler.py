@@ -21,7 +21,6 @@ import time
 from ..cache import KVCache
 from ..errors import BudgetError, TinyLoopError
 from ..memory import blocks_for
-from ..sampling import MIN_TEMPERATURE
 from .beam import BeamGroup
 from .executor import Executor
 from .plan import Piece, Plan, Row
@@ -42,14 +41,13 @@ def admission_order(seq: Sequence) -> tuple[int, int, int, int]:
 
 
 def draws_plainly(seq: Sequence) -> bool:
-    """Whether seq's next token is a plain argmax that C can draw: a plain decode row (no beam, speculative driver,
-    grammar or prompt row), greedy, with no penalty, bias or banned token, past min_tokens. One asking for
-    log-probabilities draws there too: C brings back the logits of each draw (Row.keep_logits), and they are scored
-    as a token chosen here is (Sequence.score_all)."""
-    c = seq.cfg
-    return seq.beam is None and seq.driver is None and seq.grammar is None and not seq.place.prompt_row \
-        and c.temperature < MIN_TEMPERATURE and c.repetition_penalty == 1.0 \
-        and seq.count >= c.min_tokens and not seq.sampling().adjusts
+    """Whether C can draw seq's next tokens: the sampler says its choice is a plain argmax (LaneSampling.plain_argmax:
+    greedy, no penalty, bias, banned token or grammar; C's argmax is sampling.greedy_choice's rule), in a plain decode
+    row (no beam or speculative driver, not the prompt's row), past min_tokens (so the tokens it draws ahead are
+    under the same rule). One asking for log-probabilities draws there too: C brings back the logits of each draw
+    (Row.keep_logits), and they are scored as a token chosen here is (Sequence.score_all)."""
+    return seq.beam is None and seq.driver is None and not seq.place.prompt_row \
+        and seq.count >= seq.cfg.min_tokens and seq.sampling().plain_argmax
 
 
 class Scheduler:

@@ -229,6 +229,7 @@ class Sequence:
         return adjust(logits.unsqueeze(0), [lane])[0]
 
     def sampling(self, extra: Seq[int] = ()) -> LaneSampling:
+        """Its settings for the sampler (tinyloop/sampling.py) now, with `extra` tokens taken after the history."""
         c = self.cfg
         seen = self.history + list(extra) if extra else self.history
         early = self.count + len(extra) < c.min_tokens  # EOS and stop tokens may not end the output yet
@@ -237,7 +238,7 @@ class Sequence:
         counted = seen[len(self.prompt):] if c.presence_penalty or c.frequency_penalty else []
         bias = {int(k): float(v) for k, v in c.logit_bias.items()} if c.logit_bias else {}
         return LaneSampling(c.temperature, c.top_k, c.top_p, c.repetition_penalty, seen, self.gen, c.min_p,
-                            c.presence_penalty, c.frequency_penalty, counted, bias, banned)
+                            c.presence_penalty, c.frequency_penalty, counted, bias, banned, self.grammar is not None)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [V] with the tokens the grammar forbids now at -inf."""
