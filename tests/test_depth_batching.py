@@ -207,6 +207,28 @@ def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rul
         assert got.loops_used[1:] == [(2, 5, 3, 8)[i % 4] for i in range(1, 12)]  # token i: its depth
 
 
+@pytest.mark.parametrize("rule", ["latent", "gate", "cdf", "cdf-compute"])
+def test_c_decides_every_exit_as_exits_exit_stops_does(make_artifact, rule, monkeypatch):
+    """C's exit decision (tl_exit_t) is a mirror of the torch one (exits.exit_stops): lanes whose rule C decides, run
+    with the C step and with the C step turned off (every pass and decision in torch), give the same tokens and
+    the same loops per token, at batch 1 and beside each other."""
+    from tinyloop.kernels import cpu_block
+
+    arch, exits = RULES[rule]
+    model = tinyloop.load_model(make_artifact(**arch), 128)
+    cfgs = [G(max_tokens=10, loops=10, ignore_eos=True, **exits), G(max_tokens=8, loops=6, ignore_eos=True, **exits)]
+    prompts = [ids(7, 21), ids(4, 22)]
+
+    def run():
+        alone = tinyloop.generate(model, prompts[0], cfgs[0])
+        return [(r.tokens, r.loops_used) for r in [alone, *tinyloop.generate_batch(model, prompts, cfgs)]]
+
+    in_c = run()
+    monkeypatch.setattr(cpu_block, "supported", lambda *a, **k: False)
+    assert run() == in_c
+    assert any(n < 10 for n in in_c[0][1][1:])  # the rule fired
+
+
 @pytest.mark.parametrize("case", ["latent-copy", "cdf-compute"])
 def test_tokens_in_flight_move_between_the_c_passes_and_the_python_passes(make_artifact, case, monkeypatch):
     """A lane whose rule C decides (latent, cdf) runs its passes in C (Executor.iterate_in_c) until a batch-mate whose

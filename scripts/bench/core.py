@@ -92,4 +92,9 @@ def bench_core(model_path: str | None, quick: bool) -> list[str]:
         lines.append(f"  {work:<20} {now:>10.1f} {base:>10.1f} {now / base:>6.2f}x  {'same' if same else 'DIFFER'}")
     if tree is None:
         lines.append(f"  (no baseline: git revision {rev} not available here)")
+    for name, fig in best.items():  # what a request asking log-probabilities costs against a plain one, same batch
+        plain_b1, plain_b16, asking_b1, asking_b16 = (fig[WORKLOADS.index(w)] for w in
+                                                      ("decode b1", "decode b16", "logprobs b1", "logprobs b16"))
+        lines.append(f"  logprobs cost against plain, {name}: batch 1 {plain_b1 / asking_b1:.2f}x, "
+                     f"batch 16 {plain_b16 / asking_b16:.2f}x (goal <= 1.1x)")
     return lines
