@@ -66,7 +66,7 @@ def test_every_exit_rule_beside_lanes_at_other_depths_equals_it_alone(make_artif
 
 @pytest.mark.parametrize("rule", ["entropy", "kl", "argmax", "cdf-asked", "entropy-min4"])
 def test_a_rule_decides_the_same_loops_by_iterations_and_by_whole_tokens(make_artifact, rule, monkeypatch):
-    """The loop-iteration steps and a forward of whole tokens (TINYLOOP_DEPTH_STEPS=0: model.forward_adaptive)
+    """The loop-iteration steps and a forward of whole tokens (TINYLOOP_DEPTH_STEPS=0: Executor.whole_tokens)
     share exits.exit_stops: the same tokens and the same loops per token."""
     arch, exits = RULES[rule]
     model = tinyloop.load_model(make_artifact(**arch), 128)
@@ -177,7 +177,7 @@ def test_the_runner_steps_loop_iterations_for_mixed_depths(make_artifact, monkey
 def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rule, monkeypatch):
     """Where C decides the exit rule (the latent change, the exit gate, a forced depth), a batch-1 token's passes and
     exit decisions are one C call (Executor.iterate_in_c), no pass returns to Python, and the tokens and loops equal
-    the token steps' (TINYLOOP_DEPTH_STEPS=0: model.forward_adaptive, its decisions in torch)."""
+    the token steps' (TINYLOOP_DEPTH_STEPS=0: Executor.whole_tokens)."""
     from tinyloop.kernels import cpu_block
     arch, exits = {"latent": ({}, dict(early_exit_threshold=0.25)),
                    "gate": (dict(exit_gate=True), dict(early_exit_threshold=0.25)),
@@ -223,9 +223,13 @@ def test_c_decides_every_exit_as_exits_exit_stops_does(make_artifact, rule, monk
         alone = tinyloop.generate(model, prompts[0], cfgs[0])
         return [(r.tokens, r.loops_used) for r in [alone, *tinyloop.generate_batch(model, prompts, cfgs)]]
 
+    calls, until = [], cpu_block.DecodeStep.iterate_until
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", lambda *a, **k: (calls.append(1), until(*a, **k))[1])
     in_c = run()
     monkeypatch.setattr(cpu_block, "supported", lambda *a, **k: False)
+    c_calls = len(calls)
     assert run() == in_c
+    assert c_calls and len(calls) == c_calls  # C decided the first run's exits, torch the second's
     assert any(n < 10 for n in in_c[0][1][1:])  # the rule fired
 
 
