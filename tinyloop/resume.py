@@ -34,6 +34,7 @@ from .engine import forward as paged
 from .modes import check_modes
 from .loader import Model
 from .speculative import SpeculativeConfig, speculative_sequence, speculative_stats
+from .sampling import MIN_TEMPERATURE
 from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken
 
 REFINE_AHEAD = 6  # draft_ahead of a greedy refine (the best chain in `tinyloop bench --section speculative`)
@@ -215,7 +216,8 @@ def refine_sequence(handle: ResumeHandle, cfg: GenerateConfig, on_token: OnToken
         seq.on_result = lambda res: setattr(handle, "draft", res.tokens)
         return seq, 0, None
     sc = None
-    if L > handle.depth and cfg.temperature == 0 and cfg.grammar is None and not adaptive and not cfg.cache_window:
+    greedy = cfg.temperature < MIN_TEMPERATURE  # (the sampler's rule: it chooses by argmax there)
+    if L > handle.depth and greedy and cfg.grammar is None and not adaptive and not cfg.cache_window:
         # a greedy refine drafts at the depth the handle holds and verifies at L (self-speculation)
         sc = SpeculativeConfig(handle.depth, L, REFINE_AHEAD).validate(model)
         seq = speculative_sequence(model, ids, sc, cfg, on_token, handle.draft)

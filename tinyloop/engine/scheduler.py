@@ -326,8 +326,7 @@ class Scheduler:
             return  # after a preemption sequences rejoin only once a running one has finished (no thrashing)
         self.hold_back = False
         while True:
-            # the first in admission order whose client has lanes of its quota left (the rest wait their turn)
-            seq = next((s for s in self.waiting if self.within_quota(s)), None)
+            seq = self.next_within_quota()
             if seq is None or len(self.free_lanes) < seq.cfg.beam_size:
                 return
             # its blocks now, and room for every admitted lane (a beam request's every lane) to cross into a new block
@@ -360,13 +359,18 @@ class Scheduler:
                     self.out_of_blocks(exc)
                     return
 
-    def within_quota(self, seq: Sequence) -> bool:
-        """Whether seq's client (Runner.add) has lanes of its quota left for it."""
-        client = seq.client
-        if client is None:
-            return True
-        held = sum((s.beam.root if s.beam is not None else s).client is client for s in self.admitted)
-        return held + seq.cfg.beam_size <= client.lanes
+    def next_within_quota(self) -> Sequence | None:
+        """The first waiting sequence, in admission order, whose client (Runner.add) has lanes of its quota left for
+        it: the others wait their turn."""
+        held: dict[int, int] = {}  # id(client) -> the lanes its sequences hold
+        for s in self.admitted:
+            client = (s.beam.root if s.beam is not None else s).client
+            if client is not None:
+                held[id(client)] = held.get(id(client), 0) + 1
+        for seq in self.waiting:
+            if seq.client is None or held.get(id(seq.client), 0) + seq.cfg.beam_size <= seq.client.lanes:
+                return seq
+        return None
 
     def rebuild(self, members: list[Sequence]) -> None:
         """Rebuild a preempted request's lanes with the forwards that first built them (the executor's, the one place
@@ -375,7 +379,8 @@ class Scheduler:
         time, each under the exit rule it was first fed with; the token a lane was about to feed comes next."""
         first, P, ex = members[0], len(members[0].prompt), self.executor
         self.reserve([first], [0], [P - 1])
-        ex.rebuild(first.place.lane, first.prompt, self.chunk_of(first), first.prompt_depth(), first.prefill_exit, first.loops)
+        ex.rebuild(first.place.lane, first.prompt, self.chunk_of(first), first.prompt_depth(), first.prefill_exit,
+                   first.loops)
         if len(members) > 1:
             self.executor.assign_lanes([m.place.lane for m in members[1:]], [first.place.lane] * (len(members) - 1))
         fed = [m for m in members if len(m.history) - 2 >= P]
