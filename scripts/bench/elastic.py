@@ -1,7 +1,9 @@
 """`tinyloop bench --section elastic` (opt-in): elastic depth under load, and early exit against its right ceiling.
 
 1. Elastic depth: scripts/load/elastic.py's side-by-side run (1- and 2-worker services, open-loop Poisson load at
-   0.5x-2x the fixed-depth capacity, loops 16 with a floor of 4 against fixed depth).
+   0.5x-2x the fixed-depth capacity, loops 16 with a floor of 4 against fixed depth), on the bundled model, then on
+   the ~50M random config in int8 (scripts/bench/depth.py's FORCED, the memory-bound regime; --quick: its ~2M
+   QUICK_FORCED), whose random weights carry no loss-by-loops table (its loss increase reads 0).
 2. Early exit against fixed depth at its own mean depth: the bundled model's latent rule (threshold 0.07) at up to 16
    loops, at batch 1 and 16, one-line prompts; then fixed depth at the two whole loop counts around that run's mean
    depth, the same prompts and tokens, interpolated to the mean (a token's time is affine in its loops); decode tokens
@@ -10,8 +12,12 @@
 """
 from __future__ import annotations
 
-from scripts.bench.depth import SHORT_PROMPTS, depths_around, interpolate, run
-from scripts.bench.peers import Report
+import os
+import tempfile
+from pathlib import Path
+
+from scripts.bench.depth import FORCED, QUICK_FORCED, SHORT_PROMPTS, depths_around, interpolate, run
+from scripts.bench.peers import Report, random_artifact
 from tinyloop.loader import free_model, load_model
 from tinyloop.request import GenerateConfig
 
@@ -56,7 +62,21 @@ def bench_elastic(model_path: str | None, quick: bool) -> Report:
 
     lines = ["elastic depth: open-loop Poisson load against fixed depth, requests loops 16 (floor 4 when elastic); "
              "goodput = requests meeting both targets per second"]
-    served = elastic_side_by_side(model_path=model_path, n_requests=24 if quick else 160,
-                                  max_tokens=12 if quick else 16, echo=lines.append)
+    size = {"n_requests": 24 if quick else 160, "max_tokens": 12 if quick else 16}
+    served = elastic_side_by_side(model_path=model_path, echo=lines.append, **size)
+    forced = QUICK_FORCED if quick else FORCED
+    lines.append(f"the same on a random config in int8 (d {forced.d_model}, {forced.n_prelude} + {forced.n_core} + "
+                 f"{forced.n_coda} layers, {forced.vocab_size} words; no loss table)")
+    before = os.environ.get("TINYLOOP_WEIGHTS")
+    os.environ["TINYLOOP_WEIGHTS"] = "int8"  # (the services' workers load it so)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = random_artifact(forced, Path(tmp) / "forced.tinyloop")
+            served_forced = elastic_side_by_side(model_path=str(path), echo=lines.append, **size)
+    finally:
+        if before is None:
+            del os.environ["TINYLOOP_WEIGHTS"]
+        else:
+            os.environ["TINYLOOP_WEIGHTS"] = before
     early_lines, early = early_exit_at_mean_depth(model_path, quick)
-    return Report(lines + [""] + early_lines, {"elastic": served, "early_exit": early})
+    return Report(lines + [""] + early_lines, {"elastic": served, "elastic_forced": served_forced, "early_exit": early})
