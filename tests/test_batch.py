@@ -184,6 +184,23 @@ def test_a_call_between_scheduler_steps_steps_the_batch_with_it(tiny_model):
     assert left.done and tiny_model.engine.idle and tiny_model.pool.used == 0
 
 
+def test_a_call_between_steps_of_a_full_scheduler_does_not_wait_for_its_lanes(tiny_model):
+    """A Scheduler leaves the engine a lane beyond its own: with all of its lanes running and more of its requests
+    waiting, a call made between two of its steps (a handle's build in a worker) runs at once, beside the running
+    requests, and the waiting ones stay waiting."""
+    from tinyloop.engine.calls import BATCH_LANES
+
+    sched = tinyloop.Scheduler(tiny_model, lanes=BATCH_LANES)
+    seqs = [sched.submit([3 + i % 50] * 5, GenerateConfig(max_tokens=40)) for i in range(BATCH_LANES + 2)]
+    sched.step()
+    assert tiny_model.engine.cache.lanes > BATCH_LANES and [s.count for s in seqs[-2:]] == [0, 0]
+    assert generate(tiny_model, [9] * 4, GenerateConfig(max_tokens=3)).tokens == \
+        generate(tiny_model, [9] * 4, GenerateConfig(max_tokens=3)).tokens
+    assert not any(s.done for s in seqs) and [s.count for s in seqs[-2:]] == [0, 0]
+    sched.close()
+    assert tiny_model.pool.used == 0
+
+
 def test_lanes_sample_with_their_own_settings(tiny_model):
     """Each lane's Sequence samples on its own: temperatures, top-k/p and penalties may differ per lane, and each
     lane's tokens equal generate of that prompt with that config alone."""

@@ -108,7 +108,9 @@ class Scheduler:
     def __init__(self, model, lanes: int = DEFAULT_LANES, depth_control=None):
         model.check_alive()
         self.model = model
-        self.runner = engine_of(model, lanes)
+        # (a lane beyond its quota: a call made between its steps, a handle's build, gets one without waiting for
+        # this scheduler's requests to end)
+        self.runner = engine_of(model, lanes + 1)
         self.client = Client(lanes)
         # depth_control: elastic depth's controller (tinyloop/engine/elastic.py), None: every lane at its asked depth;
         # the engine's, for every lane with a depth range, from now on
