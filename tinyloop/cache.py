@@ -342,7 +342,7 @@ class KVCache:
         writable: shared blocks are copied first (copy-on-write), then every block missing at a lane's end, in all the
         jobs' slots, is taken in one `take_many` and entered in one table write (a 16-loop lane crossing into a new
         block takes one in each of its ~34 slots at once). Only the scheduler calls this for an engine's cache
-        (`Runner.reserve`); a forward finds its blocks there (`require`). BudgetError when the pool is out."""
+        (`Scheduler.reserve`); a forward finds its blocks there (`require`). BudgetError when the pool is out."""
         bt, refs, grow = self.bt, self.pool.refs, []
         for slot, lanes, lo, hi in jobs:
             row = self.held[slot]
@@ -350,28 +350,33 @@ class KVCache:
                 if self.window:  # a ring takes all its blocks at once: it wraps, and holds only `ring` cells anyway
                     a, b = 0, self.ring - 1
                 ids, first, last = row[lane], a // bt, b // bt
-                if last < len(ids) and refs[ids[last]] == 1 and (first == last or all(
+                held = len(ids)
+                if last < held and refs[ids[last]] == 1 and (first == last or all(
                         refs[ids[i]] == 1 for i in range(first, last))):
                     continue  # the common case, checked inline: every block there and the lane's own
-                self._unshare(slot, lane, first, min(last, len(ids) - 1))
-                if last >= len(ids):
-                    grow.append((slot, lane, last + 1 - len(ids)))
+                if first < held:
+                    self._unshare(slot, lane, first, min(last, held - 1))
+                if last >= held:
+                    grow.append((slot, lane, last + 1 - held))
         if not grow:
             return
-        new = iter(self.pool.take_many(sum(n for *_, n in grow)))
-        where: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # slot, lane, index: block
+        new = self.pool.take_many(sum(n for *_, n in grow))
+        # where each new block goes in the table: new[i] at (at_slot[i], at_lane[i], at_index[i])
+        at_slot: list[int] = []
+        at_lane: list[int] = []
+        at_index: list[int] = []
         for slot, lane, n in grow:
             ids = self.held[slot][lane]
-            for _ in range(n):
-                b = next(new)
-                for w, v in zip(where, (slot, lane, len(ids), b)):
-                    w.append(v)
-                ids.append(b)
-        if len(where[0]) == 1:
-            self.table[where[0][0], where[1][0], where[2][0]] = where[3][0]
+            at_slot += [slot] * n
+            at_lane += [lane] * n
+            at_index += range(len(ids), len(ids) + n)
+            ids += new[len(at_index) - n:len(at_index)]
+        if len(new) == 1:
+            self.table[at_slot[0], at_lane[0], at_index[0]] = new[0]
         else:
-            *index, blocks = (torch.tensor(w, device=self.table.device) for w in where)
-            self.table[tuple(index)] = blocks
+            dev = self.table.device
+            self.table[torch.tensor(at_slot, device=dev), torch.tensor(at_lane, device=dev),
+                       torch.tensor(at_index, device=dev)] = torch.tensor(new, device=dev)
 
     def reserve(self, lanes: list[int], lo: list[int], hi: list[int], loops: int) -> None:
         """Take the blocks lane lanes[i] needs for positions lo[i]..hi[i] in every slot a forward of `loops` loops
