@@ -408,7 +408,7 @@ class KVCache:
                 raise UnreservedBlock(
                         f"a forward writes cells {a}..{b} of lane {lane} in slot {slot}, whose blocks were not taken "
                         f"for it ({len(ids)} held{', shared' if last < len(ids) else ''}): blocks are taken before "
-                        f"the forward (Runner.reserve in an engine step, KVCache.reserve outside one)")
+                        f"the forward (Scheduler.reserve in an engine step, KVCache.reserve outside one)")
 
     def locate(self, slot: int, lane: torch.Tensor, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of cells [B, T] of lanes [B, 1] in `slot`."""

@@ -724,7 +724,7 @@ INLINE double seconds_since(const struct timespec *t0) {
 }
 
 // Iteration-level steps over B <= 64 rows, in one call, until some row's token is done and needs the caller
-// (kernels/cpu_block.py's DecodeStep.iterate_until; engine/runner.py's Runner.iterate): a row with start[b] first
+// (kernels/cpu_block.py's DecodeStep.iterate_until; engine/c_backend.py's CBackend.iterate): a row with start[b] first
 // runs the prelude of ids[b]; then every row runs one core pass at its own loop, done[b] -> done[b] + 1, and its
 // exit rule (exits[b]) decides whether its token stops there. Between passes where no token ends there is nothing to
 // schedule, so they run here without returning. A token whose exit is chosen ends there (exit_kv "copy", compute =
