@@ -88,8 +88,8 @@ class Runner:
 
     def idle_for(self, client: Client) -> bool:
         """Whether none of client's sequences is left in the runner, finished ones not taken included."""
-        return not client.finished and not any(s.client is client for s in self.scheduler.waiting) \
-            and not any((s.beam.root if s.beam is not None else s).client is client for s in self.scheduler.admitted)
+        sched = self.scheduler
+        return not client.finished and not any(s.client is client for s in sched.waiting + sched.admitted)
 
     def drop(self, client: Client) -> None:
         """Give up every sequence of client's still in the runner (a call that ended on an error): their lanes and
@@ -99,10 +99,7 @@ class Runner:
             sched.waiting.remove(seq)
         for root in {id(r): r for r in (s.beam.root if s.beam is not None else s for s in sched.admitted)
                      if r.client is client}.values():
-            root.cancel()
-            if root.beam is not None:
-                root.beam.cancel()
-            sched.release(root)
+            sched.give_up(root)
         client.finished = []
 
     # --- a step -------------------------------------------------------------------------------------------

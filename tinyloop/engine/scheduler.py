@@ -362,11 +362,10 @@ class Scheduler:
     def next_within_quota(self) -> Sequence | None:
         """The first waiting sequence, in admission order, whose client (Runner.add) has lanes of its quota left for
         it: the others wait their turn."""
-        held: dict[int, int] = {}  # id(client) -> the lanes its sequences hold
+        held: dict[int, int] = {}  # id(client) -> the lanes its sequences hold (a beam's hypotheses: its root's)
         for s in self.admitted:
-            client = (s.beam.root if s.beam is not None else s).client
-            if client is not None:
-                held[id(client)] = held.get(id(client), 0) + 1
+            if s.client is not None:
+                held[id(s.client)] = held.get(id(s.client), 0) + 1
         for seq in self.waiting:
             if seq.client is None or held.get(id(seq.client), 0) + seq.cfg.beam_size <= seq.client.lanes:
                 return seq
@@ -421,11 +420,15 @@ class Scheduler:
         """Give a request up on a fault of its own; its blocks go back at once."""
         root = seq.beam.root if seq.beam is not None else seq
         root.error = exc
+        self.give_up(root)
+        return root
+
+    def give_up(self, root: Sequence) -> None:
+        """Stop a request (a beam request: every hypothesis) and take it out; its blocks go back at once."""
         root.cancel()
         if root.beam is not None:
             root.beam.cancel()
         self.release(root)
-        return root
 
     def free_lane(self, lane: int) -> None:
         self.lane(lane).reset()

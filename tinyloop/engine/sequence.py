@@ -188,7 +188,9 @@ class Sequence:
         # the model has it on), None, or its own (a lookup-only view)
         self.prefix_cache: object = ENGINE_PREFIXES
         self.whole_prompt = False  # its prompt goes in as one prefill piece (not cut at the model's prefill_chunk)
-        self.client: Client | None = None  # who added it to the engine (engine/runner.py), and takes it when finished
+        # who added it to the engine (engine/runner.py), and takes it when finished (a beam's hypotheses: its root's,
+        # copied by fork)
+        self.client: Client | None = None
         self.beam: BeamRequest | None = None  # the BeamGroup (tinyloop/engine/beam.py) of a beam-search request and its hypotheses
         # what runs the lane's decode forwards instead of a plain row when it `runs` (a speculative lane's Speculator,
         # a refine's GuessFollower): runs(alone), span() (cells a step may write from seq.pos), step(cache) -> the
