@@ -3,6 +3,7 @@ prefilled in pieces between decode steps, lanes of different loop counts run in 
 blocks; every output equals generate of that request alone."""
 from __future__ import annotations
 
+import logging
 import pytest
 import torch
 
@@ -93,6 +94,25 @@ def test_admission_waits_for_free_blocks_and_preempts_exactly(make_artifact):
         assert s.result().tokens == tinyloop.generate(probe, ids(6 + 3 * i, 40 + i), c).tokens
     with pytest.raises(tinyloop.BudgetError, match="can never fit"):
         sched.submit(ids(8, 1), G(max_tokens=80, loops=16))
+
+
+def test_greedy_draws_stop_at_their_block_where_the_pool_has_no_room_for_the_next(make_artifact, caplog):
+    """Greedy rows draw tokens inside a C call on cells the scheduler took for them, past their block's end when the
+    next block can be had; in a pool with no room for it their draws stop at the block's end instead, and every
+    request still gets the tokens it gets alone."""
+    art = make_artifact()
+    probe = tinyloop.load_model(art, 96)
+    model = tinyloop.load_model(art, 96, memory_budget=tinyloop.plan_memory(probe, lanes=1, loops=4).total_bytes)
+    sched = tinyloop.Scheduler(model, lanes=2)
+    cfgs = [G(max_tokens=60, loops=4, ignore_eos=True), G(max_tokens=50, loops=4, ignore_eos=True)]
+    with caplog.at_level(logging.DEBUG, logger="tinyloop.scheduler"):
+        seqs = [sched.submit(ids(10 + 7 * i, 40 + i), c) for i, c in enumerate(cfgs)]
+        while not sched.idle():
+            sched.step()
+            assert model.pool.used <= model.pool.num_blocks
+    assert any("no room for the blocks of greedy draws" in r.message for r in caplog.records)
+    for i, (c, s) in enumerate(zip(cfgs, seqs)):
+        assert s.result().tokens == tinyloop.generate(probe, ids(10 + 7 * i, 40 + i), c).tokens
 
 
 def test_a_thousand_prompts_hold_a_bounded_number_of_lanes(make_artifact, monkeypatch):

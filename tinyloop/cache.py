@@ -157,6 +157,9 @@ class BlockPool:
         self.refs = [0] * (num_blocks + 1)
         self.epoch = 0  # counts take / retain / drop: while it stands still, no lane's blocks or their sharing changed
         self.free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
+        # blocks above this id were never handed out: their memory is as torch.empty left it (maybe NaN bit
+        # patterns), so they are zeroed when first taken; a block taken before holds finite K/V of its last holder
+        self.handed_out = 0
         self.peak_used = 0
         # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
         # something. `room` counts them; `take` evicts its least recently used entries when nothing else is free.
@@ -184,8 +187,10 @@ class BlockPool:
         return self.take_many(1)[0]
 
     def take_many(self, n: int) -> list[int]:
-        """n free blocks, zeroed together (one fill per stored tensor: a step that crosses into a new block in every
-        loop's slot takes them all at once); none when fewer than n can be had."""
+        """n free blocks; none when fewer than n can be had. A block never taken before is zeroed (one fill per stored
+        tensor for all of them); one taken before keeps its last holder's entries: every cell is written before any
+        attention reads it (reads are masked to the written positions), so only NaN bit patterns in never-used memory
+        could reach a result, through a masked product of zero."""
         if len(self.free) < n and self.prefixes is not None:
             self.prefixes.evict(n)
         if len(self.free) < n:
@@ -195,11 +200,10 @@ class BlockPool:
         for b in got:
             self.refs[b] = 1
         self.epoch += 1
-        if n == 1:
-            for t in self.store.values():
-                t[got[0]].zero_()
-        else:
-            at = torch.tensor(got, device=self.device)
+        fresh = [b for b in got if b > self.handed_out]
+        if fresh:
+            self.handed_out = max(fresh)
+            at = torch.tensor(fresh, device=self.device)
             for t in self.store.values():
                 t.index_fill_(0, at, 0)
         self.peak_used = max(self.peak_used, self.used)

@@ -334,10 +334,10 @@ class Executor:
         return True
 
     def budget(self, rows: list[Row], positions: int) -> list[list[float]]:
-        """The tokens each row draws inside the C call: its `draws`, up to the end of its cell's block (reserved) and
+        """The tokens each row draws inside the C call: its `draws` (the scheduler took their cells' blocks), up to
         the cache's (and the C step's) positions."""
-        bt, cells = self.cache.bt, min(self.cache.cells, positions)
-        return [r.draws[:max(0, min(bt - 1 - r.position % bt, cells - 1 - r.position))] for r in rows]
+        cells = min(self.cache.cells, positions)
+        return [r.draws[:max(0, cells - 1 - r.position)] for r in rows]
 
     def one_pass(self, rows: list[Row], out: Outputs) -> bool:
         """One loop iteration of every row in one forward (engine/iteration.py): a row without a token in flight

@@ -175,35 +175,47 @@ class Scheduler:
         own = driven + drafting
         spans = [s.driver.span() for s in own if s.driver is not None]  # (all of them)
         cells = [s.pos - s.place.prompt_row for s in rows]  # (a prompt row feeds the prompt's last position)
+        # (no greedy run-ahead beside a drafting lane: rows drawing many tokens a call would leave its rounds behind)
+        ahead = self.may_run_ahead(plan) and not drafting
+        greedy = [ahead and draws_plainly(s) for s in rows]
+        draws = [self.draws(s) if g else 0 for s, g in zip(rows, greedy)]
         try:
-            self.reserve(rows + own, cells + [s.pos for s in own], cells + [s.pos + n - 1 for s, n in zip(own, spans)])
+            try:  # the cells a row's draws move on to are taken too: its draws need not stop at the end of a block
+                self.reserve(rows + own, cells + [s.pos for s in own],
+                             [c + n for c, n in zip(cells, draws)] + [s.pos + n - 1 for s, n in zip(own, spans)])
+            except BudgetError:
+                if not any(draws):
+                    raise
+                # no room for the next blocks yet: a row draws up to the end of its cell's block
+                log.debug("step %d: no room for the blocks of greedy draws beyond their cells' blocks", self.steps)
+                draws = [min(n, self.cache.bt - 1 - c % self.cache.bt) for c, n in zip(cells, draws)]
+                self.reserve(rows + own, cells + [s.pos for s in own],
+                             [c + n for c, n in zip(cells, draws)] + [s.pos + n - 1 for s, n in zip(own, spans)])
         except BudgetError as exc:
             finished += self.out_of_blocks(exc)
             return self.still_admitted(plan)
-        # (no greedy run-ahead beside a drafting lane: rows drawing many tokens a call would leave its rounds behind)
-        ahead = self.may_run_ahead(plan) and not drafting
-        plan.rows = [self.row(s, ahead) for s in rows]
+        plan.rows = [self.row(s, g, n) for s, g, n in zip(rows, greedy, draws)]
         plan.driven = [s.place.lane for s in driven]
         plan.drafting = [s.place.lane for s in drafting]
         return plan
 
-    def row(self, seq: Sequence, may_run_ahead: bool) -> Row:
-        """seq's decode row: the token it feeds, where, its loops and exit rule, and the greedy tokens it may draw
-        inside a C call after it (up to `max_draws` and one token before max_tokens: its last token returns to the
-        sampler, and its lane frees at that step; the executor also stops them at the end of the cell's block),
-        as their forced depths (each its exit threshold where it has no schedule)."""
+    def draws(self, seq: Sequence) -> int:
+        """The greedy tokens a row that may run ahead draws inside a C call after its own: up to `max_draws`, and one
+        token before max_tokens (its last token returns to the sampler, and its lane frees at that step)."""
+        return min(self.executor.c.max_draws, seq.cfg.max_tokens - seq.count - 1)
+
+    def row(self, seq: Sequence, greedy: bool, n: int) -> Row:
+        """seq's decode row: the token it feeds, where, its loops and exit rule, whether its next token is a plain
+        argmax that C may draw (greedy), and the n greedy tokens it draws inside a C call after it (their cells
+        reserved), as their forced depths (each its exit threshold where it has no schedule)."""
         c = seq.cfg
-        greedy = may_run_ahead and draws_plainly(seq)
-        n = min(self.executor.c.max_draws, c.max_tokens - seq.count - 1) if greedy else 0
         if seq.place.prompt_row:  # the prompt's last token: at its asked depth, as a prefill piece
             rule = seq.prefill_exit
         else:
             # (a lane with a depth range: its cap now, noted for each token)
             seq.plan_depths(1 + n, seq.place.lane in self.executor.flights)
             rule = seq.exit
-        draws: list[float] = []
-        if greedy:
-            draws = [float(d) if (d := seq.forced_depth(seq.count + 1 + i)) is not None else 0.0 for i in range(n)]
+        draws = [float(d) if (d := seq.forced_depth(seq.count + 1 + i)) is not None else 0.0 for i in range(n)]
         return Row(seq.place.lane, seq.token, seq.pos - seq.place.prompt_row, seq.loops, rule,
                    self.executor.is_adaptive(rule), greedy, draws, c.ignore_eos,
                    keep_logits=greedy and c.logprobs is not None)
