@@ -358,7 +358,7 @@ class KVCache:
                 if last < held and refs[ids[last]] == 1 and (first == last or all(
                         refs[ids[i]] == 1 for i in range(first, last))):
                     continue  # the common case, checked inline: every block there and the lane's own
-                if first < held:
+                if first < held and any(refs[ids[i]] > 1 for i in range(first, min(last, held - 1) + 1)):
                     self._unshare(slot, lane, first, min(last, held - 1))
                 if last >= held:
                     grow.append((slot, lane, last + 1 - held))
