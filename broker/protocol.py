@@ -320,7 +320,8 @@ OPS: dict[str, dict[str, Field]] = {
 # --- Log-probabilities and chat (the OpenAI-compatible gateway, docs/gateway.md) ----------------
 # Scoring asks: "logprobs" adds result["logprobs"] for the generated tokens (with "top_logprobs"
 # alternatives each), "echo" adds the prompt's under result["prompt_logprobs"] and its text as
-# result["prompt_text"]. The worker scores prompt + output after generation (tinyloop.score).
+# result["prompt_text"]. The worker takes them from the step's own logits: the output's from the logits each
+# token was chosen from, the prompt's from its prefill's rows (GenerateConfig.logprobs, prompt_logprobs).
 SCORING_FIELDS: dict[str, Field] = {
     "logprobs": Field(boolean, required=False),
     "top_logprobs": Field(int_in(0, 20), required=False),

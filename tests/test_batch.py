@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tinyloop
 from tinyloop import BusyError, ConfigError, GenerateConfig, ModeError, generate, generate_batch, generate_stream
@@ -243,7 +244,8 @@ def test_windowed_prompts_run_beside_plain_ones_each_in_its_ring(tiny_model):
 def test_logprobs_come_from_the_logits_each_token_was_chosen_from(bundled_model):
     """GenerateConfig.logprobs: each token's log-probability and its most likely alternatives come from the step that
     chose it (no second forward). They equal scoring prompt + output afterwards, for greedy, sampled, early-exit and
-    speculative lanes batched beside a lane that asks none, and asking changes no token."""
+    speculative lanes batched beside a lane that asks none, and for a beam search's best hypothesis; asking changes no
+    token."""
     from tinyloop.scoring import token_logprobs
 
     model, G = bundled_model, GenerateConfig
@@ -269,8 +271,63 @@ def test_logprobs_come_from_the_logits_each_token_was_chosen_from(bundled_model)
     assert spec.stats.verify_steps > 0
     ref = token_logprobs(model, model.encode_prompt(prompts[0]), spec.tokens, 6, 1)
     assert spec.logprobs == pytest.approx(ref["logprobs"], abs=1e-4)
+    beam = generate(model, prompts[0], G(max_tokens=8, loops=4, beam_size=2, logprobs=1))  # (the best hypothesis's)
+    ref = token_logprobs(model, model.encode_prompt(prompts[0]), beam.tokens, 4, 1)
+    assert beam.logprobs == pytest.approx(ref["logprobs"], abs=1e-4) and len(beam.top_logprobs) == len(beam.tokens)
     with pytest.raises(ConfigError, match="GenerateConfig.logprobs"):
         generate(model, "x", G(logprobs=21))
+
+
+def test_prompt_logprobs_come_from_the_prefill_rows(bundled_model, monkeypatch):
+    """GenerateConfig.prompt_logprobs: each prompt token's log-probability and its most likely alternatives come from
+    the rows of the prefill the request ran (no second forward), for a prompt in C rows and one through the torch
+    chunk forward, whole or cut into chunks, in a batch beside a request that asks none (whose output is unchanged),
+    and with a cached prefix it does not reuse. At a fixed depth they equal scoring the prompt (tinyloop.score)."""
+    model, G = bundled_model, GenerateConfig
+    short = "def fibonacci(n):\n"  # (C rows)
+    long = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
+    assert len(model.encode_prompt(long)) > 32  # (a piece of it runs the torch chunk forward)
+
+    def check(prompt, res, k: int) -> None:
+        ids = model.encode_prompt(prompt)
+        ref = torch.log_softmax(tinyloop.score(model, ids, 4), dim=-1)  # row i predicts ids[i + 1]
+        assert res.prompt_logprobs[0] is None and res.prompt_top_logprobs[0] == []
+        assert len(res.prompt_logprobs) == len(res.prompt_top_logprobs) == len(ids)
+        assert res.prompt_logprobs[1:] == pytest.approx([float(ref[i, t]) for i, t in enumerate(ids[1:])], abs=1e-4)
+        for i, top in enumerate(res.prompt_top_logprobs[1:]):
+            assert len(top) == k and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            if k:  # the most likely token first (one within rounding of it, were two tied)
+                assert int(ref[i].argmax()) in [t for t, _ in top]
+                assert top[0][1] == pytest.approx(float(ref[i].max()), abs=1e-4)
+
+    asked = G(max_tokens=6, loops=4, prompt_logprobs=3)
+    alone = {p: generate(model, p, asked) for p in (short, long)}
+    for p, res in alone.items():
+        check(p, res, 3)
+        assert res.logprobs is None and res.tokens == generate(model, p, G(max_tokens=6, loops=4)).tokens
+    monkeypatch.setattr(model, "prefill_chunk", 8)  # pieces of 8 tokens, every one in C rows
+    chunked = generate(model, long, asked)
+    check(long, chunked, 3)
+    monkeypatch.undo()
+    both = generate_batch(model, [long, short], [G(max_tokens=6, loops=4, prompt_logprobs=1), G(max_tokens=6, loops=4)])
+    check(long, both[0], 1)
+    assert both[1].prompt_logprobs is None and both[1].prompt_top_logprobs is None
+    assert both[1].tokens == alone[short].tokens
+    # a prefix cached by an earlier request is not reused by one that asks (its rows would be skipped)
+    monkeypatch.setattr(model, "prefix_caching", True)
+    try:
+        generate(model, long, G(max_tokens=2, loops=4))
+        assert generate(model, long + "x", G(max_tokens=2, loops=4)).stats.prefix_hit_tokens > 0
+        res = generate(model, long + "x", G(max_tokens=2, loops=4, prompt_logprobs=0))
+        assert res.stats.prefix_hit_tokens == 0
+        check(long + "x", res, 0)
+    finally:
+        model.prefixes.clear()
+    for bad in (-1, 21, 2.0):
+        with pytest.raises(ConfigError, match="GenerateConfig.prompt_logprobs"):
+            G(prompt_logprobs=bad)
+    with pytest.raises(ModeError, match="prompt_logprobs"):  # (a pool's scaffold runs no forward of the call)
+        tinyloop.generate_with_pool(model, tinyloop.create_prefix_pool(1), short, G(prompt_logprobs=0))
 
 
 def test_logprobs_of_tokens_drawn_in_c_equal_those_returned_to_the_sampler(bundled_model, monkeypatch):

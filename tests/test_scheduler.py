@@ -77,12 +77,15 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(make_artifact):
 
 def test_admission_waits_for_free_blocks_and_preempts_exactly(make_artifact):
     """A pool with room for about three sequences and eight lanes: newcomers wait for blocks, a full pool preempts the
-    youngest (recomputed exactly later), nothing crashes, and a request that can never fit is refused at submit."""
+    youngest (recomputed exactly later, its prompt log-probabilities noted once), nothing crashes, and a request that
+    can never fit is refused at submit."""
     art = make_artifact(eos_id=319)
     probe = tinyloop.load_model(art, 96)
     model = tinyloop.load_model(art, 96, memory_budget=tinyloop.plan_memory(probe, lanes=2, loops=4).total_bytes)
+    model.prefill_chunk = 8  # (a prompt preempted between its pieces runs them again)
     sched = tinyloop.Scheduler(model, lanes=8)
-    cfgs = [G(max_tokens=30 + i, loops=4, temperature=0.8 * (i % 2), seed=i) for i in range(8)]
+    cfgs = [G(max_tokens=30 + i, loops=4, temperature=0.8 * (i % 2), seed=i, prompt_logprobs=i % 3 or None)
+            for i in range(8)]
     seqs = [sched.submit(ids(6 + 3 * i, 40 + i), c) for i, c in enumerate(cfgs)]
     waited = 0
     while not sched.idle():
@@ -90,8 +93,12 @@ def test_admission_waits_for_free_blocks_and_preempts_exactly(make_artifact):
         sched.step()
         assert model.pool.used <= model.pool.num_blocks
     assert waited > 0 and sum(s.stats.preempted for s in seqs) > 0
+    assert any(s.stats.preempted for s, c in zip(seqs, cfgs) if c.prompt_logprobs)
     for i, (c, s) in enumerate(zip(cfgs, seqs)):
-        assert s.result().tokens == tinyloop.generate(probe, ids(6 + 3 * i, 40 + i), c).tokens
+        alone = tinyloop.generate(probe, ids(6 + 3 * i, 40 + i), c)
+        assert s.result().tokens == alone.tokens
+        assert s.result().prompt_logprobs == alone.prompt_logprobs  # (None where not asked)
+        assert s.result().prompt_top_logprobs == alone.prompt_top_logprobs
     with pytest.raises(tinyloop.BudgetError, match="can never fit"):
         sched.submit(ids(8, 1), G(max_tokens=80, loops=16))
 
@@ -113,6 +120,26 @@ def test_greedy_draws_stop_at_their_block_where_the_pool_has_no_room_for_the_nex
     assert any("no room for the blocks of greedy draws" in r.message for r in caplog.records)
     for i, (c, s) in enumerate(zip(cfgs, seqs)):
         assert s.result().tokens == tinyloop.generate(probe, ids(10 + 7 * i, 40 + i), c).tokens
+
+
+def test_a_prompt_preempted_between_its_pieces_notes_its_log_probabilities_once(make_artifact):
+    """A request asking for prompt log-probabilities, preempted after two of its prefill pieces, runs them again when
+    it rejoins: each prompt token is scored once, as alone."""
+    model = tinyloop.load_model(make_artifact(eos_id=319), 96)
+    model.prefill_chunk = 8
+    cfg, prompt = G(max_tokens=6, loops=4, prompt_logprobs=2), ids(30, 7)
+    sched = tinyloop.Scheduler(model, lanes=2)
+    seq = sched.submit(prompt, cfg)
+    sched.step()
+    sched.step()
+    engine = sched.runner.scheduler
+    assert seq.place.cached == len(seq.prompt_scores) == 16  # (row i predicts token i + 1)
+    engine.preempt(seq)
+    drain(sched)
+    alone = tinyloop.generate(model, prompt, cfg)
+    got = seq.result()
+    assert got.stats.preempted == 1 and got.tokens == alone.tokens
+    assert got.prompt_logprobs == alone.prompt_logprobs and got.prompt_top_logprobs == alone.prompt_top_logprobs
 
 
 def test_a_thousand_prompts_hold_a_bounded_number_of_lanes(make_artifact, monkeypatch):

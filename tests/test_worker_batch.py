@@ -51,17 +51,30 @@ def test_a_pool_request_runs_beside_a_long_one_and_equals_generate_with_pool(eng
     assert pool.stats.hits == hits_before + 1
 
 
-def test_a_continued_stream_joins_the_batch_and_answers_the_whole_output(engine):
+def test_a_continued_stream_joins_the_batch_and_answers_the_whole_output(engine, monkeypatch):
+    """A continued stream answers the whole output; its echo and log-probabilities come from the step's own logits
+    (the delivered tokens' from its prefill's rows: they are part of its prompt), with no second forward."""
     model = engine.model
-    prompt, cfg = "def read_file(path):\n", tinyloop.GenerateConfig(max_tokens=24)
+    prompt, cfg = "def read_file(path):\n", tinyloop.GenerateConfig(max_tokens=24, logprobs=2, prompt_logprobs=2)
     whole = tinyloop.generate(model, prompt, cfg)
     delivered = whole.tokens[:9]
+
+    def second_forward(*args, **kwargs):
+        raise AssertionError("the worker scored a request with a second forward (tinyloop.score)")
+    monkeypatch.setattr(tinyloop.scoring, "score", second_forward)
+    scoring = {"logprobs": True, "top_logprobs": 2, "echo": True}
     answers, order = run_batch(engine, [
         ("long", "generate", {"prompt": "import os\n", "max_tokens": 120, **LONG}, None),
-        ("cont", "generate", {"prompt": prompt, "max_tokens": 24}, delivered)])
+        ("cont", "generate", {"prompt": prompt, "max_tokens": 24, **scoring}, delivered)])
     assert order == ["cont", "long"]
     cont = answers["cont"]
     assert cont["tokens"] == whole.tokens and cont["text"] == whole.text
+    assert cont["prompt_text"] == prompt and cont["prompt_logprobs"]["tokens"] == model.encode_prompt(prompt)
+    assert cont["prompt_logprobs"]["logprobs"][0] is None and cont["prompt_logprobs"]["top"][0] is None
+    assert cont["prompt_logprobs"]["logprobs"][1:] == pytest.approx(whole.prompt_logprobs[1:], abs=1e-4)
+    assert cont["logprobs"]["tokens"] == whole.tokens
+    assert cont["logprobs"]["logprobs"] == pytest.approx(whole.logprobs, abs=1e-4)
+    assert [[t for t, *_ in top] for top in cont["logprobs"]["top"]] == [[t for t, _ in top] for top in whole.top_logprobs]
     assert cont["stats"]["continued_after"] == 9
     positions = [pos for pos, _ in cont["streamed"]]
     assert positions == list(range(9, len(whole.tokens)))  # streamed after what the client holds, never twice
@@ -84,11 +97,16 @@ def test_a_beam_request_holds_lanes_of_the_batch_and_equals_beam_search_alone(en
     prompt = "def add(a, b):\n    return"
     answers, order = run_batch(engine, [
         ("long", "generate", {"prompt": "class Stack:\n", "max_tokens": 120, **LONG}, None),
-        ("beam", "generate", {"prompt": prompt, "max_tokens": 12, "beam_size": 3}, None),
+        ("beam", "generate", {"prompt": prompt, "max_tokens": 12, "beam_size": 3, "logprobs": True, "top_logprobs": 1,
+                              "echo": True}, None),
         ("short", "generate", {"prompt": "import os\n", "max_tokens": 8}, None)])
     assert order.index("beam") < order.index("long") and order.index("short") < order.index("long")
-    alone = tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=12, beam_size=3))
+    alone = tinyloop.generate(model, prompt, tinyloop.GenerateConfig(max_tokens=12, beam_size=3, logprobs=1,
+                                                                     prompt_logprobs=1))
     assert answers["beam"]["tokens"] == alone.tokens and answers["beam"]["text"] == alone.text
+    # the best hypothesis's tokens scored under the logits they were chosen from, the prompt's by its prefill
+    assert answers["beam"]["logprobs"]["logprobs"] == pytest.approx(alone.logprobs, abs=1e-4)
+    assert answers["beam"]["prompt_logprobs"]["logprobs"][1:] == pytest.approx(alone.prompt_logprobs[1:], abs=1e-4)
     assert "".join(text for _, text in answers["beam"]["streamed"]) == alone.text
 
 

@@ -222,6 +222,9 @@ GENERATE_FIELDS: dict[str, Check] = {
 # how many of the most likely tokens each generated token's log-probability comes with
 MAX_TOP_LOGPROBS = 20
 LOGPROBS = optional(int_in(0, MAX_TOP_LOGPROBS))
+# GenerateConfig.prompt_logprobs (in process; the wire asks with `echo` and `logprobs`): None, or how many of the most
+# likely tokens each prompt token's log-probability comes with (vLLM's name and meaning)
+PROMPT_LOGPROBS = optional(int_in(0, MAX_TOP_LOGPROBS))
 
 # SpeculativeConfig's settings (verify_loops None: the request's loops).
 SPECULATIVE_FIELDS: dict[str, Check] = {

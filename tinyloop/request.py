@@ -10,7 +10,7 @@ import torch
 
 from .env import env_number
 from .errors import ConfigError, ModeError
-from .fields import DEFAULT_MAX_TOKENS, GENERATE_FIELDS, LOGPROBS
+from .fields import DEFAULT_MAX_TOKENS, GENERATE_FIELDS, LOGPROBS, PROMPT_LOGPROBS
 
 OnToken = Callable[[int, int], bool]
 
@@ -54,6 +54,10 @@ class GenerateConfig:
     # each generated token's log-probability under the logits it was chosen from (the model's, before any sampling
     # adjustment), with the `logprobs` most likely tokens' beside it (GenerateResult.logprobs); None: none
     logprobs: int | None = None
+    # each prompt token's log-probability under its prefill's own logits (the row before it; the first token has
+    # none), with the `prompt_logprobs` most likely tokens' beside it (GenerateResult.prompt_logprobs); None: none.
+    # A request that asks runs its whole prompt: it reuses no cached prefix (docs/engine.md, "Prompt log-probabilities")
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # A bad value fails where it is written, with the words the wire uses, not later inside generate.
@@ -68,9 +72,10 @@ class GenerateConfig:
             error = check(getattr(self, name))
             if error:
                 raise ConfigError(f"GenerateConfig.{name} {error}")
-        error = LOGPROBS(self.logprobs)
-        if error:
-            raise ConfigError(f"GenerateConfig.logprobs {error}")
+        for name, check in (("logprobs", LOGPROBS), ("prompt_logprobs", PROMPT_LOGPROBS)):
+            error = check(getattr(self, name))
+            if error:
+                raise ConfigError(f"GenerateConfig.{name} {error}")
 
     def validate(self, model=None) -> "GenerateConfig":
         """check_fields, then the rules that need the model; ConfigError names the first one broken."""
@@ -241,6 +246,10 @@ class GenerateResult:
     # best first
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with GenerateConfig.prompt_logprobs: the same for every prompt token, from its prefill's logits; the first
+    # token's is None (nothing predicts it) and its alternatives []
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -1,9 +1,9 @@
 """Scoring: the logits of every position of a token sequence, and log-probabilities built on them.
 
 `score` runs one full causal forward of the model's network (no KV cache, no early exit, no
-sampling settings) at a loop count. The service uses it after a generation to report the
-log-probability of each generated token (and of each prompt token with `echo`), which is what
-OpenAI-style `logprobs` and log-likelihood evaluation need.
+sampling settings) at a loop count: what log-likelihood evaluation needs (scripts/lmeval_adapter.py).
+A generation's own log-probabilities (GenerateConfig.logprobs, prompt_logprobs; the service's
+`logprobs` and `echo`) come from the engine's steps instead, with no second forward.
 
 What the numbers are: log_softmax of the raw model logits at `loops` (full depth for every
 token), in fp32. Temperature, top-k/top-p, repetition penalty and grammar masks shape which

@@ -28,7 +28,6 @@ from tinyloop.chat import chat_prompt
 from tinyloop.detokenize import Detokenizer
 from tinyloop.env import env_number
 from tinyloop.fields import GENERATE_FIELDS, SPECULATIVE_FIELDS
-from tinyloop.scoring import token_logprobs
 from workers.stream_takeover import Continuation, continuation, delivered_answer
 from workers.handle_registry import EngineError, HandleRegistry
 
@@ -231,7 +230,7 @@ class ModelEngine:
             run = cont.params(params) if cont else {**params, "prompt": ids}
             sink = self.callback(on_token, should_stop, *((cont.text, len(cont.delivered)) if cont else ()))
             spec = {k: params[k] for k in SPECULATIVE_FIELDS if k in params}
-            seq = self.scheduler.submit(run["prompt"], self.config(run), sink,
+            seq = self.scheduler.submit(run["prompt"], self.config(run, continued=cont is not None), sink,
                                         pool=self.pool if op == "generate_pool" else None,
                                         speculative=tinyloop.SpeculativeConfig(**spec) if spec or op == "speculative"
                                         else None)
@@ -274,8 +273,8 @@ class ModelEngine:
                 res = seq.result()
                 result = self.result(res, **job.extra)
                 if job.continued is not None:
-                    result, res = job.continued.result(self.model.codec, result), None  # (rescored whole)
-                result = self.scored(params, result, res)
+                    result = job.continued.result(self.model.codec, result)
+                result = self.scored(params, job.ids, result, res)
         except EngineError as err:
             return job.key, err
         return job.key, {**result, "prompt_text": params["prompt_text"]} if "messages" in params else result
@@ -284,10 +283,15 @@ class ModelEngine:
         return self.scheduler.idle()
 
 
-    def config(self, params: dict) -> "tinyloop.GenerateConfig":
+    def config(self, params: dict, continued: bool = False) -> "tinyloop.GenerateConfig":
+        """The request's GenerateConfig. The wire's `logprobs` flag and `top_logprobs` count: the step notes each
+        output token's (GenerateConfig.logprobs), and with `echo` the prefill each prompt token's
+        (GenerateConfig.prompt_logprobs), as does a continued stream's: its prompt holds the delivered tokens."""
         fields = {k: params[k] for k in GENERATE_FIELDS if k in params}
-        if params.get("logprobs"):  # the wire's flag and count: the step notes each token's (GenerateConfig.logprobs)
+        if params.get("logprobs"):
             fields["logprobs"] = params.get("top_logprobs", 0)
+            if params.get("echo") or continued:
+                fields["prompt_logprobs"] = fields["logprobs"]
         return tinyloop.GenerateConfig(**fields)
 
     def callback(self, on_token: TokenSink | None, should_stop: Callable[[], bool], text: Detokenizer | None = None,
@@ -325,32 +329,34 @@ class ModelEngine:
         return chat_prompt(self.model, params["messages"], params.get("add_generation_prompt", True),
                            **params.get("chat_template_kwargs", {}))
 
-    def scored(self, params: dict, result: dict, res: Any = None) -> dict:
-        '''Add the log-probabilities (and echoed prompt) a request asked for (docs/gateway.md). The output's come from
-        the logits each token was chosen from (`res`, the runtime's result, GenerateConfig.logprobs); the prompt's
-        (echo) from scoring the prompt at the request's loop count, as does a continued stream's output, part of
-        which another worker chose (tinyloop.score).'''
+    def scored(self, params: dict, ids: list[int], result: dict, res: Any) -> dict:
+        """Add the log-probabilities (and echoed prompt) a request asked for (docs/gateway.md), all from the step's own
+        logits (no second forward): the output's from the logits each token was chosen from (res.logprobs), the
+        prompt's (echo) from its prefill's rows (res.prompt_logprobs). A continued stream ran prompt ids + the
+        delivered tokens as its prompt, so the delivered tokens' come from that prefill's rows too. `ids`: the
+        request's own prompt ids."""
         if not (params.get("logprobs") or params.get("echo")):
             return result
-        prompt = params["prompt"]
-        ids = self.model.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params.get("echo"):
+            prompt = params["prompt"]
             result["prompt_text"] = prompt if isinstance(prompt, str) else self.model.codec.decode(ids)
         if params.get("logprobs") and result["stats"].get("stop_reason") != "cancelled":
-            loops = params.get("verify_loops") or params.get("loops") or self.config(params).loops
-            top, echo = params.get("top_logprobs", 0), bool(params.get("echo"))
-            if res is not None and res.logprobs is not None and len(res.logprobs) == len(result["tokens"]):
-                scores = token_logprobs(self.model, ids, [], loops, top, score_context=True) if echo else {}
-                piece = self.model.codec.decode
-                scores.update(tokens=result["tokens"], text=[piece([t]) for t in result["tokens"]],
-                              logprobs=res.logprobs, top=[[[t, piece([t]), v] for t, v in alts]
-                                                          for alts in res.top_logprobs])
-            else:
-                scores = token_logprobs(self.model, ids, result["tokens"], loops, top, score_context=echo)
-            if "context" in scores:
-                result["prompt_logprobs"] = scores.pop("context")
-            result["logprobs"] = scores
+            prompt_scores = list(zip(res.prompt_logprobs or [], res.prompt_top_logprobs or []))
+            delivered = prompt_scores[len(ids):]  # (a continued stream's: its run's prompt goes on past ids)
+            output = list(zip(res.logprobs or [], res.top_logprobs or []))
+            result["logprobs"] = self.wire_scores(result["tokens"], delivered + output)
+            if params.get("echo"):
+                result["prompt_logprobs"] = self.wire_scores(ids, prompt_scores[:len(ids)])
         return result
+
+    def wire_scores(self, tokens: list[int], scores: list) -> dict:
+        """Tokens with their (log-probability, top [(id, log-probability)]) as the wire carries them: each token's
+        text, and per position its top [id, text, log-probability] (None where nothing predicts the token)."""
+        piece = self.model.codec.decode  # (one token decoded alone: a partial UTF-8 character shows as U+FFFD)
+        if len(scores) != len(tokens):  # (a runtime path that notes no scores: this request fails, alone)
+            raise EngineError(Codes.RUNTIME_ERROR, f"log-probabilities of {len(scores)} of {len(tokens)} tokens")
+        return {"tokens": list(tokens), "text": [piece([t]) for t in tokens], "logprobs": [lp for lp, _ in scores],
+                "top": [None if lp is None else [[t, piece([t]), v] for t, v in alts] for lp, alts in scores]}
 
     def _free_handle(self, handle: Any) -> None:
         tinyloop.free_handle(handle)

@@ -11,6 +11,8 @@ Scores: `logprob` is the sum of the model's log-probabilities of the scored toke
 EOS is scored when the hypothesis ended on it). Finished hypotheses are ranked by the length-normalised
 `score = logprob / n ** LENGTH_PENALTY`, n the number of scored tokens, so a short hypothesis does not win only
 because it adds fewer negative terms. The stream carries what every hypothesis that can still win agrees on.
+With GenerateConfig.logprobs the result carries the best hypothesis's tokens' log-probabilities, each under its
+parent's logits before any penalty (Sequence.score_all, as for any other request).
 """
 from __future__ import annotations
 
@@ -60,14 +62,18 @@ class BeamGroup:
         set)."""
         parents = self.live or [(self.root, 0.0)]
         cands = []  # (total logprob, parent index, token)
+        fresh = [seq.place.fresh() for seq, _ in parents]
         for b, (seq, total) in enumerate(parents):
-            expansions = beam_candidates(seq.penalised(seq.place.fresh()), self.width, seq.masked)
+            expansions = beam_candidates(seq.penalised(fresh[b]), self.width, seq.masked)
             cands += [(total + lp, b, t) for lp, t in expansions]
             seq.place.logits = None
         cands.sort(key=lambda c: -c[0])
+        chosen = cands[:self.width]
+        children = [parents[b][0].fork() for _, b, _ in chosen]
+        # (with cfg.logprobs: each child's token scored under its parent's logits, as a sampled token is)
+        Sequence.score_all(children, [fresh[b] for _, b, _ in chosen], [t for *_, t in chosen])
         live, sources = [], []
-        for total, b, token in cands[:self.width]:
-            child = parents[b][0].fork()
+        for (total, b, token), child in zip(chosen, children):
             if child.take(token):  # the Sequence's bookkeeping: grammar, EOS, stop sequences, max_tokens
                 live.append((child, total))
                 sources.append(parents[b][0].place.lane)
@@ -105,12 +111,14 @@ class BeamGroup:
     def end(self, cancelled: bool = False) -> list[Sequence]:
         """Rank the finished hypotheses and settle the request's result on its root."""
         root, st = self.root, self.root.stats
-        ranked = sorted((to_hypothesis(s, lp) for s, lp in self.finished), key=lambda h: -h.score)[:self.width]
+        pairs = sorted(((to_hypothesis(s, lp), s) for s, lp in self.finished), key=lambda p: -p[0].score)[:self.width]
+        ranked = [h for h, _ in pairs]
+        scores = None  # the best hypothesis's (Sequence.scores), where the request asks for them
         if cancelled or not ranked:
             tokens, reason, text = self.agreed[0][:self.emitted] if self.agreed else [], "cancelled", None
             ranked = []
         else:
-            best = ranked[0]
+            best, scores = ranked[0], pairs[0][1].scores
             tokens, reason, text = best.tokens, best.stop_reason, best.text
             if not self.emit(tokens, len(tokens)):
                 tokens, reason, text = tokens[:self.emitted], "cancelled", None
@@ -121,6 +129,9 @@ class BeamGroup:
         st.loops_mean = sum(counts) / len(counts) if counts else float(root.loops)
         self.outcome = GenerateResult(tokens, root.model.codec.decode(tokens) if text is None else text, st,
                                       n_best=ranked)
+        if root.cfg.logprobs is not None and scores is not None:  # (its output is a prefix of the tokens it took)
+            self.outcome.logprobs = [lp for lp, _ in scores[:len(tokens)]]
+            self.outcome.top_logprobs = [top for _, top in scores[:len(tokens)]]
         self.live = []
         return []
 

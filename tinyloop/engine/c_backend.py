@@ -153,12 +153,14 @@ class CBackend:
                 flight.out, flight.c_exit = (kept if x[0] else None), x
         return [(rows[b], logits, exits[b][5]) for b, logits in zip(got.finished, got.logits)]
 
-    def prefill_rows(self, pieces: list[Piece], step: int) -> list[tuple[Piece, torch.Tensor, float]]:
+    def prefill_rows(self, pieces: list[Piece], step: int
+                     ) -> list[tuple[Piece, torch.Tensor, float, torch.Tensor | None]]:
         """Prefill pieces (each one `chunk_rows` accepts) as the C step's rows, those at the same loop count sharing
         calls of up to MAX_LANES rows: each weight streams once per call instead of once per prompt. A row has the
         bits of its token decoded alone, so each piece's logits are those of its prompt prefilled alone, however the
         pieces are packed; a piece may span two calls (the first call's cells are written before the second reads
-        them). Returns per piece (piece, logits of its last row, its rows' share of the calls' seconds)."""
+        them). Returns per piece (piece, logits of its last row, its rows' share of the calls' seconds, and for a
+        keep_rows piece the logits of its every row [T, V], else None): a call computes every row's logits anyway."""
         plan = paged.c_step(self.net, self.cache)
         assert plan is not None  # (the caller checked that the pieces run in C)
         by_loops: dict[int, list[Piece]] = {}
@@ -168,6 +170,7 @@ class CBackend:
         for loops, group in by_loops.items():
             rows = [(piece, i) for piece in group for i in range(len(piece.tokens))]
             last: dict[int, torch.Tensor] = {}  # id(piece) -> the logits of its last row
+            every: dict[int, list[torch.Tensor]] = {id(p): [] for p in group if p.keep_rows}  # id(piece) -> its rows'
             took: dict[int, float] = {}  # id(piece) -> its rows' share of the calls' seconds
             for i in range(0, len(rows), cpu_block.MAX_LANES):
                 call = rows[i:i + cpu_block.MAX_LANES]
@@ -179,7 +182,10 @@ class CBackend:
                 for r, (piece, _) in enumerate(call):
                     took[id(piece)] = took.get(id(piece), 0.0) + share
                     last[id(piece)] = logits[r]
+                    if piece.keep_rows:
+                        every[id(piece)].append(logits[r])
             log.debug("step %d: %d piece(s) at %d loops ran as %d rows in %d call(s)", step, len(group), loops,
                       len(rows), -(-len(rows) // cpu_block.MAX_LANES))
-            done += [(piece, last[id(piece)], took[id(piece)]) for piece in group]
+            done += [(piece, last[id(piece)], took[id(piece)],
+                      torch.stack(every[id(piece)]) if piece.keep_rows else None) for piece in group]
         return done

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import BudgetError, ConfigError
+from ..errors import BudgetError, ConfigError, ModeError
 from ..modes import check_depth_range, check_modes
 from ..request import GenerateConfig
 from .options import EngineOptions
@@ -23,6 +23,11 @@ def checked(model, cfg: GenerateConfig | None, call: str) -> GenerateConfig:
     """The call's config, validated against the model and the mode matrix's column for `call`."""
     cfg = (cfg or GenerateConfig()).validate(model)
     check_modes(call, model.cache_mode, cfg)
+    if call in ("prefix", "warm_start") and cfg.prompt_logprobs is not None:
+        # a handle or scaffold holds the prompt's first tokens: no forward of this call gives their rows' logits
+        raise ModeError("GenerateConfig.prompt_logprobs cannot be combined with prefix reuse or a warm start: the "
+                        "prompt's cached tokens run no forward here, so their logits are not there to score; use "
+                        "generate or generate_batch (a request asking reuses no cached prefix)")
     if call in ("speculative", "tree_speculative") and cfg.depth_range_asked(model):
         check_depth_range(model, cfg, speculative=True)
     if cfg.beam_size > 1 and (cfg.temperature != 0 or cfg.top_k != 0 or cfg.top_p != 1.0):

@@ -5,6 +5,8 @@ scheduler already took; the executor picks the backend for each part and gives b
 - prefill pieces: up to 32 tokens as rows of shared C calls, one loop count a call (CBackend.prefill_rows), else
   the model's one forward over a chunk (engine/forward.py), or a handle's own forward; a piece whose latent rows
   its sequence keeps (a resume handle's build) through the loop-range forward, its rows given back with its logits;
+  a piece whose request asks for prompt log-probabilities (keep_rows) gives back every row's logits, not only its
+  last one's (Outputs.rows);
 - decode rows at one fixed depth: one forward of every loop (the token step);
 - decode rows at different depths, exiting early, or drawing greedily inside C: loop iterations (continuous-depth
   batching), in one C call with the exit decisions in C (`iterate_in_c`), else one forward per pass (`one_pass`,
@@ -137,6 +139,7 @@ class Executor:
             out.failed.update((lane_of[j], v) for j, v in got.failed.items())
             out.pieces += [(lane_of[j], n, logits, used, seconds) for j, n, logits, used, seconds in got.pieces]
             out.latents += [(lane_of[j], start, e, s) for j, start, e, s in got.latents]
+            out.rows += [(lane_of[j], start, rows) for j, start, rows in got.rows]
             if len(plan.rows) == 1 and got.lone_row_seconds is not None:
                 out.lone_row_seconds = got.lone_row_seconds
         return rest
@@ -186,8 +189,10 @@ class Executor:
             plan = self.run_rings(plan, out)
         rows = [p for p in plan.pieces if self.in_rows(p)]
         if rows:
-            for piece, logits, seconds in self.c.prefill_rows(rows, plan.step):
+            for piece, logits, seconds, every in self.c.prefill_rows(rows, plan.step):
                 out.pieces.append((piece.lane, len(piece.tokens), logits.clone(), piece.loops, seconds))
+                if every is not None:
+                    out.rows.append((piece.lane, piece.start, every))
         for piece in plan.pieces:
             if not any(piece is other for other in rows):
                 try:
@@ -213,31 +218,35 @@ class Executor:
         early exit (it decodes adaptively, as any one-token forward), or a chunk forward."""
         t, used = time.perf_counter(), piece.loops
         if piece.handle is not None:
-            logits = piece.handle.run(self.lane(piece.lane))
+            rows = piece.handle.run(self.lane(piece.lane)).unsqueeze(0)
         elif piece.keep_latent:
-            logits = self.latent_piece(piece, out)
+            rows = self.latent_piece(piece, out)
         elif piece.start == 0 and len(piece.tokens) == 1 and self.is_adaptive(piece.exit):
             token = Outputs()
             self.whole_tokens([Row(piece.lane, piece.tokens[0], 0, piece.loops, piece.exit, True)], token)
             logits, used = token.tokens[piece.lane]
-        else:
-            logits = self.prefill(piece.tokens, piece.start, piece.lane, piece.loops, piece.exit)[-1]
+            rows = logits.unsqueeze(0)
+        else:  # (every row's logits only where its request asks for them: keep_rows)
+            rows = self.prefill(piece.tokens, piece.start, piece.lane, piece.loops, piece.exit, piece.keep_rows)
         # (a copy: not a view pinning [T, V])
-        out.pieces.append((piece.lane, len(piece.tokens), logits.clone(), used, time.perf_counter() - t))
+        out.pieces.append((piece.lane, len(piece.tokens), rows[-1].clone(), used, time.perf_counter() - t))
+        if piece.keep_rows:
+            out.rows.append((piece.lane, piece.start, rows))
 
     def latent_piece(self, piece: Piece, out: Outputs) -> torch.Tensor:
         """A piece whose latent rows its sequence keeps (a resume handle's build): the loop-range forward from its ids
         over all its loops, the path the handle later deepens by (ResumeHandle.run_loops), so the rows and entries
-        have the same bits; the shared C rows give no latent back. Its rows go to out.latents; returns the logits [V]
-        of its last position (every token's coda runs, the last one's head)."""
+        have the same bits; the shared C rows give no latent back. Its rows go to out.latents; returns the logits
+        [1, V] of its last position (every token's coda runs, the last one's head), or of every position [T, V]
+        (keep_rows)."""
         net, dev, T = self.net, self.model.device, len(piece.tokens)
         step = net.make_step(torch.arange(piece.start, piece.start + T, device=dev).unsqueeze(0), piece.start + T)
         latent = paged.Latent.empty(1, T, net)
         logits = paged.forward_loops(net, step, self.lane(piece.lane), 0, piece.loops, latent,
-                                     torch.tensor([piece.tokens], device=dev), last_only=True)
+                                     torch.tensor([piece.tokens], device=dev), last_only=not piece.keep_rows)
         assert logits is not None  # (with the head)
         out.latents.append((piece.lane, piece.start, latent.e, latent.s))
-        return logits[0, -1]
+        return logits[0]
 
     def decode_step(self, plan: Plan, out: Outputs) -> None:
         rows = plan.rows

@@ -31,6 +31,8 @@ class Piece:
     handle: Start | None = None  # a handle runs it instead (Start.run: it lent its blocks at schedule)
     # its latent rows come back too (Outputs.latents): a resume handle's build keeps every prompt token's (resume.py)
     keep_latent: bool = False
+    # every row's logits come back (Outputs.rows): its request asks for prompt log-probabilities (Sequence.rows_wanted)
+    keep_rows: bool = False
 
 
 @dataclass
@@ -92,5 +94,7 @@ class Outputs:
     # loops)
     latents: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     verified: dict[int, torch.Tensor] = field(default_factory=dict)  # a chunk's rows' logits [len(tokens), V]
+    # a keep_rows piece done: (lane, its start, the logits of its every row [T_piece, V])
+    rows: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     failed: dict[int, Exception] = field(default_factory=dict)  # a piece's own fault (its handle was freed)
     lone_row_seconds: float | None = None  # a decode forward of one row: its time (a speculative driver learns it)

@@ -153,13 +153,15 @@ class Runner:
         return finished
 
     def take_outputs(self, seqs: dict[int, Sequence], out: Outputs) -> None:
-        """Each sequence's share of the step's outputs: a prefill piece done (its latent rows, where the sequence asks
-        for them; once the prompt is in, its last position's logits are the fresh logits, and the prompt's blocks go
+        """Each sequence's share of the step's outputs: a prefill piece done (its latent rows and its prompt tokens'
+        log-probabilities, where the sequence asks for them; once the prompt is in, its last position's logits are the fresh logits, and the prompt's blocks go
         to the prefix cache), the greedy tokens C drew, and a fed token's logits."""
         for lane, start, e, s in out.latents:  # (before the pieces: on_prefilled reads them)
             latents = seqs[lane].latents
             assert latents is not None  # (only a sequence that asks gets a keep_latent piece)
             latents[start] = (e, s)
+        for lane, start, rows in out.rows:  # scored now: a piece's [T, V] rows are not kept
+            seqs[lane].score_prompt(start, rows)
         for lane, n, logits, used, seconds in out.pieces:
             seq = seqs[lane]
             at = seq.place

@@ -155,6 +155,7 @@ class Scheduler:
             spent += len(piece.tokens) if piece is not None else 1
             if piece is not None:
                 piece.keep_latent = seq.latents is not None  # (a resume handle's build: Sequence.latents)
+                piece.keep_rows = piece.handle is None and seq.rows_wanted(piece.start, len(piece.tokens))
                 plan.pieces.append(piece)
                 scheduled.add(seq.place.lane)
         looping = self.executor.flights
@@ -274,8 +275,11 @@ class Scheduler:
 
     def prefixes_for(self, seq: Sequence):
         """Where seq's prompt prefix may be found: its pool's scaffolds (even with prefix caching off), else the
-        prefix cache; none for a windowed lane (a ring holds no prefix)."""
-        return None if seq.cfg.cache_window else seq.prefixes or self.prefix_cache(seq)
+        prefix cache; none for a windowed lane (a ring holds no prefix), nor for one asking for prompt log-probabilities
+        (every prompt row's logits must come from its own prefill; it still adds its prompt to the cache for others)."""
+        if seq.cfg.cache_window or seq.prompt_scores is not None:
+            return None
+        return seq.prefixes or self.prefix_cache(seq)
 
     def reuse(self, prefixes, seq: Sequence) -> int:
         """Lend the longest prefix of seq's prompt the prefix cache holds to its lane, and take the cells its rest

@@ -66,6 +66,8 @@ ENGINE_PREFIXES = object()
 
 # the cells the rest of a prompt writes after a handle lent its blocks: (slots, first cell, last cell)
 Writes = tuple[list[int], int, int]
+# a token's log-probability and the most likely (token, log-probability) pairs beside it, best first
+Score = tuple[float, list[tuple[int, float]]]
 
 
 @dataclasses.dataclass
@@ -180,7 +182,9 @@ class Sequence:
         self.done, self.stop_reason = False, "max_tokens"
         self.loop_counts: list[int] = []  # loops run per forward that produced a sampled token
         # with cfg.logprobs: per token taken, its log-probability and the most likely (token, log-probability) pairs
-        self.scores: list[tuple[float, list[tuple[int, float]]]] = []
+        self.scores: list[Score] = []
+        # with cfg.prompt_logprobs: the same for prompt tokens 1.. as its prefill pieces score them (score_prompt)
+        self.prompt_scores: list[Score] | None = [] if cfg.prompt_logprobs is not None else None
         self.t_prefilled = self.t_end = self.t_call
         self.place = Place()  # where it stands in the engine (engine/scheduler.py): the scheduler's state of it
         self.prefixes = None  # where its prompt's prefix may be found besides the runner's prefix cache (a pool's view)
@@ -262,15 +266,27 @@ class Sequence:
         asking = [i for i, seq in enumerate(seqs) if seq.cfg.logprobs is not None]
         if not asking:
             return
-        logp = torch.log_softmax(torch.stack([logits[i] for i in asking]).float(), dim=-1)
-        chosen = logp[torch.arange(len(asking)), torch.tensor([tokens[i] for i in asking])].tolist()
         k = max(seqs[i].cfg.logprobs or 0 for i in asking)  # (not None: asking)
-        top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        # (one tolist for all rows, not two a row: a wide batch's draws are many tokens a step)
-        ids, values = top_i.tolist(), top_v.tolist()
-        for r, i in enumerate(asking):
-            n = seqs[i].cfg.logprobs
-            seqs[i].scores.append((chosen[r], list(zip(ids[r][:n], values[r][:n]))))
+        got = scored_rows(torch.stack([logits[i] for i in asking]), [tokens[i] for i in asking], k)
+        for (chosen, top), i in zip(got, asking):
+            seqs[i].scores.append((chosen, top[:seqs[i].cfg.logprobs]))
+
+    def rows_wanted(self, start: int, n: int) -> bool:
+        """Whether a prefill piece of n prompt tokens at start.. must give back every row's logits: the sequence asks
+        for prompt log-probabilities and some row predicts a prompt token not scored yet (a piece run again after a
+        preemption scores nothing twice)."""
+        return self.prompt_scores is not None and len(self.prompt_scores) < min(start + n, len(self.prompt) - 1)
+
+    def score_prompt(self, start: int, rows: torch.Tensor) -> None:
+        """Score the prompt tokens that rows [n, V] of the prefill piece at start.. predict (row i: token start + i +
+        1; the last prompt row predicts the output, not the prompt), those not scored yet."""
+        assert self.prompt_scores is not None and self.cfg.prompt_logprobs is not None  # (asked: rows_wanted)
+        done = len(self.prompt_scores)  # tokens 1..done are scored
+        assert done >= start  # (a prompt's pieces come in order)
+        first, last = max(start, done), min(start + len(rows), len(self.prompt) - 1)  # rows first..last-1 are new
+        if first < last:
+            self.prompt_scores += scored_rows(rows[first - start:last - start], self.prompt[first + 1:last + 1],
+                                              self.cfg.prompt_logprobs)
 
     # --- bookkeeping of one chosen token --------------------------------------------------------------------
     def take(self, token: int) -> bool:
@@ -374,7 +390,7 @@ class Sequence:
         if self.beam is not None:  # a beam-search request: its group's ranking (cancelled: what was streamed)
             self.beam.cancel()
             assert self.beam.outcome is not None  # (cancel ends the search)
-            return self.beam.outcome
+            return self.with_prompt_scores(self.beam.outcome)
         if self.driver is not None:
             self.driver.finish()
         st = self.stats
@@ -389,8 +405,16 @@ class Sequence:
         if self.cfg.logprobs is not None:  # (the output is a prefix of the tokens taken: EOS and stops come last)
             res.logprobs = [lp for lp, _ in self.scores[:len(tokens)]]
             res.top_logprobs = [top for _, top in self.scores[:len(tokens)]]
+        self.with_prompt_scores(res)
         if self.on_result is not None:
             self.on_result(res)
+        return res
+
+    def with_prompt_scores(self, res: GenerateResult) -> GenerateResult:
+        """res with the prompt's log-probabilities, where asked (the first token's None: nothing predicts it)."""
+        if self.prompt_scores is not None:
+            res.prompt_logprobs = [None, *(lp for lp, _ in self.prompt_scores)]
+            res.prompt_top_logprobs = [[], *(top for _, top in self.prompt_scores)]
         return res
 
     def fork(self) -> "Sequence":
@@ -401,6 +425,17 @@ class Sequence:
         child.history, child.loop_counts, child.scores = list(self.history), list(self.loop_counts), list(self.scores)
         child.place = dataclasses.replace(self.place, decided=[])
         return child
+
+
+def scored_rows(logits: torch.Tensor, tokens: list[int], k: int) -> list[Score]:
+    """Each row's log-probability of its token (log_softmax of logits [n, V] in fp32, row by row) and its k most likely
+    (token, log-probability) pairs, best first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    # (one tolist for all rows, not two a row: a wide batch's draws are many tokens a step)
+    ids, values = top_i.tolist(), top_v.tolist()
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids, values)]
 
 
 def depth_stats(st: GenerateStats, counts: list[int], asked: int, table: dict[int, float]) -> None:
