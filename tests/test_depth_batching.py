@@ -185,6 +185,7 @@ def test_a_token_s_loops_and_exit_decisions_run_as_one_c_call(make_artifact, rul
     model = tinyloop.load_model(make_artifact(**arch), 128)
     cfg = G(max_tokens=12, loops=8, ignore_eos=True, **exits)
     calls = {"c": 0, "python": 0}
+    monkeypatch.setattr(cpu_block, "RUN_AHEAD_S", 60.0)  # (a call that draws for longer returns: not on a slow day)
     until, one_pass = cpu_block.DecodeStep.iterate_until, Executor.one_pass
     monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until",
                         lambda *a, **k: (calls.__setitem__("c", calls["c"] + 1), until(*a, **k))[1])
