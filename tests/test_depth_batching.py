@@ -346,7 +346,7 @@ def test_greedy_rows_waiting_to_share_a_head_change_no_token(make_artifact, rule
         heads["products"] += got.heads
         return got
     monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
-    monkeypatch.setattr(cpu_block, "RUN_AHEAD_S", 60.0)  # (a stall of a busy machine would end calls, and waits, early)
+    monkeypatch.setattr(cpu_block, "RUN_AHEAD_S", 60.0)  # (a stall of a busy machine would end calls early)
 
     def run() -> tuple[list[tuple], int]:
         heads["products"] = 0
@@ -363,6 +363,10 @@ def test_greedy_rows_waiting_to_share_a_head_change_no_token(make_artifact, rule
     each, alone = run()
     assert waiting == each == few
     assert unshared == alone and shared < 0.8 * alone, (unshared, shared, alone)  # the rows did wait for each other
+    monkeypatch.delenv("TINYLOOP_COALESCE")
+    monkeypatch.setattr(cpu_block, "RUN_AHEAD_S", 0.0)  # every call ends at its first head, and cuts no wait short
+    timed, shared_in_time = run()
+    assert timed == few and shared_in_time < 0.8 * alone, (shared_in_time, alone)
     for p, c, got in zip(prompts, cfgs, waiting):
         by_itself = tinyloop.generate(model, p, c)
         assert (got[0], got[1]) == (by_itself.tokens, by_itself.loops_used), c

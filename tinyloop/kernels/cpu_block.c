@@ -735,9 +735,10 @@ INLINE double seconds_since(const struct timespec *t0) {
 // token starts at the next cell and position (ids, pos and r->cells move on; a forced depth's next token stops after
 // next_depth[b * cap + i] loops), while no row needs the caller. Such a row may wait up to `wait` passes for its
 // head (keep_waiting: 0, every head runs in the pass its token ends). Once a row needs the caller (a token ended
-// without budget, or a greedy draw gave eos, or the call has drawn for ahead_s seconds), the call ends: the other
-// rows' tokens ended here are finish[b], and their coda, final norm and head give logits [rows finished, V], in row
-// order (with the waiting rows' heads in the same product, their draws made); a row whose draw was made but whose
+// without budget, or a greedy draw gave eos, or a head ran after the call had drawn for ahead_s seconds), the call
+// ends: the other rows' tokens ended here are finish[b], and their coda, final norm and head give logits [rows
+// finished, V], in row order (with the waiting rows' heads in the same product, their draws made); a row whose draw
+// was made but whose
 // next token did not start has start[b] set. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes
 // [lanes, d], read and written in place. The passes are tl_iterate_rows's, so each row has the same bits as there
 // and as its token decoded alone. Returns the passes run; *heads: the head products run. rows: work floats for 4 B
@@ -802,11 +803,14 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
             continue;
         }
         // The call ends: the held rows' heads run in the product of the rows that end it (below; wait = 0 keeps the
-        // heads apart, as before coalescing). Otherwise they wait while keep_waiting says it pays and the call has
-        // time left. (A held row's draw may be eos, found a pass or two later: the others' passes in between are
-        // theirs anyway, so nothing is lost but those passes' time.)
+        // heads apart, as before coalescing). Otherwise they wait while keep_waiting says it pays, the call's time
+        // limit included: a head forced at ahead_s would start its rows' next tokens out of step with the batch-mates
+        // they were waiting for, and rows out of step by more than `wait` passes end apart for the rest of their
+        // requests; so the call ends at the first head after ahead_s, at most `wait` passes later. (A held row's draw
+        // may be eos, found a pass or two later: the others' passes in between are theirs anyway, so nothing is lost
+        // but those passes' time.)
         if (ended && wait) break;
-        if (!ended && keep_waiting(exits, done, held, B, n_held, waited, wait) && seconds_since(&t0) <= ahead_s)
+        if (!ended && keep_waiting(exits, done, held, B, n_held, waited, wait))
             continue;
         finish_rows(s, r, table, slot_stride, held, out, head, work);
         ++*heads;

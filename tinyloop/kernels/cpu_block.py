@@ -32,7 +32,9 @@ from . import cpu
 _FMT = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 MAX_LANES = 32
 RUN_AHEAD = 15  # the most tokens a row draws in one iterate_until call (one block of cells: cache.BLOCK_TOKENS - 1)
-RUN_AHEAD_S = 0.02  # and for how long (seconds): a streaming client gets its tokens at least this often
+# and for how long (seconds): a streaming client gets its tokens this often (the call ends at the first head after
+# it, up to COALESCE passes later)
+RUN_AHEAD_S = 0.02
 # the most passes a greedy row whose token ended waits for its batch-mates' to end too, to share their head and
 # prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (EngineOptions.coalesce): 0, none
 COALESCE = 2
@@ -343,7 +345,7 @@ class DecodeStep:
         at their loop counts (the scheduler, Scheduler.reserve), for the cells the greedy draws move on to too.
         ahead[b]: row b draws up to len(ahead[b]) tokens greedily here (the argmax of its logits) and goes on with
         them at the next cells, the i-th's forced depth ahead[b][i] (rule 2); a draw of `eos` ends the call, as
-        does drawing for longer than RUN_AHEAD_S. A greedy row whose token ended may sit out up to `wait` passes
+        does the first head after RUN_AHEAD_S (at most `wait` passes later). A greedy row whose token ended may sit out up to `wait` passes
         (no K/V written or read, its state kept) so that its head, and its next token's prelude, run in one product
         with its batch-mates' (cpu_block.c's keep_waiting; 0: never): the same bits, fewer weight streams. A
         finished token's skipped loops hold copies of its last loop's K/V (copy). keep[b]: row b also brings back
