@@ -157,9 +157,7 @@ class BlockPool:
         self.refs = [0] * (num_blocks + 1)
         self.epoch = 0  # counts take / retain / drop: while it stands still, no lane's blocks or their sharing changed
         self.free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
-        # blocks above this id were never handed out: their memory is as torch.empty left it (maybe NaN bit
-        # patterns), so they are zeroed when first taken; a block taken before holds finite K/V of its last holder
-        self.handed_out = 0
+        self.handed_out = 0  # the highest block id handed out so far (the ones above it are zeroed when first taken)
         self.peak_used = 0
         # The model's prefix cache (tinyloop/prefix_tree.py): blocks only it holds are free memory that remembers
         # something. `room` counts them; `take` evicts its least recently used entries when nothing else is free.
@@ -187,10 +185,10 @@ class BlockPool:
         return self.take_many(1)[0]
 
     def take_many(self, n: int) -> list[int]:
-        """n free blocks; none when fewer than n can be had. A block never taken before is zeroed (one fill per stored
-        tensor for all of them); one taken before keeps its last holder's entries: every cell is written before any
-        attention reads it (reads are masked to the written positions), so only NaN bit patterns in never-used memory
-        could reach a result, through a masked product of zero."""
+        """n free blocks; none when fewer than n can be had. Only blocks never handed out before are zeroed (one fill
+        per stored tensor for all of them): attention masks the cells no token wrote, so a reused block's old finite
+        entries never reach a result, where NaN bit patterns in never-used memory would (a masked weight of zero times
+        NaN)."""
         if len(self.free) < n and self.prefixes is not None:
             self.prefixes.evict(n)
         if len(self.free) < n:

@@ -180,18 +180,17 @@ class Scheduler:
         ahead = self.may_run_ahead(plan) and not drafting
         greedy = [ahead and draws_plainly(s) for s in rows]
         draws = [self.draws(s) if g else 0 for s, g in zip(rows, greedy)]
+        firsts, own_lasts = cells + [s.pos for s in own], [s.pos + n - 1 for s, n in zip(own, spans)]
         try:
             try:  # the cells a row's draws move on to are taken too: its draws need not stop at the end of a block
-                self.reserve(rows + own, cells + [s.pos for s in own],
-                             [c + n for c, n in zip(cells, draws)] + [s.pos + n - 1 for s, n in zip(own, spans)])
+                self.reserve(rows + own, firsts, [c + n for c, n in zip(cells, draws)] + own_lasts)
             except BudgetError:
                 if not any(draws):
                     raise
                 # no room for the next blocks yet: a row draws up to the end of its cell's block
                 log.debug("step %d: no room for the blocks of greedy draws beyond their cells' blocks", self.steps)
                 draws = [min(n, self.cache.bt - 1 - c % self.cache.bt) for c, n in zip(cells, draws)]
-                self.reserve(rows + own, cells + [s.pos for s in own],
-                             [c + n for c, n in zip(cells, draws)] + [s.pos + n - 1 for s, n in zip(own, spans)])
+                self.reserve(rows + own, firsts, [c + n for c, n in zip(cells, draws)] + own_lasts)
         except BudgetError as exc:
             finished += self.out_of_blocks(exc)
             return self.still_admitted(plan)
