@@ -33,8 +33,8 @@ p <- max(0, p - q) normalised; candidates are independent draws from q, which ke
 
 Early exit (threshold > 0 or an exit gate) composes per token exactly as in single decode: while drafting and
 while verifying, a token whose latent stops changing freezes, copies its last K/V into the slots of the loops
-it skips, and drops out of the chunk for the remaining loops; the others continue. Greedy output then equals
-plain early-exit `generate`.
+it skips, and drops out of the chunk for the remaining loops; the others continue (LoopForward.until, the loop
+range with an exit rule). Greedy output then equals plain early-exit `generate`.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ from .cache import KVCache
 from .engine.calls import checked, engine
 from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
-from .exits import exit_stops
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
 from .generation import generate
 from .engine import forward as paged
@@ -231,7 +230,7 @@ class Speculator:
             raise ModeError(f"speculative decoding with early exit supports the latent exit rule only, not {asked}; "
                             f"decode without early_exit_threshold, or without speculation")
         self.greedy = seq.sampling().greedy  # the sampler's rule: below MIN_TEMPERATURE
-        # a known continuation to verify before drafting (greedy chains without early exit only): see advance
+        # a known continuation to verify before drafting (greedy chains without early exit only): see step
         self.guess = list(guess) if self.greedy and sc.tree_width == 1 and not self.adaptive else []
         self.piece = 4  # the next guessed piece's length: doubles while pieces are taken whole
         self.gen = seq.gen  # the sequence's sampler draws the proposals and acceptances too
@@ -374,51 +373,11 @@ class Speculator:
         drawn = draw(q, self.gen, k)
         return drawn, q, float(q[drawn[0]])
 
-    # -- depth: every pass goes through the cached forward's loop range (engine/forward.py: LoopForward) ----------
-    def loops(self, lat: paged.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, first: int,
-              last: int, tokens: list[int] | None = None, head: bool = True) -> torch.Tensor | None:
-        """Loops first..last-1 of the chunk's latent rows (from tokens: prelude first) and, with head, the coda and
-        head: logits [1, T, V] (else None). A chain's tokens sit at their positions; a tree's at its cells."""
-        if tree is None:
-            return self.forward.rows(pos, first, last, lat, tokens, head, lanes=[0] * len(pos))
-        ids = None if tokens is None else torch.tensor([tokens], device=self.model.device)
-        return self.forward(tree.step(self.net, pos, cells), first, last, lat, ids, head)
-
-    def advance(self, lat: paged.Latent, pos: list[int], cells: list[int], tree: TreeShape | None, k0: int, k1: int,
-                head: bool, used: list[int], done: list[bool]) -> tuple[torch.Tensor | None, int]:
-        """Run loops k0..k1-1 of a chunk's latent rows (in place) and, with head, its coda and head; returns the
-        logits [1, T, V] (or None) and the loop-steps executed.
-
-        With early exit a token whose latent stops changing freezes, copies its K/V into the slots of every loop it
-        skips (up to verify_loops) and leaves the chunk, exactly as an early-exit decode row does (Executor.exit_heads).
-        """
-        T = len(pos)
-        if not self.adaptive:  # one call: the loops and the head
-            used[:] = [k1] * T
-            return self.loops(lat, pos, cells, tree, k0, k1, head=head), T * (k1 - k0)
-        steps, cache = 0, self.cache
-        assert cache is not None  # (bound by step)
-        for k in range(k0, k1):
-            act = [i for i in range(T) if not done[i]]
-            if not act:
-                break
-            idx = torch.tensor(act, device=lat.s.device)
-            sub = lat if len(act) == T else lat.rows(idx)
-            s_old = sub.s.clone()
-            self.loops(sub, [pos[i] for i in act], [cells[i] for i in act], tree, k, k + 1, head=False)
-            # each token a row of the one exit decision (exits.exit_stops), its own last loop at verify_loops
-            last = torch.full((len(act), 1), k + 1 == self.V, device=lat.s.device)
-            stop = exit_stops(self.net, [self.rule] * len(act), [k + 1] * len(act), last, s_old.transpose(0, 1),
-                              sub.s.transpose(0, 1), None)[:, 0].tolist()
-            if sub is not lat:
-                lat.s[:, idx] = sub.s
-            steps += len(act)
-            for i, st in zip(act, stop):
-                used[i] = k + 1
-                if st:
-                    done[i] = True
-                    cache.fill_skipped(0, cells[i], k + 1, self.V)  # (a chain's cell: its position)
-        return self.loops(lat, pos, cells, tree, k1, k1) if head else None, steps
+    # -- depth: every pass goes through the cached forward's loop range (engine/forward.py: LoopForward.until) ------
+    def exits(self, used: list[int], done: list[bool]) -> paged.RowExits:
+        """The early exit of a round's tokens (their loops so far and whether they stopped, updated in place), every
+        skipped loop filled up to verify_loops."""
+        return paged.RowExits(self.rule, self.adaptive, self.V, used, done)
 
     def draft_chunk(self, lat: paged.Latent, tokens: list[int], pos: list[int], cells: list[int],
                     tree: TreeShape | None, head: bool):
@@ -426,14 +385,10 @@ class Speculator:
         latent rows `lat` [1, T, d] and, if head, the coda and head. Returns logits [1, T, V] (None without head), the
         loops each token used, whether it exited early, and the loop-steps run."""
         t0, T = time.perf_counter(), len(tokens)
-        used, done = [0] * T, [False] * T
-        if not self.adaptive:  # prelude, draft loops and head in one call
-            logits, used, steps = self.loops(lat, pos, cells, tree, 0, self.D, tokens, head), [self.D] * T, T * self.D
-        else:
-            self.loops(lat, pos, cells, tree, 0, 0, tokens, head=False)  # prelude, initial state
-            logits, steps = self.advance(lat, pos, cells, tree, 0, self.D, head, used, done)
+        exits = self.exits([0] * T, [False] * T)
+        logits, steps = self.forward.until(pos, 0, self.D, lat, exits, head, tokens, tree, cells)
         self.draft_s += time.perf_counter() - t0
-        return logits, used, done, steps
+        return logits, exits.used, exits.done, steps
 
     # -- one round -----------------------------------------------------------------------------------
     def round(self, pending: int, p: int, n: int, w: int, guessed: list[int]) -> tuple[list[int], int, int]:
@@ -450,7 +405,8 @@ class Speculator:
         t0 = time.perf_counter()
         if cache.window:
             cache.rollback(p, self.coda_slots)  # the ring is read as old + new: drop the draft-depth coda entries
-        verified, steps = self.advance(rd.lat, rd.pos, rd.cells, rd.tree, self.D, self.V, True, rd.used, rd.done)
+        verified, steps = self.forward.until(rd.pos, self.D, self.V, rd.lat, self.exits(rd.used, rd.done),
+                                             tree=rd.tree, cells=rd.cells)
         assert verified is not None  # (with the head)
         self.verify_loop_steps += steps
         self.verify_s += time.perf_counter() - t0

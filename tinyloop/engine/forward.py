@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache, decode_entries, encode_entries
 from ..errors import ConfigError
-from ..exits import ExitRule
+from ..exits import ExitRule, exit_stops
 from ..formats import QMatrix
 from ..memory import READ_AHEAD_BYTES, READ_AHEAD_GROWTH
 from ..model import BlockWeights, LoopedLM, Step, Weights, fused_weights
@@ -403,6 +403,19 @@ class Latent:
         return Latent(self.e[:, index], self.s[:, index])
 
 
+@dataclasses.dataclass
+class RowExits:
+    """The early exit of a chunk's tokens over `LoopForward.until` calls (a speculative round's drafts, then their
+    verification): the rule (adaptive: it may stop a token before `loops`, exits.ExitRule), the loops the deepest
+    token runs (skipped loops are filled up to it), and per token the loops it ran (`used`) and whether it stopped
+    (`done`)."""
+    rule: ExitRule
+    adaptive: bool
+    loops: int
+    used: list[int]
+    done: list[bool]
+
+
 class LoopForward:
     """The cached forward of a loop range, the one primitive every cached path runs: prefill chunks and decode rows
     (`forward`, `decode_rows`: the range 0..loops from ids with the head), speculative drafts (0..draft_loops) and
@@ -461,6 +474,56 @@ class LoopForward:
         pos = torch.tensor([positions] if chain else [[p] for p in positions], device=dev)
         ids = None if tokens is None else torch.tensor(tokens, device=dev).view(pos.shape)
         return self(self.net.make_step(pos, max(positions) + 1), first, last, latent, ids, head)
+
+    def until(self, positions: list[int], first: int, last: int, latent: "Latent", exits: "RowExits",
+              head: bool = True, tokens: list[int] | None = None, tree=None, cells: list[int] | None = None
+              ) -> tuple[torch.Tensor | None, int]:
+        """Loops first..last-1 of one lane's chunk (positions: its tokens' positions; from tokens: their prelude and
+        initial state first, into `latent`), each token stopping where its exit rule fires: after every loop,
+        exits.exit_stops decides for the tokens still running (the one exit decision, as for a decode row), and a
+        token that stops copies its K/V into the slots of every loop it skips up to exits.loops
+        (KVCache.fill_skipped) and leaves the chunk for the loops left, its state kept. With head, then every
+        token's coda and head from its state: logits [1, T, V] (else None). tree (a speculative tree's TreeShape):
+        the tokens' cells and ancestor mask, `tree.step(net, positions, cells)` of the tokens running; None: a chain,
+        cell = position. Returns the logits and the loop-steps run (token x loop)."""
+        T, net = len(positions), self.net
+        cells = positions if cells is None else cells
+
+        def run(idx: list[int], lat: "Latent", a: int, b: int, ids: list[int] | None, with_head: bool):
+            pos = [positions[i] for i in idx]
+            if tree is None:
+                return self.rows(pos, a, b, lat, ids, with_head, lanes=[0] * len(idx))
+            dev = self.cache.device
+            return self(tree.step(net, pos, [cells[i] for i in idx]), a, b, lat,
+                        None if ids is None else torch.tensor([ids], device=dev), with_head)
+
+        every = list(range(T))
+        if not exits.adaptive:  # one call: the prelude, the loops and the head
+            exits.used[:] = [last] * T
+            return run(every, latent, first, last, tokens, head), T * (last - first)
+        if tokens is not None:
+            run(every, latent, 0, 0, tokens, False)  # prelude and initial state
+        steps = 0
+        for k in range(first, last):
+            act = [i for i in range(T) if not exits.done[i]]
+            if not act:
+                break
+            idx = torch.tensor(act, device=latent.s.device)
+            sub = latent if len(act) == T else latent.rows(idx)
+            s_old = sub.s.clone()
+            run(act, sub, k, k + 1, None, False)
+            at_last = torch.full((len(act), 1), k + 1 == exits.loops, device=latent.s.device)
+            stop = exit_stops(net, [exits.rule] * len(act), [k + 1] * len(act), at_last, s_old.transpose(0, 1),
+                              sub.s.transpose(0, 1), None)[:, 0].tolist()
+            if sub is not latent:
+                latent.s[:, idx] = sub.s
+            steps += len(act)
+            for i, stops in zip(act, stop):
+                exits.used[i] = k + 1
+                if stops:
+                    exits.done[i] = True
+                    self.cache.fill_skipped(0, cells[i], k + 1, exits.loops)
+        return (run(every, latent, last, last, None, True) if head else None), steps
 
     def _c(self, cells: list[int], rows: dict, first: int, last: int, latent: "Latent | None",
            tokens: list[int] | None, head: bool, shape: tuple[int, int]) -> torch.Tensor | None:
