@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -197,7 +198,7 @@ def loss_increase(table: dict[int, float], asked: int, ran: list[int]) -> float:
     if not table or not ran:
         return 0.0
     top = loss_at(table, asked)
-    return sum(max(0.0, loss_at(table, n) - top) for n in ran) / len(ran)
+    return sum(k * max(0.0, loss_at(table, n) - top) for n, k in Counter(ran).items()) / len(ran)
 
 
 @dataclass
