@@ -5,7 +5,8 @@
    the ~50M random config in int8 (scripts/bench/depth.py's FORCED, the memory-bound regime; --quick: its ~2M
    QUICK_FORCED), whose random weights carry no loss-by-loops table (its loss increase reads 0).
 2. Early exit against fixed depth at its own mean depth: the bundled model's latent rule (threshold 0.07) at up to 16
-   loops, at batch 1 and 16, one-line prompts; then fixed depth at the two whole loop counts around that run's mean
+   loops, at batch 1 and 16, one-line prompts (at batch 16 twice: 4 prompts in 4 copies each, whose lanes end their
+   tokens together, and 16 distinct prompts); then fixed depth at the two whole loop counts around that run's mean
    depth, the same prompts and tokens, interpolated to the mean (a token's time is affine in its loops); decode tokens
    per second of each (after the prompts are in), best of the rounds, the runs alternating. The ratio compares like with like: a token's prelude, coda and head cost the same
    at every depth, which the loops ratio (16 / mean) ignores.
@@ -22,6 +23,11 @@ from tinyloop.loader import free_model, load_model
 from tinyloop.request import GenerateConfig
 
 THRESHOLD = 0.07  # the bundled model's latent rule (as the depth section runs it)
+# 16 prompts that differ (SHORT_PROMPTS are 4: a batch of 16 holds 4 copies of each, whose lanes end every token
+# together): each a short prompt and a word of its own
+DISTINCT_PROMPTS = [f"{SHORT_PROMPTS[i % len(SHORT_PROMPTS)]} The {word}" for i, word in enumerate(
+    ("river", "castle", "engine", "garden", "winter", "market", "doctor", "forest", "silver", "window", "letter",
+     "mountain", "kitchen", "island", "teacher", "battle"))]
 
 
 def early_exit_at_mean_depth(model_path: str | None, quick: bool) -> tuple[list[str], dict]:
@@ -32,9 +38,10 @@ def early_exit_at_mean_depth(model_path: str | None, quick: bool) -> tuple[list[
              f"interpolated between the whole depths around it (a token's time is affine in its loops)"]
     data: dict = {}
     try:
-        for batch in (1, 16):
+        for batch, prompts, name in ((1, SHORT_PROMPTS, "batch1"), (16, SHORT_PROMPTS, "batch16"),
+                                     (16, DISTINCT_PROMPTS, "batch16_distinct")):
             def per_token(cfg: GenerateConfig) -> tuple[float, float]:  # decode seconds a token, mean loops
-                x = run(model, [cfg] * batch, batch, SHORT_PROMPTS)
+                x = run(model, [cfg] * batch, batch, prompts)
                 return x["decode_s"] / (x["tokens"] - batch), sum(x["loops"]) / len(x["loops"])
 
             early = GenerateConfig(max_tokens=tokens, loops=16, early_exit_threshold=THRESHOLD, ignore_eos=True)
@@ -47,10 +54,11 @@ def early_exit_at_mean_depth(model_path: str | None, quick: bool) -> tuple[list[
             seconds, mean = best
             around = {d: fixed[d] for d in depths_around(mean)}
             ratio = interpolate(around, mean) / seconds
-            lines.append(f"  batch {batch:>2}: early exit {1 / seconds:7.1f} tok/s at mean depth {mean:.2f}; fixed depth "
+            what = f"batch {batch:>2}" + (", 16 distinct prompts" if prompts is DISTINCT_PROMPTS else "")
+            lines.append(f"  {what}: early exit {1 / seconds:7.1f} tok/s at mean depth {mean:.2f}; fixed depth "
                          + " / ".join(f"{d} loops {1 / t:7.1f}" for d, t in around.items())
                          + f" tok/s, {1 / interpolate(around, mean):7.1f} at {mean:.2f}; ratio {ratio:.3f}")
-            data[f"batch{batch}"] = {"early_tok_s": 1 / seconds, "mean_loops": mean, "ratio": ratio,
+            data[name] = {"early_tok_s": 1 / seconds, "mean_loops": mean, "ratio": ratio,
                                      "fixed_tok_s": {d: 1 / t for d, t in around.items()}}
     finally:
         free_model(model)
