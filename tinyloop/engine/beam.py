@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..request import GenerateResult
 from ..sampling import beam_candidates
-from .sequence import AssignsLanes, Sequence
+from .sequence import AssignsLanes, Sequence, with_scores
 
 LENGTH_PENALTY = 1.0
 
@@ -129,9 +129,8 @@ class BeamGroup:
         st.loops_mean = sum(counts) / len(counts) if counts else float(root.loops)
         self.outcome = GenerateResult(tokens, root.model.codec.decode(tokens) if text is None else text, st,
                                       n_best=ranked)
-        if root.cfg.logprobs is not None and scores is not None:  # (its output is a prefix of the tokens it took)
-            self.outcome.logprobs = [lp for lp, _ in scores[:len(tokens)]]
-            self.outcome.top_logprobs = [top for _, top in scores[:len(tokens)]]
+        if root.cfg.logprobs is not None and scores is not None:
+            with_scores(self.outcome, scores)
         self.live = []
         return []
 

@@ -402,9 +402,8 @@ class Sequence:
         st.loops_mean = sum(counts) / len(counts) if counts else float(self.loops)
         depth_stats(st, counts, self.loops, loss_table(self.model))
         res = GenerateResult(tokens, self.text, st, loops_used=list(counts[:len(tokens)]))
-        if self.cfg.logprobs is not None:  # (the output is a prefix of the tokens taken: EOS and stops come last)
-            res.logprobs = [lp for lp, _ in self.scores[:len(tokens)]]
-            res.top_logprobs = [top for _, top in self.scores[:len(tokens)]]
+        if self.cfg.logprobs is not None:
+            with_scores(res, self.scores)
         self.with_prompt_scores(res)
         if self.on_result is not None:
             self.on_result(res)
@@ -425,6 +424,12 @@ class Sequence:
         child.history, child.loop_counts, child.scores = list(self.history), list(self.loop_counts), list(self.scores)
         child.place = dataclasses.replace(self.place, decided=[])
         return child
+
+
+def with_scores(res: GenerateResult, scores: list[Score]) -> None:
+    """res with its tokens' log-probabilities: its output is a prefix of the tokens scored (EOS and stops come last)."""
+    res.logprobs = [lp for lp, _ in scores[:len(res.tokens)]]
+    res.top_logprobs = [top for _, top in scores[:len(res.tokens)]]
 
 
 def scored_rows(logits: torch.Tensor, tokens: list[int], k: int) -> list[Score]:
