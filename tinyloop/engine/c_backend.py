@@ -41,8 +41,9 @@ class CBackend:
 
     def __init__(self, model, cache: KVCache, coalesce: bool = True):
         self.model, self.net, self.cache = model, model.net, cache
-        # passes a greedy row whose token ended may sit out to share its head with batch-mates' (0: none)
-        self.coalesce = cpu_block.COALESCE if coalesce else 0
+        # passes a greedy row whose token ended may sit out to share its head with batch-mates' (of a known depth, of
+        # an adaptive one; 0: none)
+        self.coalesce = cpu_block.COALESCE if coalesce else (0, 0)
         self.buffer: torch.Tensor | None = None  # [3, lanes, d]: tokens in flight between C calls
         self.views: list[tuple] = []
 
@@ -134,7 +135,7 @@ class CBackend:
         with paged.torch_threads(paged.decode_threads(len(rows), cfg, c_blocks=True)):
             got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
                                      compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
-                                     wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else 0,
+                                     wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else (0, 0),
                                      keep=[row.keep_logits for row in rows])
         for b, row in enumerate(rows):
             if got.drawn[b]:  # taken at this step's postprocess, before any fresh logits

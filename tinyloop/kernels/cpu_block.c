@@ -706,8 +706,15 @@ static long passes_left(const tl_exit_t *x, long done) {
 // prelude save. Hence the held rows (n of B, having waited `waited` passes) wait one more pass only where some running
 // row's token may end within p passes (passes_left), p <= most - waited (never more than `most` passes in all) and
 // n p <= B. (A row that ends the call takes the held rows' heads into its own product: tl_iterate_until's last.)
+// `most` is `wait` where every held row's depth was known in advance (no rule, or a forced depth: elastic lanes,
+// whose depth holds a latency target and changes seldom, so rows that met once stay together) and `wait_rule`
+// where a held row exits by an adaptive rule: its depth changes token by token, groups break up every few tokens,
+// and re-forming them takes longer waits (measured on 16 distinct prompts: docs/engine.md).
 static int keep_waiting(const tl_exit_t *exits, const long *done, const unsigned char *held, long B, long n,
-                        long waited, long most) {
+                        long waited, long wait, long wait_rule) {
+    long most = wait_rule;
+    for (long b = 0; b < B; b++)
+        if (held[b] && exits[b].rule != 1 && exits[b].rule != 3) most = wait;
     long p = most + 1;
     for (long b = 0; b < B; b++)
         if (!held[b]) {
@@ -734,7 +741,7 @@ INLINE double seconds_since(const struct timespec *t0) {
 // logits goes to chosen[b * cap + i] (the loops it ran to used[b * cap + i]), n_chosen[b] counts them, and its next
 // token starts at the next cell and position (ids, pos and r->cells move on; a forced depth's next token stops after
 // next_depth[b * cap + i] loops), while no row needs the caller. Such a row may wait up to `wait` passes for its
-// head (keep_waiting: 0, every head runs in the pass its token ends). Once a row needs the caller (a token ended
+// head, `wait_rule` if it exits by an adaptive rule (keep_waiting: 0, every head runs in the pass its token ends). Once a row needs the caller (a token ended
 // without budget, or a greedy draw gave eos, or a head ran after the call had drawn for ahead_s seconds), the call
 // ends: the other rows' tokens ended here are finish[b], and their coda, final norm and head give logits [rows
 // finished, V], in row order (with the waiting rows' heads in the same product, their draws made); a row whose draw
@@ -749,7 +756,7 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
                       double gate_b, long compute, unsigned char *finish, float *e_lanes, float *s_lanes,
                       float *o_lanes, float *logits, float *work, float *rows, long *budget, long cap, long eos,
                       const double *next_depth, long *chosen, long *used, long *n_chosen, float *head,
-                      double ahead_s, long wait, long *heads, float *kept, const long *keep_at) {
+                      double ahead_s, long wait, long wait_rule, long *heads, float *kept, const long *keep_at) {
     const long B = r->B, d = r->d, hd = r->hd, V = s->head.rows;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -806,11 +813,11 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         // heads apart, as before coalescing). Otherwise they wait while keep_waiting says it pays, the call's time
         // limit included: a head forced at ahead_s would start its rows' next tokens out of step with the batch-mates
         // they were waiting for, and rows out of step by more than `wait` passes end apart for the rest of their
-        // requests; so the call ends at the first head after ahead_s, at most `wait` passes later. (A held row's draw
-        // may be eos, found a pass or two later: the others' passes in between are theirs anyway, so nothing is lost
-        // but those passes' time.)
-        if (ended && wait) break;
-        if (!ended && keep_waiting(exits, done, held, B, n_held, waited, wait))
+        // requests; so the call ends at the first head after ahead_s, at most `wait` (`wait_rule`) passes later. (A
+        // held row's draw may be eos, found a pass or two later: the others' passes in between are theirs anyway, so
+        // nothing is lost but those passes' time.)
+        if (ended && (wait || wait_rule)) break;
+        if (!ended && keep_waiting(exits, done, held, B, n_held, waited, wait, wait_rule))
             continue;
         finish_rows(s, r, table, slot_stride, held, out, head, work);
         ++*heads;

@@ -33,11 +33,14 @@ _FMT = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 MAX_LANES = 32
 RUN_AHEAD = 15  # the most tokens a row draws in one iterate_until call (one block of cells: cache.BLOCK_TOKENS - 1)
 # and for how long (seconds): a streaming client gets its tokens this often (the call ends at the first head after
-# it, up to COALESCE passes later)
+# it, up to COALESCE[1] passes later)
 RUN_AHEAD_S = 0.02
 # the most passes a greedy row whose token ended waits for its batch-mates' to end too, to share their head and
-# prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (EngineOptions.coalesce): 0, none
-COALESCE = 2
+# prelude products (cpu_block.c's keep_waiting); TINYLOOP_COALESCE=0 (EngineOptions.coalesce): 0, none. Rows of a
+# known depth (none, or forced: elastic lanes, whose latency it adds to) wait up to 2: 4 cost the elastic service
+# its TPOT tail; rows exiting by a rule up to 4, which their scattered, token-by-token depths need to end together
+# (docs/engine.md)
+COALESCE = (2, 4)
 # and only in calls of this many rows or more: with few rows a head is shared by few, while the wait costs the row
 # up to 2 passes of a token that may be 2 passes long (measured slower for a 2-loop request beside deeper ones,
 # docs/engine.md); the wide batches where lanes end tokens at scattered passes keep it
@@ -333,7 +336,7 @@ class DecodeStep:
     def iterate_until(self, cache, cells: list[int], done: list[int], tokens: list[int | None], exits: list,
                       lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
                       compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1,
-                      wait: int = COALESCE, keep: list[bool] | None = None) -> Until:
+                      wait: tuple[int, int] = COALESCE, keep: list[bool] | None = None) -> Until:
         """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
         cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
         (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
@@ -345,9 +348,10 @@ class DecodeStep:
         at their loop counts (the scheduler, Scheduler.reserve), for the cells the greedy draws move on to too.
         ahead[b]: row b draws up to len(ahead[b]) tokens greedily here (the argmax of its logits) and goes on with
         them at the next cells, the i-th's forced depth ahead[b][i] (rule 2); a draw of `eos` ends the call, as
-        does the first head after RUN_AHEAD_S (at most `wait` passes later). A greedy row whose token ended may sit out up to `wait` passes
-        (no K/V written or read, its state kept) so that its head, and its next token's prelude, run in one product
-        with its batch-mates' (cpu_block.c's keep_waiting; 0: never): the same bits, fewer weight streams. A
+        does the first head after RUN_AHEAD_S (at most `wait` passes later). A greedy row whose token ended may sit
+        out up to wait[0] passes, wait[1] if it exits by an adaptive rule (no K/V written or read, its state kept),
+        so that its head, and its next token's prelude, run in one product with its batch-mates' (cpu_block.c's
+        keep_waiting; (0, 0): never): the same bits, fewer weight streams. A
         finished token's skipped loops hold copies of its last loop's K/V (copy). keep[b]: row b also brings back
         the logits [V] each of its draws was chosen from (Until.kept), for its log-probabilities."""
         B, cfg, cap = len(cells), self.cfg, RUN_AHEAD
@@ -387,7 +391,7 @@ class DecodeStep:
                                 start_at, exits_at, gate_w, gate_b, int(compute), finish_at, e.data_ptr(),
                                 s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at, drawn_at[0], cap,
                                 eos, *drawn_at[1:], logits.data_ptr(),  # (the greedy rows' logits go there first)
-                                RUN_AHEAD_S, wait, ctypes.addressof(lane.heads), _ptr(kept),
+                                RUN_AHEAD_S, *wait, ctypes.addressof(lane.heads), _ptr(kept),
                                 ctypes.addressof(lane.keep_at))
         for b, x in enumerate(exits):
             got = lane.exits[b]
