@@ -376,20 +376,36 @@ def test_measure_beta_is_the_design_definition(make_artifact, default_loops):
     assert beta > 0
 
 
-@pytest.mark.parametrize("beside", ["plain", "early exit"])
-def test_a_greedy_lane_speculates_inside_a_busy_batch(bundled_model, monkeypatch, beside):
-    """Beside other decode rows a greedy speculative lane still speculates: it drafts before the step's forward and
-    its drafted chunk is rows of that forward (a token step of every row: one C call), or, beside rows that run by
-    loop iterations (early exit), a forward of its own; either way its tokens are plain decode's at verify_loops, and
-    the rows beside it are exact too."""
-    m = bundled_model
+@pytest.mark.parametrize("lane,beside", [("plain", "plain"), ("plain", "early exit"), ("early exit", "plain"),
+                                         ("early exit", "early exit"), ("sampled early exit", "early exit"),
+                                         ("early exit", "early exit, int8 cache")])
+def test_a_speculative_lane_verifies_inside_a_busy_batch(bundled_model, monkeypatch, lane, beside):
+    """Beside other decode rows a greedy speculative lane still speculates, early exit or not: it drafts before the
+    step's forward and its drafted chunk is rows of that forward: a token step of every row (one C call of every
+    loop) where the chunk and the rows all run at one depth, else rows of the step's loop iterations (one C call
+    that ends only once the chunk's rows are done, each stopping by the lane's exit rule). Either way its tokens and
+    loops are plain decode's, and the rows beside it are exact too. A seeded sampled lane, which speculates in
+    every step, gives the tokens it gives alone. Over an int8 cache, where the C step does not run, each chunk is
+    verified by a forward of its own (Executor.verify_alone), with the same tokens."""
+    m = tinyloop.load_model(None, 1024, cache_mode="int8") if "int8" in beside else bundled_model
     from tinyloop.engine.executor import Executor
-    shared = []
-    with_chunks = Executor.with_chunks
+    from tinyloop.kernels import cpu_block
+    shared, beside_rows = [], []  # with_chunks' answers; per C call with a chunk's rows, how many other rows ran in it
+    with_chunks, until = Executor.with_chunks, cpu_block.DecodeStep.iterate_until
     monkeypatch.setattr(Executor, "with_chunks", lambda self, *a: shared.append(with_chunks(self, *a)) or shared[-1])
+    alone_verifies, verify_alone = [], Executor.verify_alone
+    monkeypatch.setattr(Executor, "verify_alone", lambda self, c: alone_verifies.append(c) or verify_alone(self, c))
+
+    def counting(self, *a, verify=None, **k):
+        if verify is not None:
+            beside_rows.append(verify.count(False))
+        return until(self, *a, verify=verify, **k)
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
     prompts = ["def f%d(x):\n    return x * %d\n" % (i, i) for i in range(4)]
-    cfg = GenerateConfig(max_tokens=40, loops=8)
-    others = cfg if beside == "plain" else GenerateConfig(max_tokens=40, loops=16, early_exit_threshold=0.05)
+    cfg = GenerateConfig(max_tokens=40, loops=8, early_exit_threshold=0.05 if "early exit" in lane else 0.0,
+                         temperature=0.8 if "sampled" in lane else 0.0, seed=7)
+    others = GenerateConfig(max_tokens=40, loops=8 if beside == "plain" else 16,
+                            early_exit_threshold=0.0 if beside == "plain" else 0.05)
     sched = tinyloop.Scheduler(m, 4)
     seqs = [sched.submit(p, cfg if i == 0 else others, speculative=SpeculativeConfig(2, 8, 4) if i == 0 else None)
             for i, p in enumerate(prompts)]
@@ -397,9 +413,18 @@ def test_a_greedy_lane_speculates_inside_a_busy_batch(bundled_model, monkeypatch
         sched.step()
     res = [s.result() for s in seqs]
     st = res[0].stats
-    assert res[0].tokens == generate(m, prompts[0], cfg).tokens
-    assert [r.tokens for r in res[1:]] == [generate(m, p, others).tokens for p in prompts[1:]]
+    alone = generate_speculative(m, prompts[0], SpeculativeConfig(2, 8, 4), cfg) if "sampled" in lane \
+        else generate(m, prompts[0], cfg)
+    assert (res[0].tokens, res[0].loops_used) == (alone.tokens, alone.loops_used)
+    assert [(r.tokens, r.loops_used) for r in res[1:]] == [
+        (g.tokens, g.loops_used) for g in (generate(m, p, others) for p in prompts[1:])]
     assert st.verify_steps and st.accepted and st.verify_steps < len(res[0].tokens) - 1  # rounds, drafts taken
-    # its rounds ran beside the other rows (a drafted chunk in a step with them), inside their forward where it is a
-    # token step
-    assert shared and (all(shared) if beside == "plain" else not any(shared))
+    if "early exit" in lane:
+        assert min(res[0].loops_used) < 8  # its tokens did exit early
+    # its rounds ran inside the other rows' forward: their token step, or their loop iterations' C call
+    if lane == beside == "plain":
+        assert shared and all(shared) and not beside_rows
+    elif "int8" in beside:
+        assert not beside_rows and alone_verifies and all(c.exit is not None for c in alone_verifies)
+    else:
+        assert not any(shared) and not alone_verifies and beside_rows and max(beside_rows) > 0, beside_rows

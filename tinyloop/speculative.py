@@ -34,7 +34,9 @@ p <- max(0, p - q) normalised; candidates are independent draws from q, which ke
 Early exit (threshold > 0 or an exit gate) composes per token exactly as in single decode: while drafting and
 while verifying, a token whose latent stops changing freezes, copies its last K/V into the slots of the loops
 it skips, and drops out of the chunk for the remaining loops; the others continue (LoopForward.until, the loop
-range with an exit rule). Greedy output then equals plain early-exit `generate`.
+range with an exit rule). Greedy output then equals plain early-exit `generate`. A chain beside other rows is
+verified in their step: its chunk's rows from loop 0 join the step's loop iterations, each stopping by the lane's
+rule, in a C call that ends once they are done (engine/executor.py's chunk_rows).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ from .cache import KVCache
 from .engine.calls import checked, engine
 from .engine.sequence import Sequence
 from .errors import ConfigError, ModeError
+from .exits import ExitRule
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
 from .generation import generate
 from .engine import forward as paged
@@ -209,8 +212,9 @@ class Speculator:
       exit;
     - around a shared forward (`drafter`: a chain beside other rows): its drafts before the step's forward
       (`draft`), the drafted chunk as rows of that forward at verify_loops from loop 0 (the drafts' loops computed
-      again: the price of sharing the forward, which streams each weight once for every row), `accept` taking their
-      logits. A busy batch does not turn speculation off.
+      again: the price of sharing the forward, which streams each weight once for every row; with early exit,
+      rows of the step's loop iterations, each stopping by the lane's rule), `accept` taking their logits and
+      loops. A busy batch does not turn speculation off.
     Alone, a greedy lane's first decode step is a plain row whose time is the measure: a lane whose rounds yield fewer
     tokens per second than that row stops speculating (docs/speculative.md), in a batch too; a lane that has never
     decoded alone has nothing to measure its rounds against, and speculates in every step."""
@@ -309,9 +313,10 @@ class Speculator:
 
     # -- a round inside a shared step: drafts here, verification as rows of the step's decode forward ------------
     def shares(self) -> bool:
-        """Whether its rounds can share a step's forward: a chain (no tree or guessed piece) without early exit, whose
-        verification is then a plain chunk at every loop."""
-        return self.w == 1 and not self.guess and not self.adaptive and not self.net.cfg.value_embeds
+        """Whether its rounds can share a step's forward: a chain (no tree or guessed piece), whose verification is
+        then the chunk's rows in that forward from loop 0, at every loop or, with early exit, each stopping by the
+        lane's rule (rows of the step's loop iterations)."""
+        return self.w == 1 and not self.guess and not self.net.cfg.value_embeds
 
     def drafter(self, alone: bool) -> "Speculator | None":
         """Itself where this step's round for the lane is split around the step's shared forward: its drafts run
@@ -332,12 +337,17 @@ class Speculator:
             cache.rollback(seq.pos)
         return self.drafted.toks
 
-    def accept(self, logits: torch.Tensor) -> list[int]:
-        """The verified logits [len(chunk), V] of the drafted chunk, every loop: the tokens the round yields."""
+    def verify_exit(self) -> ExitRule | None:
+        """The exit rule each row of its drafted chunk stops by in the shared forward (None: every loop)."""
+        return self.rule if self.adaptive else None
+
+    def accept(self, logits: torch.Tensor, used: list[int]) -> list[int]:
+        """The verified logits [len(chunk), V] of the drafted chunk and the loops each of its rows ran: the tokens
+        the round yields."""
         rd, self.drafted = self.drafted, None
         assert rd is not None  # (drafted in this step)
-        rd.used = [self.V] * rd.N
-        self.verify_loop_steps += rd.N * self.V
+        rd.used = used
+        self.verify_loop_steps += sum(used)
         out, a = self.settle(rd, logits)
         self.yielded(out, a, rd.n)
         return out

@@ -10,6 +10,9 @@ from tinyloop.loader import Model, load_model
 from tinyloop.speculative import SpeculativeConfig, SpeculativeStats, choose_speculative, generate_speculative
 from tinyloop.request import GenerateConfig
 
+# the early-exit threshold of the batch line whose requests exit early (the bundled model at 8 loops)
+EARLY_EXIT = 0.05
+
 
 def sequential_passes(model: Model, st: SpeculativeStats) -> float:
     """Layer passes per generated token that must run one after another (a chunk counts once): what decode
@@ -72,6 +75,7 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
     pick = choose_speculative(model, prompts, SpeculativeConfig(2, 8, 4), GenerateConfig(max_tokens=min(n_tokens, 48)))
     lines.append(f"  choose_speculative: {pick.line()}")
     lines += bench_in_a_batch(model, prompts, 16, n_tokens, 1 if quick else 3)
+    lines += bench_in_a_batch(model, prompts, 16, n_tokens, 1 if quick else 3, EARLY_EXIT)
     lines.append("  plain = generate as shipped; ratios are against plain; chains stop drafting after a doubtful draft "
                  "(DRAFT_CONFIDENCE), so ahead is their longest")
     lines.append("  loop-steps/tok: core passes x tokens per generated token (verification continues the drafts, so a"
@@ -80,11 +84,14 @@ def bench_speculative(model_path: str | None, quick: bool) -> list[str]:
     return lines
 
 
-def bench_in_a_batch(model: Model, prompts: list[str], lanes: int, n_tokens: int, repeats: int) -> list[str]:
+def bench_in_a_batch(model: Model, prompts: list[str], lanes: int, n_tokens: int, repeats: int,
+                     early_exit: float = 0.0) -> list[str]:
     """One scheduler of `lanes` lanes (a worker's batch): `lanes` plain requests against `lanes - 1` plain and one
     speculative, alternating, best of `repeats`: output tokens per second of the whole batch, the tokens, and the
-    speculative lane's own decode rate against the plain lanes' beside it."""
-    cfg, sc = GenerateConfig(max_tokens=n_tokens, loops=8), SpeculativeConfig(2, 8, 4)
+    speculative lane's own decode rate against the plain lanes' beside it. early_exit: every request's threshold
+    (its tokens exit early, the batch runs by loop iterations)."""
+    cfg = GenerateConfig(max_tokens=n_tokens, loops=8, early_exit_threshold=early_exit)
+    sc = SpeculativeConfig(2, 8, 4)
 
     def batch(speculative: bool) -> tuple[float, list[list[int]], float, float]:
         sched = Scheduler(model, lanes)
@@ -107,8 +114,9 @@ def bench_in_a_batch(model: Model, prompts: list[str], lanes: int, n_tokens: int
             best[speculative] = max(best[speculative], tps)
             if speculative and first / rest > lane / beside:
                 lane, beside = first, rest
-    return [f"  in one {lanes}-lane batch: {lanes} plain {best[False]:.1f} tok/s, {lanes - 1} plain + 1 speculative "
-            f"(2->8 ahead 4) {best[True]:.1f} tok/s = {best[True] / best[False]:.2f}x; tokens identical: "
+    which = f", every request exiting early (threshold {early_exit})" if early_exit else ""
+    return [f"  in one {lanes}-lane batch{which}: {lanes} plain {best[False]:.1f} tok/s, {lanes - 1} plain + 1 "
+            f"speculative (2->8 ahead 4) {best[True]:.1f} tok/s = {best[True] / best[False]:.2f}x; tokens identical: "
             f"{'yes' if tokens[True] == tokens[False] else 'NO'}",
             f"  the speculative lane decodes at {lane:.1f} tok/s, the plain lanes beside it at {beside:.1f} (mean) in "
             f"the same batch: {lane / beside:.2f}x"]

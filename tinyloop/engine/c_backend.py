@@ -108,7 +108,8 @@ class CBackend:
         inside the call, as their forced depths. Updates the tokens in flight (`flights`, by lane) and appends each
         row's drawn tokens with their loops to out.drawn[lane] (a keep_logits row's also the logits each was chosen
         from, to out.chosen_from[lane]); returns (row, logits, loops used) of each row whose token ended with logits
-        to sample, or None (nothing run) where the rows need the torch passes."""
+        to sample (every `verifies` row: its token ends within the call), or None (nothing run) where the rows need
+        the torch passes."""
         cache, cfg = self.cache, self.model.cfg
         c = self.passes(len(rows))
         if c is None:
@@ -136,7 +137,8 @@ class CBackend:
             got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
                                      compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
                                      wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else (0, 0),
-                                     keep=[row.keep_logits for row in rows])
+                                     keep=[row.keep_logits for row in rows],
+                                     verify=[row.verifies for row in rows] if any(r.verifies for r in rows) else None)
         for b, row in enumerate(rows):
             if got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
                 flights.pop(row.lane, None)
@@ -152,6 +154,7 @@ class CBackend:
                 flight.done, flight.e, flight.s = got.done[b], e_view, s_view
                 flight.chosen, flight.used, flight.track = bool(x[4]), x[5], None
                 flight.out, flight.c_exit = (kept if x[0] else None), x
+        assert all(b in got.finished for b, row in enumerate(rows) if row.verifies)  # (C ends the call after them)
         return [(rows[b], logits, exits[b][5]) for b, logits in zip(got.finished, got.logits)]
 
     def prefill_rows(self, pieces: list[Piece], step: int

@@ -255,9 +255,10 @@ class Executor:
                       ",".join(str(r.loops) for r in rows), ",".join(str(r.lane) for r in rows), len(plan.chunks))
         if plan.chunks and self.with_chunks(rows, plan.chunks, out):
             return
-        for chunk in plan.chunks:  # (the rows' forward cannot take them: each its own)
-            out.verified[chunk.lane] = self.prefill(chunk.tokens, chunk.start, chunk.lane, chunk.loops,
-                                                    all_rows=True)
+        if plan.chunks and self.iterate_in_c(rows + self.chunk_rows(plan.chunks), out):
+            return
+        for chunk in plan.chunks:  # (neither C call can take them: each its own forward)
+            out.verified[chunk.lane] = self.verify_alone(chunk)
         if not rows:
             return
         if self.iterative and self.by_iteration(rows):
@@ -289,7 +290,8 @@ class Executor:
         costs the step its rows, not a forward of its own. Each row has the bits of its token decoded alone, so a
         chunk's logits are those of its tokens decoded one by one. False: nothing run."""
         loops = {r.loops for r in rows} | {c.loops for c in chunks}
-        if len(loops) > 1 or any(r.adaptive or r.greedy or r.lane in self.flights for r in rows):
+        if len(loops) > 1 or any(r.adaptive or r.greedy or r.lane in self.flights for r in rows) \
+                or any(c.exit is not None for c in chunks):
             return False
         view = self.cache.select([r.lane for r in rows] + [c.lane for c in chunks])
         n = len(rows) + sum(len(c.tokens) for c in chunks)
@@ -306,9 +308,29 @@ class Executor:
             out.tokens[row.lane] = (logits[r], row.loops)
         at = len(rows)
         for chunk in chunks:
-            out.verified[chunk.lane] = logits[at:at + len(chunk.tokens)]
+            out.verified[chunk.lane] = (logits[at:at + len(chunk.tokens)], [chunk.loops] * len(chunk.tokens))
             at += len(chunk.tokens)
         return True
+
+    def chunk_rows(self, chunks: list[Chunk]) -> list[Row]:
+        """The drafted chunks' tokens as rows of the step's loop iterations (`verifies`): each starts its token at
+        its cell and runs to its loop count, or stops by its chunk's exit rule."""
+        return [Row(c.lane, token, c.start + i, c.loops, c.exit or ExitRule(), c.exit is not None, verifies=True)
+                for c in chunks for i, token in enumerate(c.tokens)]
+
+    def verify_alone(self, chunk: Chunk) -> tuple[torch.Tensor, list[int]]:
+        """A drafted chunk through a forward of its own: every loop, or the loop range with its exit rule (each row
+        stopping on its own, its skipped loops filled), as a speculative round verifies."""
+        if chunk.exit is None:
+            return (self.prefill(chunk.tokens, chunk.start, chunk.lane, chunk.loops, all_rows=True),
+                    [chunk.loops] * len(chunk.tokens))
+        T, net = len(chunk.tokens), self.net
+        exits = paged.RowExits(chunk.exit, True, chunk.loops, [0] * T, [False] * T)
+        positions = list(range(chunk.start, chunk.start + T))
+        logits, _ = paged.LoopForward(net, self.lane(chunk.lane)).until(
+            positions, 0, chunk.loops, paged.Latent.empty(1, T, net), exits, True, chunk.tokens, None, positions)
+        assert logits is not None  # (with the head)
+        return logits[0], exits.used
 
     # --- continuous-depth batching: a step is one loop iteration of every row ------------------------------------
     def by_iteration(self, rows: list[Row]) -> bool:
@@ -338,8 +360,15 @@ class Executor:
         ended = self.c.iterate(rows, self.flights, self.budget, out)
         if ended is None:
             return False
+        chunks: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # lane -> its chunk's rows (position, logits, loops)
         for row, logits, used in ended:
-            self.token_done(row, logits, used, out)
+            if row.verifies:
+                chunks.setdefault(row.lane, []).append((row.position, logits, used))
+            else:
+                self.token_done(row, logits, used, out)
+        for lane, got in chunks.items():
+            got.sort(key=lambda x: x[0])
+            out.verified[lane] = (torch.stack([logits for _, logits, _ in got]), [used for _, _, used in got])
         return True
 
     def budget(self, rows: list[Row], positions: int) -> list[list[float]]:

@@ -51,16 +51,21 @@ class Row:
     ignore_eos: bool = False
     # its request asks for log-probabilities: its draws bring back the logits each was chosen from (Outputs.chosen_from)
     keep_logits: bool = False
+    # a row of a drafted chunk (Chunk), run by loop iterations beside the step's rows: its token ends within the call,
+    # its logits go to Outputs.verified
+    verifies: bool = False
 
 
 @dataclass
 class Chunk:
     """A speculative lane's drafted chunk (its pending token, then its drafts) at positions start.. of the lane: rows
-    of the step's decode forward at `loops`, every row's logits given back (Outputs.verified)."""
+    of the step's decode forward at `loops`, every row's logits given back (Outputs.verified). With an adaptive exit
+    rule, each row stops by it: the chunk runs by loop iterations beside the step's rows."""
     lane: int
     start: int
     tokens: list[int]
     loops: int
+    exit: ExitRule | None = None  # (None: every loop)
 
 
 @dataclass
@@ -93,7 +98,8 @@ class Outputs:
     # a keep_latent piece done: (lane, its start, e and s [1, T_piece, d]: the prelude's output, the state after its
     # loops)
     latents: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    verified: dict[int, torch.Tensor] = field(default_factory=dict)  # a chunk's rows' logits [len(tokens), V]
+    # a chunk verified: its rows' logits [len(tokens), V] and the loops each ran
+    verified: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     # a keep_rows piece done: (lane, its start, the logits of its every row [T_piece, V])
     rows: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     failed: dict[int, Exception] = field(default_factory=dict)  # a piece's own fault (its handle was freed)

@@ -135,14 +135,16 @@ class Runner:
         for lane in plan.drafting:  # a batched speculative round: its drafts now, their chunk rows of the forward
             seq = seqs[lane]
             assert seq.place.drafter is not None  # (set at schedule)
-            plan.chunks.append(Chunk(lane, seq.pos, seq.place.drafter.draft(self.executor.lane(lane)), seq.loops))
+            drafter = seq.place.drafter
+            plan.chunks.append(Chunk(lane, seq.pos, drafter.draft(self.executor.lane(lane)), seq.loops,
+                                     drafter.verify_exit()))
         out = self.executor.execute(plan)
         finished = [self.scheduler.fail(seqs[lane], exc) for lane, exc in out.failed.items()]
         self.take_outputs(seqs, out)
-        for lane, logits in out.verified.items():  # the round's verification: the tokens it decides
+        for lane, (logits, used) in out.verified.items():  # the round's verification: the tokens it decides
             at = seqs[lane].place
             assert at.drafter is not None  # (set at schedule)
-            at.decided, at.drafter = at.drafter.accept(logits), None
+            at.decided, at.drafter = at.drafter.accept(logits, used), None
         lone = seqs[plan.rows[0].lane].driver if out.lone_row_seconds is not None else None
         if lone is not None and out.lone_row_seconds is not None:
             lone.plain_row(out.lone_row_seconds)

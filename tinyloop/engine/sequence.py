@@ -150,12 +150,14 @@ class Driver(Protocol):
 
 class Drafter(Protocol):
     """A round around a step's shared forward (speculative.Speculator beside other rows): its drafts before the
-    forward (`draft`: the chunk to verify), the chunk's verification as rows of that forward (`accept`: the tokens
-    those logits decide)."""
+    forward (`draft`: the chunk to verify), the chunk's verification as rows of that forward, each stopping by
+    `verify_exit` (None: every loop), and `accept`: the tokens those logits and loops decide."""
 
     def draft(self, cache: KVCache) -> list[int]: ...
 
-    def accept(self, logits: torch.Tensor) -> list[int]: ...
+    def verify_exit(self) -> ExitRule | None: ...
+
+    def accept(self, logits: torch.Tensor, used: list[int]) -> list[int]: ...
 
 
 class Sequence:

@@ -527,8 +527,8 @@ static long flagged(const unsigned char *flag, long B, long *idx) {
 // The prelude of the rows with start[b] (the embedding of ids[b], the prelude into e, the initial state into st),
 // then one core pass of every row at its own loop loop[b] (writing and attending slots core_slot(loop[b], j) of its
 // lane), the rows sharing each product: the weights stream once for the pass whatever the rows' depths. A row with
-// out[b] (out NULL: none) sits the pass out: the pass runs the other rows as a call of their own (subset), so it
-// writes and reads none of its K/V and leaves its e and st as they are. r's RoPE rows are the rows' (rope_rows).
+// out[b] (out NULL: none) sits the pass out, its prelude too: the pass runs the other rows as a call of their own
+// (subset), so it writes and reads none of its K/V and leaves its e and st as they are. r's RoPE rows are the rows' (rope_rows).
 static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride,
                            const long *ids, const long *pos, const long *loop, const unsigned char *start,
                            const unsigned char *out, float *e, float *st, float *work) {
@@ -536,7 +536,9 @@ static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *t
     float *x = work, *tmp = x + n, *cat = tmp + n, *sub_cos = cat + 2 * n + 2 * B * hd;
     long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS], ids_in[MAX_ITERATE_ROWS],
         pos_in[MAX_ITERATE_ROWS], shift[MAX_ITERATE_ROWS];
-    long m = flagged(start, B, idx);
+    unsigned char starts[MAX_ITERATE_ROWS];
+    for (long b = 0; b < B; b++) starts[b] = start[b] && !(out && out[b]);
+    long m = flagged(starts, B, idx);
     if (m) {  // the prelude of the starting rows alone: their e into cat, their states into tmp, then scattered
         tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
         for (long i = 0; i < m; i++) ids_in[i] = ids[idx[i]], pos_in[i] = pos[idx[i]];
@@ -710,14 +712,14 @@ static long passes_left(const tl_exit_t *x, long done) {
 // whose depth holds a latency target and changes seldom, so rows that met once stay together) and `wait_rule`
 // where a held row exits by an adaptive rule: its depth changes token by token, groups break up every few tokens,
 // and re-forming them takes longer waits (measured on 16 distinct prompts: docs/engine.md).
-static int keep_waiting(const tl_exit_t *exits, const long *done, const unsigned char *held, long B, long n,
-                        long waited, long wait, long wait_rule) {
+static int keep_waiting(const tl_exit_t *exits, const long *done, const unsigned char *held,
+                        const unsigned char *parked, long B, long n, long waited, long wait, long wait_rule) {
     long most = wait_rule;
     for (long b = 0; b < B; b++)
         if (held[b] && exits[b].rule != 1 && exits[b].rule != 3) most = wait;
     long p = most + 1;
     for (long b = 0; b < B; b++)
-        if (!held[b]) {
+        if (!held[b] && !parked[b]) {
             const long left = passes_left(exits + b, done[b]);
             p = left < p ? left : p;
         }
@@ -751,12 +753,19 @@ INLINE double seconds_since(const struct timespec *t0) {
 // and as its token decoded alone. Returns the passes run; *heads: the head products run. rows: work floats for 4 B
 // d; head: floats for B V (the greedy rows' logits, consumed in the pass: it may be `logits`). kept, keep_at: where
 // a row asking for log-probabilities keeps the logits of its draws (draw; kept NULL: no row asks).
+// verify[b] (verify NULL: none): row b is a row of a drafted chunk (a speculative lane's pending token and drafts,
+// rows of one lane at consecutive cells, starting together): its token ends within this call, it never needs the
+// caller alone (its head runs in the last product, and it sits out the passes after its token ends), and the call
+// does not end while one of them still loops (the other rows sit those passes out). The chunk's rows pass in step,
+// so each attends to the earlier rows' K/V at its own loop, written in the same pass or, for a row that exited,
+// copied at its exit: the bits of the tokens decoded one by one.
 long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride, long *ids,
                       long *pos, long *done, unsigned char *start, tl_exit_t *exits, const float *gate_w,
                       double gate_b, long compute, unsigned char *finish, float *e_lanes, float *s_lanes,
                       float *o_lanes, float *logits, float *work, float *rows, long *budget, long cap, long eos,
                       const double *next_depth, long *chosen, long *used, long *n_chosen, float *head,
-                      double ahead_s, long wait, long wait_rule, long *heads, float *kept, const long *keep_at) {
+                      double ahead_s, long wait, long wait_rule, long *heads, float *kept, const long *keep_at,
+                      const unsigned char *verify) {
     const long B = r->B, d = r->d, hd = r->hd, V = s->head.rows;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -771,24 +780,29 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
     }
     rope_rows(s, r, pos, work + 4 * B * d, work + 4 * B * d + B * hd);
     unsigned char held[MAX_ITERATE_ROWS] = {0};  // greedy rows whose token ended, waiting for their head
-    long passes = 0, ended = 0, n_held = 0, waited = 0;
+    // rows out of the passes for the rest of the call: a verify row whose token ended (its head runs in the last
+    // product), and every other row once the call is ending while verify rows still loop
+    unsigned char parked[MAX_ITERATE_ROWS] = {0}, sits[MAX_ITERATE_ROWS];
+    long passes = 0, ended = 0, n_held = 0, waited = 0, verifying = 0;
+    for (long b = 0; b < B; b++) verifying += verify && verify[b];
     *heads = 0;
     while (1) {
-        long at[MAX_ITERATE_ROWS];
-        for (long b = 0; b < B; b++) at[b] = done[b];
+        long at[MAX_ITERATE_ROWS], n_sits = 0;
+        for (long b = 0; b < B; b++) at[b] = done[b], n_sits += sits[b] = held[b] || parked[b];
         memcpy(old, st, B * d * sizeof(float));
-        start_and_pass(s, r, table, slot_stride, ids, pos, at, start, n_held ? held : 0, e, st, work);
+        start_and_pass(s, r, table, slot_stride, ids, pos, at, start, n_sits ? sits : 0, e, st, work);
         for (long b = 0; b < B; b++)
-            if (start[b])  // the state loop 0 started from: the initial state of its prelude output
+            if (start[b] && !sits[b])  // the state loop 0 started from: the initial state of its prelude output
                 for (long k = 0; k < d; k++)
                     old[b * d + k] = s->state_init == 0   ? 0.0f
                                      : s->state_init == 1 ? e[b * d + k]
                                                           : s->noise[pos[b] * d + k];
-        for (long b = 0; b < B; b++) start[b] = 0;
+        for (long b = 0; b < B; b++)
+            if (!sits[b]) start[b] = 0;  // (a parked row's next token, drawn, starts in the next call)
         passes++;
         waited += n_held > 0;
         for (long b = 0; b < B; b++) {
-            if (held[b]) continue;  // (it sat the pass out)
+            if (sits[b]) continue;  // (it sat the pass out)
             tl_exit_t *x = exits + b;
             const long k = ++done[b];
             if (x->rule && !x->chosen) {
@@ -800,10 +814,17 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
             if (!finish[b]) continue;
             if (!x->rule) memcpy(out + b * d, st + b * d, d * sizeof(float));  // its head reads it
             if (!compute) copy_skipped(s, r, table, slot_stride, b, x);
-            if (budget[b] > 0)
+            if (verify && verify[b]) {  // its chunk's last row to end ends the call
+                parked[b] = 1;
+                ended |= --verifying == 0;
+            } else if (budget[b] > 0)
                 held[b] = 1, finish[b] = 0, n_held++;
             else
                 ended = 1;
+        }
+        if (ended && verifying) {  // the call ends once the verify rows' tokens end: the other rows sit out till then
+            for (long b = 0; b < B; b++) parked[b] |= !verify[b];
+            continue;
         }
         if (!n_held) {
             if (ended) break;
@@ -817,7 +838,7 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         // held row's draw may be eos, found a pass or two later: the others' passes in between are theirs anyway, so
         // nothing is lost but those passes' time.)
         if (ended && (wait || wait_rule)) break;
-        if (!ended && keep_waiting(exits, done, held, B, n_held, waited, wait, wait_rule))
+        if (!ended && keep_waiting(exits, done, held, parked, B, n_held, waited, wait, wait_rule))
             continue;
         finish_rows(s, r, table, slot_stride, held, out, head, work);
         ++*heads;
@@ -829,7 +850,9 @@ long tl_iterate_until(const tl_step_t *s, tl_block_rows_t *r, const long *table,
         if (ended) {  // the drawn rows' next tokens start in the next call (start[b] stays set)
             memset(held, 0, B);
             n_held = 0;
-            break;
+            if (!verifying) break;
+            for (long b = 0; b < B; b++) parked[b] |= !verify[b];
+            continue;
         }
         for (long b = 0; b < B; b++) {
             if (!held[b]) continue;

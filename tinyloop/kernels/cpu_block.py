@@ -336,7 +336,8 @@ class DecodeStep:
     def iterate_until(self, cache, cells: list[int], done: list[int], tokens: list[int | None], exits: list,
                       lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
                       compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1,
-                      wait: tuple[int, int] = COALESCE, keep: list[bool] | None = None) -> Until:
+                      wait: tuple[int, int] = COALESCE, keep: list[bool] | None = None,
+                      verify: list[bool] | None = None) -> Until:
         """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
         cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
         (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
@@ -353,7 +354,10 @@ class DecodeStep:
         so that its head, and its next token's prelude, run in one product with its batch-mates' (cpu_block.c's
         keep_waiting; (0, 0): never): the same bits, fewer weight streams. A
         finished token's skipped loops hold copies of its last loop's K/V (copy). keep[b]: row b also brings back
-        the logits [V] each of its draws was chosen from (Until.kept), for its log-probabilities."""
+        the logits [V] each of its draws was chosen from (Until.kept), for its log-probabilities. verify[b]: row b
+        is a row of a drafted chunk (rows of one lane at consecutive cells, each starting its token): its token ends
+        within this call, which ends only once every such row's has (the other rows sit out the passes till then),
+        and it is among the finished rows."""
         B, cfg, cap = len(cells), self.cfg, RUN_AHEAD
         ids = [0 if t is None else t for t in tokens]
         ahead = ahead or [[]] * B
@@ -384,6 +388,8 @@ class DecodeStep:
                 keep_at[b], n = n, n + len(ahead[b])
         kept = torch.empty(n, V) if n else None
         lane.keep_at[:B] = keep_at
+        if verify is not None:
+            lane.verify[:B] = [bool(v) for v in verify]
         table, (e, s, out) = cache.table, latent
         gate_w, gate_b = (None, 0.0) if gate is None else (gate[0].data_ptr(), gate[1])
         ids_at, pos_at, loop_at, start_at, exits_at, finish_at, work_at, rows_at, *drawn_at = lane.until
@@ -392,7 +398,7 @@ class DecodeStep:
                                 s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at, drawn_at[0], cap,
                                 eos, *drawn_at[1:], logits.data_ptr(),  # (the greedy rows' logits go there first)
                                 RUN_AHEAD_S, *wait, ctypes.addressof(lane.heads), _ptr(kept),
-                                ctypes.addressof(lane.keep_at))
+                                ctypes.addressof(lane.keep_at), None if verify is None else ctypes.addressof(lane.verify))
         for b, x in enumerate(exits):
             got = lane.exits[b]
             x[3:] = got.threshold, got.chosen, got.used, got.cdf, got.rest
@@ -497,6 +503,7 @@ class _Lanes:
         self.ref = ctypes.byref(self.struct)
         # iterate_until's greedy draws: per row its budget, the forced depths of its next tokens, what it drew
         self.budget, self.n_chosen, self.heads, self.keep_at = (_L * B)(), (_L * B)(), _L(), (_L * B)()
+        self.verify = (ctypes.c_ubyte * B)()  # iterate_until's rows of drafted chunks
         self.depth, self.chosen, self.used = (ctypes.c_double * (B * RUN_AHEAD))(), (_L * (B * RUN_AHEAD))(), \
             (_L * (B * RUN_AHEAD))()
         self.until = (*map(ctypes.addressof, (self.ids, self.pos, self.loop, self.start, self.exits, self.finish)),
@@ -516,7 +523,7 @@ def _lib() -> ctypes.CDLL:
         lib.tl_iterate_rows.argtypes = [_p, _p, _p, _L, *[_p] * 9]
         lib.tl_iterate_rows.restype = None
         lib.tl_iterate_until.argtypes = [_p, _p, _p, _L, _p, _p, _p, _p, _p, _p, ctypes.c_double, _L, *[_p] * 8,
-                                         _L, _L, *[_p] * 5, ctypes.c_double, _L, _p, _p, _p]
+                                         _L, _L, *[_p] * 5, ctypes.c_double, _L, _L, _p, _p, _p, _p]
         lib.tl_iterate_until.restype = _L
     return lib
 
