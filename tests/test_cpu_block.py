@@ -340,7 +340,7 @@ def test_a_chunk_of_rows_is_its_tokens_decoded_one_at_a_time(monkeypatch):
 def test_a_tree_chunk_sees_its_own_branch(monkeypatch):
     """A speculative tree (branches sharing positions, each token in its own cell, an ancestor mask) through the C
     step agrees with the same tree through torch."""
-    from tinyloop.speculative import TreeShape
+    from tinyloop.engine.forward import TreeShape
     net = make_net(ModelConfig(**{**BASE, **VARIANTS["gqa4_untied"]}))
     P, w, n = 21, 2, 2
     tree = TreeShape(P, w, n, torch.device("cpu"))

@@ -200,6 +200,44 @@ def test_greedy_refine_verifies_a_right_draft_in_growing_pieces(make_artifact):
     assert reused[0] > max(reused[1:]), reused
 
 
+def test_a_greedy_refine_verifies_its_guess_inside_a_busy_batch(bundled_model, monkeypatch):
+    """A greedy refine beside other lanes verifies pieces of its last answer in their step: rows of their token step
+    (one C call of every loop) beside fixed-depth rows, rows of their loop iterations' C call beside rows exiting
+    early. Its tokens are plain decode's at its depth, it takes tokens from the guess, and the rows beside it are
+    exact."""
+    from tinyloop.engine.executor import Executor
+    from tinyloop.kernels import cpu_block
+    shared, beside_rows = [], []
+    with_chunks, until = Executor.with_chunks, cpu_block.DecodeStep.iterate_until
+    monkeypatch.setattr(Executor, "with_chunks", lambda self, *a: shared.append(with_chunks(self, *a)) or shared[-1])
+
+    def counting(self, *a, verify=None, **k):
+        if verify is not None:
+            beside_rows.append(verify.count(False))
+        return until(self, *a, verify=verify, **k)
+    monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
+    model, prompt = bundled_model, "def fibonacci(n):\n    "
+    for threshold in (0.0, 0.05):
+        shared.clear(), beside_rows.clear()
+        handle = tinyloop.build_resume_handle(model, prompt, 4)
+        tinyloop.resume_generate(handle, 4, G(max_tokens=20))  # its answer at 4 loops: the guess
+        others = G(max_tokens=30, loops=16, early_exit_threshold=threshold)
+        sched = tinyloop.Scheduler(model, 4)
+        beside = [sched.submit(f"def f{i}(x):\n", others) for i in range(3)]
+        refine = sched.resume(handle, G(max_tokens=20, loops=16))
+        while not sched.idle():
+            sched.step()
+        got = refine.result()
+        assert got.tokens == tinyloop.generate(model, prompt, G(max_tokens=20, loops=16)).tokens
+        assert got.stats.draft_reused_tokens > 0
+        assert [s.result().tokens for s in beside] == [
+            tinyloop.generate(model, f"def f{i}(x):\n", others).tokens for i in range(3)]
+        if threshold:
+            assert not any(shared) and beside_rows and max(beside_rows) > 0, beside_rows
+        else:
+            assert any(shared) and not beside_rows
+
+
 def handle_len(model, prompt) -> int:
     return len(model.encode_prompt(prompt))
 

@@ -378,15 +378,16 @@ def test_measure_beta_is_the_design_definition(make_artifact, default_loops):
 
 @pytest.mark.parametrize("lane,beside", [("plain", "plain"), ("plain", "early exit"), ("early exit", "plain"),
                                          ("early exit", "early exit"), ("sampled early exit", "early exit"),
-                                         ("early exit", "early exit, int8 cache")])
+                                         ("tree", "plain"), ("tree, early exit", "early exit, int8 cache")])
 def test_a_speculative_lane_verifies_inside_a_busy_batch(bundled_model, monkeypatch, lane, beside):
     """Beside other decode rows a greedy speculative lane still speculates, early exit or not: it drafts before the
     step's forward and its drafted chunk is rows of that forward: a token step of every row (one C call of every
     loop) where the chunk and the rows all run at one depth, else rows of the step's loop iterations (one C call
     that ends only once the chunk's rows are done, each stopping by the lane's exit rule). Either way its tokens and
     loops are plain decode's, and the rows beside it are exact too. A seeded sampled lane, which speculates in
-    every step, gives the tokens it gives alone. Over an int8 cache, where the C step does not run, each chunk is
-    verified by a forward of its own (Executor.verify_alone), with the same tokens."""
+    every step, gives the tokens it gives alone. A tree's rows run the same way, each seeing its ancestors (a mask
+    per row). Over an int8 cache, where the C step does not run, each chunk is verified by a forward of its own
+    (Executor.verify_alone), with the same tokens."""
     m = tinyloop.load_model(None, 1024, cache_mode="int8") if "int8" in beside else bundled_model
     from tinyloop.engine.executor import Executor
     from tinyloop.kernels import cpu_block
@@ -396,24 +397,26 @@ def test_a_speculative_lane_verifies_inside_a_busy_batch(bundled_model, monkeypa
     alone_verifies, verify_alone = [], Executor.verify_alone
     monkeypatch.setattr(Executor, "verify_alone", lambda self, c: alone_verifies.append(c) or verify_alone(self, c))
 
-    def counting(self, *a, verify=None, **k):
+    def counting(self, *a, verify=None, masks=None, **k):
         if verify is not None:
             beside_rows.append(verify.count(False))
-        return until(self, *a, verify=verify, **k)
+            assert (masks is not None) == ("tree" in lane)
+        return until(self, *a, verify=verify, masks=masks, **k)
     monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
     prompts = ["def f%d(x):\n    return x * %d\n" % (i, i) for i in range(4)]
     cfg = GenerateConfig(max_tokens=40, loops=8, early_exit_threshold=0.05 if "early exit" in lane else 0.0,
                          temperature=0.8 if "sampled" in lane else 0.0, seed=7)
     others = GenerateConfig(max_tokens=40, loops=8 if beside == "plain" else 16,
                             early_exit_threshold=0.0 if beside == "plain" else 0.05)
+    sc = SpeculativeConfig(2, 8, 3, 2) if "tree" in lane else SpeculativeConfig(2, 8, 4)
     sched = tinyloop.Scheduler(m, 4)
-    seqs = [sched.submit(p, cfg if i == 0 else others, speculative=SpeculativeConfig(2, 8, 4) if i == 0 else None)
+    seqs = [sched.submit(p, cfg if i == 0 else others, speculative=sc if i == 0 else None)
             for i, p in enumerate(prompts)]
     while not sched.idle():
         sched.step()
     res = [s.result() for s in seqs]
     st = res[0].stats
-    alone = generate_speculative(m, prompts[0], SpeculativeConfig(2, 8, 4), cfg) if "sampled" in lane \
+    alone = generate_speculative(m, prompts[0], sc, cfg) if "sampled" in lane \
         else generate(m, prompts[0], cfg)
     assert (res[0].tokens, res[0].loops_used) == (alone.tokens, alone.loops_used)
     assert [(r.tokens, r.loops_used) for r in res[1:]] == [
@@ -425,6 +428,8 @@ def test_a_speculative_lane_verifies_inside_a_busy_batch(bundled_model, monkeypa
     if lane == beside == "plain":
         assert shared and all(shared) and not beside_rows
     elif "int8" in beside:
-        assert not beside_rows and alone_verifies and all(c.exit is not None for c in alone_verifies)
+        assert not beside_rows and alone_verifies and all(c.exit is not None for c in alone_verifies) \
+            and any(c.width == 2 for c in alone_verifies)
     else:
-        assert not any(shared) and not alone_verifies and beside_rows and max(beside_rows) > 0, beside_rows
+        assert not alone_verifies and beside_rows and max(beside_rows) > 0, beside_rows
+        assert "tree" in lane or not any(shared)  # (a tree's last round, one token, is a chain)

@@ -52,13 +52,11 @@ import torch
 
 from .cache import KVCache
 from .engine.calls import checked, engine
-from .engine.sequence import Sequence
+from .engine.sequence import Draft, Sequence
 from .errors import ConfigError, ModeError
-from .exits import ExitRule
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
 from .generation import generate
 from .engine import forward as paged
-from .model import Step
 from .loader import Model
 from .sampling import accepts, adjust, distribution, draw, greedy_choice, greedy_proposals, residual
 from .request import GenerateConfig, GenerateResult, GenerateStats, OnToken
@@ -152,33 +150,6 @@ class SpeculativeStats(GenerateStats):
 DRAFT_CONFIDENCE = 0.05
 
 
-class TreeShape:
-    """Cells and ancestor mask of one round's tree: token i (0 = root) sits in cell p + i.
-
-    Token i >= 1 is at depth d = (i-1)//w + 1 (position p + d) on branch b = (i-1) % w; it sees the committed
-    cells (<= p) and the earlier tokens of its own branch.
-    """
-
-    def __init__(self, p: int, w: int, n: int, device):
-        self.p, self.w = p, w
-        c = torch.arange(p + 1 + n * w, device=device)
-        t = (c - p - 1).clamp_min(0)
-        tree = c > p
-        self.key_pos = torch.where(tree, p + 1 + t // w, c).unsqueeze(0)
-        self.branch = torch.where(tree, t % w, -1)
-        self.depth = torch.where(tree, t // w + 1, 0)
-        self.cells = c
-
-    def step(self, net, pos: list[int], cells: list[int]) -> Step:
-        end = max(cells) + 1
-        qc, kc = torch.tensor(cells, device=self.cells.device), self.cells[:end]
-        same_branch = (self.branch[kc].unsqueeze(0) == self.branch[qc].unsqueeze(1)) & \
-                      (self.depth[kc].unsqueeze(0) <= self.depth[qc].unsqueeze(1))
-        mask = (kc <= self.p).unsqueeze(0) | ((qc > self.p).unsqueeze(1) & (kc > self.p).unsqueeze(0) & same_branch)
-        return Step(torch.tensor([pos], device=qc.device), end, net.rope_cos, net.rope_sin,
-                    cells=qc.unsqueeze(0), key_pos=self.key_pos[:, :end], mask=mask.unsqueeze(0))
-
-
 @dataclass
 class Round:
     """A round between its drafts and its verification: the root at position p, depth n, width w, N tokens (the root
@@ -189,7 +160,7 @@ class Round:
     n: int
     w: int
     N: int
-    tree: TreeShape | None
+    tree: paged.TreeShape | None
     pos: list[int]
     cells: list[int]
     toks: list[int]
@@ -208,13 +179,13 @@ class Speculator:
 
     Two shapes of a round:
     - its own forwards (`step`): the drafts, then the drafted chunk continued from draft_loops to verify_loops over the
-      lane's blocks: a lane that decodes alone (a greedy one while its rounds pay), a tree, a guessed piece, early
-      exit;
-    - around a shared forward (`drafter`: a chain beside other rows): its drafts before the step's forward
-      (`draft`), the drafted chunk as rows of that forward at verify_loops from loop 0 (the drafts' loops computed
-      again: the price of sharing the forward, which streams each weight once for every row; with early exit,
-      rows of the step's loop iterations, each stopping by the lane's rule), `accept` taking their logits and
-      loops. A busy batch does not turn speculation off.
+      lane's blocks: a lane that decodes alone (a greedy one while its rounds pay or it verifies a guess);
+    - around a shared forward (`drafter`: beside other rows): its drafts before the step's forward (`draft`; a
+      guessed piece needs none), the drafted chunk (a chain, a tree, a guessed piece) as rows of that forward at
+      verify_loops from loop 0 (the drafts' loops computed again: the price of sharing the forward, which streams
+      each weight once for every row; with early exit or a tree, rows of the step's loop iterations, each stopping
+      by the lane's rule, a tree's each seeing its ancestors), `accept` taking their logits and loops. A busy batch
+      does not turn speculation off.
     Alone, a greedy lane's first decode step is a plain row whose time is the measure: a lane whose rounds yield fewer
     tokens per second than that row stops speculating (docs/speculative.md), in a batch too; a lane that has never
     decoded alone has nothing to measure its rounds against, and speculates in every step."""
@@ -281,9 +252,22 @@ class Speculator:
     def step(self, cache: KVCache) -> list[int]:
         """One round from the sequence's pending token (seq.token at seq.pos) over the lane's `cache`: the tokens it
         yields, for the runner to take in turn."""
-        seq, cfg = self.seq, self.cfg
+        seq = self.seq
         self.bind(cache)
         t0 = time.perf_counter()
+        n, w, guessed = self.next_round(cache)
+        out, a, n = self.round(seq.token, seq.pos, n, w, guessed)
+        self.yielded(out, a, n)
+        if self.greedy and self.fallback and not guessed:  # drafting against the plain row: stop where it yields less
+            self.rounds, self.rounds_s, self.rounds_tokens = self.rounds + 1, self.rounds_s + time.perf_counter() - t0, \
+                self.rounds_tokens + len(out)
+            if self.rounds >= self.PROBE_ROUNDS and self.rounds_s / self.rounds_tokens > (self.plain_s or 0.0):
+                self.pays = False
+        return out
+
+    def next_round(self, cache: KVCache) -> tuple[int, int, list[int]]:
+        """The next round's depth n and width w from the pending token, or the guessed piece it verifies."""
+        seq, cfg = self.seq, self.cfg
         P, p, left = len(seq.prompt), seq.pos, cfg.max_tokens - seq.count  # a round yields at most depth + 1
         n, w = min(self.n, left - 1), self.w
         if w > 1:  # tree cells p .. p + n*w must fit the cache
@@ -294,14 +278,7 @@ class Speculator:
         if self.guess:  # everything so far, the pending token too, was guessed: verify the next piece
             guessed = self.guess[p - P + 1:p - P + 1 + min(self.piece, left - 1)]
             n, w, self.piece = len(guessed) or n, 1, self.piece * 2  # a next piece only if this one is taken whole
-        out, a, n = self.round(seq.token, p, n, w, guessed)
-        self.yielded(out, a, n)
-        if self.greedy and self.fallback and not guessed:  # drafting against the plain row: stop where it yields less
-            self.rounds, self.rounds_s, self.rounds_tokens = self.rounds + 1, self.rounds_s + time.perf_counter() - t0, \
-                self.rounds_tokens + len(out)
-            if self.rounds >= self.PROBE_ROUNDS and self.rounds_s / self.rounds_tokens > (self.plain_s or 0.0):
-                self.pays = False
-        return out
+        return n, w, guessed
 
     def yielded(self, out: list[int], accepted: int, drafted: int) -> None:
         """A round's count: its verification, drafts and accepted drafts, and the loops of each token it yields."""
@@ -313,33 +290,35 @@ class Speculator:
 
     # -- a round inside a shared step: drafts here, verification as rows of the step's decode forward ------------
     def shares(self) -> bool:
-        """Whether its rounds can share a step's forward: a chain (no tree or guessed piece), whose verification is
-        then the chunk's rows in that forward from loop 0, at every loop or, with early exit, each stopping by the
-        lane's rule (rows of the step's loop iterations)."""
-        return self.w == 1 and not self.guess and not self.net.cfg.value_embeds
+        """Whether its rounds can share a step's forward: its drafted chunk (a chain, a tree with its ancestor mask,
+        or a guessed piece) is verified as rows of that forward from loop 0, at every loop or, with early exit, each
+        stopping by the lane's rule (rows of the step's loop iterations)."""
+        return not self.net.cfg.value_embeds
 
     def drafter(self, alone: bool) -> "Speculator | None":
         """Itself where this step's round for the lane is split around the step's shared forward: its drafts run
         before it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their
-        logits. A chain beside other rows: sampled, or greedy while its rounds pay. A sampled lane draws from its
-        generator in the same order either way, so a seeded request gives the same tokens alone or in a batch."""
-        return self if not alone and self.shares() and (not self.greedy or self.pays) else None
+        logits. Beside other rows: sampled, or greedy while its rounds pay or it verifies a guess. A sampled lane draws
+        from its generator in the same order either way, so a seeded request gives the same tokens alone or in a
+        batch."""
+        return self if not alone and self.shares() and (not self.greedy or self.pays or bool(self.guess)) else None
 
-    def draft(self, cache: KVCache) -> list[int]:
-        """The drafts of a round from the pending token over the lane's `cache`: the chunk [pending, d1 .. dn] for
-        the step's forward to verify (from loop 0: the drafts' loops are computed again there, the price of sharing
-        the forward)."""
+    def draft(self, cache: KVCache) -> Draft:
+        """The drafts of a round from the pending token over the lane's `cache` (or the guessed piece, drafted by
+        nobody): the chunk [pending, d1 .. dn] (a tree's 1 + n w tokens) for the step's forward to verify from loop
+        0 (the drafts' loops are computed again there, the price of sharing the forward)."""
         seq = self.seq
         self.bind(cache)
-        n = min(self.n, self.cfg.max_tokens - seq.count - 1)
-        self.drafted = self.drafts(seq.token, seq.pos, n, 1, [])
+        n, w, guessed = self.next_round(cache)
+        if guessed:
+            N, cells = 1 + n, list(range(seq.pos, seq.pos + 1 + n))
+            self.drafted = Round(seq.pos, n, 1, N, None, cells, cells, [seq.token] + guessed, list(range(-1, n)), {},
+                                 [0] * N, [False] * N, [], paged.Latent.empty(1, N, self.net), True)
+        else:
+            self.drafted = self.drafts(seq.token, seq.pos, n, w, [])
         if cache.window:  # a ring is read as old cells + the chunk: the drafts' cells are forgotten before it runs
             cache.rollback(seq.pos)
-        return self.drafted.toks
-
-    def verify_exit(self) -> ExitRule | None:
-        """The exit rule each row of its drafted chunk stops by in the shared forward (None: every loop)."""
-        return self.rule if self.adaptive else None
+        return Draft(self.drafted.toks, self.rule if self.adaptive else None, self.drafted.w)
 
     def accept(self, logits: torch.Tensor, used: list[int]) -> list[int]:
         """The verified logits [len(chunk), V] of the drafted chunk and the loops each of its rows ran: the tokens
@@ -390,7 +369,7 @@ class Speculator:
         return paged.RowExits(self.rule, self.adaptive, self.V, used, done)
 
     def draft_chunk(self, lat: paged.Latent, tokens: list[int], pos: list[int], cells: list[int],
-                    tree: TreeShape | None, head: bool):
+                    tree: paged.TreeShape | None, head: bool):
         """A chunk of tokens (the root, a tree level, or a guessed chain) through prelude and draft_loops into the
         latent rows `lat` [1, T, d] and, if head, the coda and head. Returns logits [1, T, V] (None without head), the
         loops each token used, whether it exited early, and the loop-steps run."""
@@ -427,7 +406,7 @@ class Speculator:
         """A round's drafts from the pending token at position p: depth n (less where a chain stops at a doubtful
         draft), width w, or the `guessed` chain as one chunk; their latent rows at draft_loops."""
         net, dev = self.net, self.model.device
-        tree = TreeShape(p, w, n, dev) if w > 1 else None
+        tree = paged.TreeShape(p, w, n, dev) if w > 1 else None
         N = 1 + n * w
         pos = [p] + [p + (i - 1) // w + 1 for i in range(1, N)]
         cells = list(range(p, p + N))  # chain: cell = position

@@ -131,14 +131,20 @@ class CBackend:
                 if flight.out is not None:
                     exit_state[row.lane] = flight.out.reshape(-1)
         positions = [row.position for row in rows]
+        cells = [row.position if row.cell < 0 else row.cell for row in rows]
+        masks = None
+        if any(row.sees is not None for row in rows):  # (a tree's rows: each sees its ancestors)
+            masks = [None if row.sees is None else (row.sees[0], torch.tensor(row.sees[1], dtype=torch.uint8))
+                     for row in rows]
         ahead = budget(rows, step.positions)
         eos = -1 if any(row.ignore_eos for row, a in zip(rows, ahead) if a) else self.model.eos_id
         with paged.torch_threads(paged.decode_threads(len(rows), cfg, c_blocks=True)):
-            got = step.iterate_until(cache, positions, done, tokens, exits, lanes, latent, gate,
+            got = step.iterate_until(cache, cells, done, tokens, exits, lanes, latent, gate,
                                      compute=cfg.exit_kv == "compute", ahead=ahead, eos=eos,
                                      wait=self.coalesce if len(rows) >= cpu_block.COALESCE_FROM_ROWS else (0, 0),
                                      keep=[row.keep_logits for row in rows],
-                                     verify=[row.verifies for row in rows] if any(r.verifies for r in rows) else None)
+                                     verify=[row.verifies for row in rows] if any(r.verifies for r in rows) else None,
+                                     positions=positions if cells != positions else None, masks=masks)
         for b, row in enumerate(rows):
             if got.drawn[b]:  # taken at this step's postprocess, before any fresh logits
                 flights.pop(row.lane, None)

@@ -291,7 +291,7 @@ class Executor:
         chunk's logits are those of its tokens decoded one by one. False: nothing run."""
         loops = {r.loops for r in rows} | {c.loops for c in chunks}
         if len(loops) > 1 or any(r.adaptive or r.greedy or r.lane in self.flights for r in rows) \
-                or any(c.exit is not None for c in chunks):
+                or any(c.exit is not None or c.width > 1 for c in chunks):
             return False
         view = self.cache.select([r.lane for r in rows] + [c.lane for c in chunks])
         n = len(rows) + sum(len(c.tokens) for c in chunks)
@@ -314,21 +314,26 @@ class Executor:
 
     def chunk_rows(self, chunks: list[Chunk]) -> list[Row]:
         """The drafted chunks' tokens as rows of the step's loop iterations (`verifies`): each starts its token at
-        its cell and runs to its loop count, or stops by its chunk's exit rule."""
-        return [Row(c.lane, token, c.start + i, c.loops, c.exit or ExitRule(), c.exit is not None, verifies=True)
-                for c in chunks for i, token in enumerate(c.tokens)]
+        its cell and runs to its loop count, or stops by its chunk's exit rule; a tree's token at its depth's position,
+        seeing its ancestors."""
+        return [Row(c.lane, token, position, c.loops, c.exit or ExitRule(), c.exit is not None, verifies=True,
+                    cell=c.start + i, sees=(c.start, c.ancestors(i)) if c.width > 1 else None)
+                for c in chunks for i, (token, position) in enumerate(zip(c.tokens, c.positions()))]
 
     def verify_alone(self, chunk: Chunk) -> tuple[torch.Tensor, list[int]]:
-        """A drafted chunk through a forward of its own: every loop, or the loop range with its exit rule (each row
-        stopping on its own, its skipped loops filled), as a speculative round verifies."""
-        if chunk.exit is None:
+        """A drafted chunk through a forward of its own: the loop range (every loop, or each row stopping on its own
+        by the chunk's exit rule, its skipped loops filled; a tree with its ancestor mask), as a speculative round
+        verifies."""
+        T, net, w = len(chunk.tokens), self.net, chunk.width
+        if chunk.exit is None and w == 1:
             return (self.prefill(chunk.tokens, chunk.start, chunk.lane, chunk.loops, all_rows=True),
-                    [chunk.loops] * len(chunk.tokens))
-        T, net = len(chunk.tokens), self.net
-        exits = paged.RowExits(chunk.exit, True, chunk.loops, [0] * T, [False] * T)
-        positions = list(range(chunk.start, chunk.start + T))
+                    [chunk.loops] * T)
+        exits = paged.RowExits(chunk.exit or ExitRule(), chunk.exit is not None, chunk.loops, [0] * T, [False] * T)
+        cells = list(range(chunk.start, chunk.start + T))
+        positions = chunk.positions()
+        tree = paged.TreeShape(chunk.start, w, (T - 1) // w, self.model.device) if w > 1 else None
         logits, _ = paged.LoopForward(net, self.lane(chunk.lane)).until(
-            positions, 0, chunk.loops, paged.Latent.empty(1, T, net), exits, True, chunk.tokens, None, positions)
+            positions, 0, chunk.loops, paged.Latent.empty(1, T, net), exits, True, chunk.tokens, tree, cells)
         assert logits is not None  # (with the head)
         return logits[0], exits.used
 

@@ -665,3 +665,30 @@ def cuda_graph(net: LoopedLM, cache: KVCache, lanes: int, loops: int) -> CudaGra
     if key not in per_cache:
         per_cache[key] = CudaGraphStep(net, cache, lanes, loops)
     return per_cache[key]
+
+
+class TreeShape:
+    """Cells and ancestor mask of one round's tree: token i (0 = root) sits in cell p + i.
+
+    Token i >= 1 is at depth d = (i-1)//w + 1 (position p + d) on branch b = (i-1) % w; it sees the committed
+    cells (<= p) and the earlier tokens of its own branch.
+    """
+
+    def __init__(self, p: int, w: int, n: int, device):
+        self.p, self.w = p, w
+        c = torch.arange(p + 1 + n * w, device=device)
+        t = (c - p - 1).clamp_min(0)
+        tree = c > p
+        self.key_pos = torch.where(tree, p + 1 + t // w, c).unsqueeze(0)
+        self.branch = torch.where(tree, t % w, -1)
+        self.depth = torch.where(tree, t // w + 1, 0)
+        self.cells = c
+
+    def step(self, net, pos: list[int], cells: list[int]) -> Step:
+        end = max(cells) + 1
+        qc, kc = torch.tensor(cells, device=self.cells.device), self.cells[:end]
+        same_branch = (self.branch[kc].unsqueeze(0) == self.branch[qc].unsqueeze(1)) & \
+                      (self.depth[kc].unsqueeze(0) <= self.depth[qc].unsqueeze(1))
+        mask = (kc <= self.p).unsqueeze(0) | ((qc > self.p).unsqueeze(1) & (kc > self.p).unsqueeze(0) & same_branch)
+        return Step(torch.tensor([pos], device=qc.device), end, net.rope_cos, net.rope_sin,
+                    cells=qc.unsqueeze(0), key_pos=self.key_pos[:, :end], mask=mask.unsqueeze(0))

@@ -54,18 +54,39 @@ class Row:
     # a row of a drafted chunk (Chunk), run by loop iterations beside the step's rows: its token ends within the call,
     # its logits go to Outputs.verified
     verifies: bool = False
+    cell: int = -1  # the cell it writes (-1: its position; a tree's tokens share positions)
+    # a tree's row: (first, seen): of the lane's cells first.., it sees those where seen[i] (its ancestors), every cell
+    # before them
+    sees: tuple[int, list[bool]] | None = None
 
 
 @dataclass
 class Chunk:
     """A speculative lane's drafted chunk (its pending token, then its drafts) at positions start.. of the lane: rows
     of the step's decode forward at `loops`, every row's logits given back (Outputs.verified). With an adaptive exit
-    rule, each row stops by it: the chunk runs by loop iterations beside the step's rows."""
+    rule, each row stops by it: the chunk runs by loop iterations beside the step's rows. A tree (width w > 1): the
+    pending token, then its w children and each child's chain, level by level (token i's parent is i - w, the root
+    for the first level); its tokens sit at cells start.. and at positions start + their depth, and each sees its
+    ancestors only."""
     lane: int
     start: int
     tokens: list[int]
     loops: int
     exit: ExitRule | None = None  # (None: every loop)
+    width: int = 1
+
+    def positions(self) -> list[int]:
+        """Each token's position: start + its depth in the tree (a chain's: start + i)."""
+        w = self.width
+        return [self.start + (i + w - 1) // w for i in range(len(self.tokens))]
+
+    def ancestors(self, i: int) -> list[bool]:
+        """Which of the chunk's tokens 0..i token i sees: itself and its ancestors."""
+        seen, j = [False] * (i + 1), i
+        while j >= 0:
+            seen[j] = True
+            j = -1 if j == 0 else j - self.width if j > self.width else 0
+        return seen
 
 
 @dataclass

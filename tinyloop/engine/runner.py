@@ -135,9 +135,8 @@ class Runner:
         for lane in plan.drafting:  # a batched speculative round: its drafts now, their chunk rows of the forward
             seq = seqs[lane]
             assert seq.place.drafter is not None  # (set at schedule)
-            drafter = seq.place.drafter
-            plan.chunks.append(Chunk(lane, seq.pos, drafter.draft(self.executor.lane(lane)), seq.loops,
-                                     drafter.verify_exit()))
+            drafted = seq.place.drafter.draft(self.executor.lane(lane))
+            plan.chunks.append(Chunk(lane, seq.pos, drafted.tokens, seq.loops, drafted.exit, drafted.width))
         out = self.executor.execute(plan)
         finished = [self.scheduler.fail(seqs[lane], exc) for lane, exc in out.failed.items()]
         self.take_outputs(seqs, out)

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -148,14 +148,20 @@ class Driver(Protocol):
     def finish(self) -> None: ...
 
 
+class Draft(NamedTuple):
+    """A drafted chunk (plan.py's Chunk, from the lane's pending token): its tokens, the exit rule each of its rows
+    stops by (None: every loop), its tree width (1: a chain)."""
+    tokens: list[int]
+    exit: ExitRule | None
+    width: int
+
+
 class Drafter(Protocol):
     """A round around a step's shared forward (speculative.Speculator beside other rows): its drafts before the
-    forward (`draft`: the chunk to verify), the chunk's verification as rows of that forward, each stopping by
-    `verify_exit` (None: every loop), and `accept`: the tokens those logits and loops decide."""
+    forward (`draft`: the chunk to verify), the chunk's verification as rows of that forward, and `accept`: the
+    tokens those logits and loops decide."""
 
-    def draft(self, cache: KVCache) -> list[int]: ...
-
-    def verify_exit(self) -> ExitRule | None: ...
+    def draft(self, cache: KVCache) -> Draft: ...
 
     def accept(self, logits: torch.Tensor, used: list[int]) -> list[int]: ...
 

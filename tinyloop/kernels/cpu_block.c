@@ -72,6 +72,10 @@ typedef struct {
     // NULL, or [B]: elements added to row b's block table in every slot (an iteration step's core pass: row b at its
     // own loop k_b reads and writes slot core_slot(k_b, j) = core_slot(0, j) + k_b * n_core)
     const long *shift;
+    // NULL, or [B]: row b's own mask in place of `mask` (NULL: none, it sees every cell up to its own), over cells
+    // row_mask_from[b].. (an iteration step's rows of a speculative tree beside other lanes' rows)
+    const unsigned char *const *row_mask;
+    const long *row_mask_from;
 } tl_block_rows_t;
 
 INLINE float hsum(__m256 v) {
@@ -303,8 +307,9 @@ void tl_block_rows(const tl_block_weights *w, const tl_block_rows_t *r, const lo
 #pragma omp for schedule(static)
         for (long i = 0; i < B * KV; i++) {
             const long b = i / KV, g = i % KV;
-            attend(s.qkv + b * s.NQKV + g * G * hd, G, g, r->cells[b] + 1, row_table(r, table, b), r,
-                   r->mask ? r->mask + b * r->mask_width : 0, r->mask_from, s.att + b * s.as + g * G * hd);
+            const unsigned char *seen = r->row_mask ? r->row_mask[b] : r->mask ? r->mask + b * r->mask_width : 0;
+            attend(s.qkv + b * s.NQKV + g * G * hd, G, g, r->cells[b] + 1, row_table(r, table, b), r, seen,
+                   r->row_mask ? r->row_mask_from[b] : r->mask_from, s.att + b * s.as + g * G * hd);
         }
         product(&w->wo, s.att, s.o, B, 1);
 #pragma omp barrier
@@ -501,18 +506,28 @@ void tl_forward_rows(const tl_step_t *s, tl_block_rows_t *r, const long *table, 
 
 #define MAX_ITERATE_ROWS 64
 
-// rows idx[0..m-1] of r as a call of their own (their cells, lanes and RoPE rows gathered into the arrays given).
-static tl_block_rows_t subset(const tl_block_rows_t *r, const long *idx, long m, long *cells, long *lanes,
-                              float *cos2, float *sin2) {
+// Room for the per-row arrays of a subset of rows.
+typedef struct {
+    long cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS], mask_from[MAX_ITERATE_ROWS];
+    const unsigned char *mask[MAX_ITERATE_ROWS];
+} tl_subset_t;
+
+// rows idx[0..m-1] of r as a call of their own (their cells, lanes, row masks and RoPE rows gathered into `room`
+// and cos2, sin2).
+static tl_block_rows_t subset(const tl_block_rows_t *r, const long *idx, long m, tl_subset_t *room, float *cos2,
+                              float *sin2) {
     tl_block_rows_t sub = *r;
     const long hd = r->hd;
     for (long i = 0; i < m; i++) {
-        cells[i] = r->cells[idx[i]];
-        lanes[i] = lane_of(r, idx[i]);
+        room->cells[i] = r->cells[idx[i]];
+        room->lanes[i] = lane_of(r, idx[i]);
+        if (r->row_mask) room->mask[i] = r->row_mask[idx[i]], room->mask_from[i] = r->row_mask_from[idx[i]];
         memcpy(cos2 + i * hd, r->cos2 + idx[i] * hd, hd * sizeof(float));
         memcpy(sin2 + i * hd, r->sin2 + idx[i] * hd, hd * sizeof(float));
     }
-    sub.B = m, sub.cells = cells, sub.lanes = lanes, sub.cos2 = cos2, sub.sin2 = sin2, sub.shift = 0, sub.mask = 0;
+    sub.B = m, sub.cells = room->cells, sub.lanes = room->lanes, sub.cos2 = cos2, sub.sin2 = sin2, sub.shift = 0;
+    sub.mask = 0;
+    if (r->row_mask) sub.row_mask = room->mask, sub.row_mask_from = room->mask_from;
     return sub;
 }
 
@@ -534,13 +549,13 @@ static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *t
                            const unsigned char *out, float *e, float *st, float *work) {
     const long B = r->B, d = r->d, hd = r->hd, n = B * d;
     float *x = work, *tmp = x + n, *cat = tmp + n, *sub_cos = cat + 2 * n + 2 * B * hd;
-    long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS], ids_in[MAX_ITERATE_ROWS],
-        pos_in[MAX_ITERATE_ROWS], shift[MAX_ITERATE_ROWS];
+    long idx[MAX_ITERATE_ROWS], ids_in[MAX_ITERATE_ROWS], pos_in[MAX_ITERATE_ROWS], shift[MAX_ITERATE_ROWS];
+    tl_subset_t room;
     unsigned char starts[MAX_ITERATE_ROWS];
     for (long b = 0; b < B; b++) starts[b] = start[b] && !(out && out[b]);
     long m = flagged(starts, B, idx);
     if (m) {  // the prelude of the starting rows alone: their e into cat, their states into tmp, then scattered
-        tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+        tl_block_rows_t sub = subset(r, idx, m, &room, sub_cos, sub_cos + B * hd);
         for (long i = 0; i < m; i++) ids_in[i] = ids[idx[i]], pos_in[i] = pos[idx[i]];
         float *e_sub = cat, *st_sub = cat + m * d;
         encode(s, &sub, table, slot_stride, ids_in, pos_in, e_sub, st_sub, x, tmp);
@@ -559,7 +574,7 @@ static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *t
     unsigned char runs[MAX_ITERATE_ROWS];  // the rows in the pass: their e, st gathered, st scattered back
     for (long b = 0; b < B; b++) runs[b] = !out[b];
     if (!(m = flagged(runs, B, idx))) return;
-    tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+    tl_block_rows_t sub = subset(r, idx, m, &room, sub_cos, sub_cos + B * hd);
     float *e_in = sub_cos + 2 * B * hd, *st_in = e_in + n;
     for (long i = 0; i < m; i++) {
         shift[i] = loop[idx[i]] * s->n_core * slot_stride;
@@ -576,10 +591,11 @@ static void finish_rows(const tl_step_t *s, tl_block_rows_t *r, const long *tabl
                         const unsigned char *finish, const float *st, float *logits, float *work) {
     const long B = r->B, d = r->d, hd = r->hd, n = B * d;
     float *x = work, *tmp = x + n, *cat = tmp + n, *sub_cos = cat + 2 * n + 2 * B * hd;
-    long idx[MAX_ITERATE_ROWS], cells[MAX_ITERATE_ROWS], lanes[MAX_ITERATE_ROWS];
+    long idx[MAX_ITERATE_ROWS];
+    tl_subset_t room;
     const long m = flagged(finish, B, idx);
     if (!m) return;
-    tl_block_rows_t sub = subset(r, idx, m, cells, lanes, sub_cos, sub_cos + B * hd);
+    tl_block_rows_t sub = subset(r, idx, m, &room, sub_cos, sub_cos + B * hd);
     for (long i = 0; i < m; i++) memcpy(cat + i * d, st + idx[i] * d, d * sizeof(float));
     decode_head(s, &sub, table, slot_stride, cat, logits, x, tmp, cat);
 }

@@ -61,7 +61,7 @@ class _Rows(ctypes.Structure):
     _fields_ = [("B", _L), ("d", _L), ("H", _L), ("KV", _L), ("hd", _L), ("ffn", _L), ("bt", _L), ("threads", _L),
                 ("eps", ctypes.c_double), ("cos2", _p), ("sin2", _p), ("cells", _p), ("lanes", _p), ("k_store", _p),
                 ("v_store", _p), ("table_stride", _L), ("scratch", _p), ("mask", _p), ("mask_from", _L),
-                ("mask_width", _L), ("shift", _p)]
+                ("mask_width", _L), ("shift", _p), ("row_mask", _p), ("row_mask_from", _p)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -276,7 +276,7 @@ class DecodeStep:
                                  or mask_from + mask.shape[1] <= max(cells)):
             raise ValueError(f"mask must be a contiguous uint8 tensor [{B}, width] covering the rows' cells")
         lane.struct.mask, lane.struct.mask_from = _ptr(mask), mask_from
-        lane.struct.mask_width = 0 if mask is None else mask.shape[1]
+        lane.struct.mask_width, lane.struct.row_mask = 0 if mask is None else mask.shape[1], None
         logits = torch.empty(B, self.struct.head.rows) if head else None
         table = cache.table
         cpu.loaded().tl_forward_rows(self.ref, lane.ref, table.data_ptr(), table.stride(0),
@@ -324,7 +324,7 @@ class DecodeStep:
         lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B], lane.loop[:B] = ids, cells, lanes, pos, loop
         lane.start[:B] = [t is not None for t in tokens]
         lane.finish[:B] = [bool(f) for f in finish]
-        lane.struct.mask, lane.struct.mask_width = None, 0
+        lane.struct.mask, lane.struct.mask_width, lane.struct.row_mask = None, 0, None
         logits = torch.empty(sum(lane.finish[:B]), self.struct.head.rows)
         table = cache.table
         _lib().tl_iterate_rows(self.ref, lane.ref, table.data_ptr(), table.stride(0), ctypes.addressof(lane.ids),
@@ -337,7 +337,8 @@ class DecodeStep:
                       lanes: list[int], latent: torch.Tensor, gate: tuple[torch.Tensor, float] | None = None,
                       compute: bool = False, ahead: list[list[float]] | None = None, eos: int = -1,
                       wait: tuple[int, int] = COALESCE, keep: list[bool] | None = None,
-                      verify: list[bool] | None = None) -> Until:
+                      verify: list[bool] | None = None, positions: list[int] | None = None,
+                      masks: list[tuple[int, torch.Tensor] | None] | None = None) -> Until:
         """Iteration-level steps in one C call (tl_iterate_until) until some row's token is done: row b (writing
         cell cells[b] of lane lanes[b], at that position) has run done[b] loops of its token, or starts tokens[b]
         (not None; done[b] = 0); every pass runs each row's next loop, and its exit rule decides whether the token
@@ -357,7 +358,9 @@ class DecodeStep:
         the logits [V] each of its draws was chosen from (Until.kept), for its log-probabilities. verify[b]: row b
         is a row of a drafted chunk (rows of one lane at consecutive cells, each starting its token): its token ends
         within this call, which ends only once every such row's has (the other rows sit out the passes till then),
-        and it is among the finished rows."""
+        and it is among the finished rows. positions: the rows' positions (default: their cells; a tree's branches
+        share positions); masks[b]: (first, seen), row b sees cell first + i of its lane only where seen[i] (uint8,
+        covering the cells up to its own; a tree's ancestors), every cell before `first`; None: every cell."""
         B, cfg, cap = len(cells), self.cfg, RUN_AHEAD
         ids = [0 if t is None else t for t in tokens]
         ahead = ahead or [[]] * B
@@ -372,13 +375,23 @@ class DecodeStep:
             raise ValueError("the cdf rule needs the exit gate")
         cache.changed()  # C writes the cells itself (a kept read-ahead copy is stale)
         lane = self._lanes(B, cache)
-        lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.pos[:B], lane.loop[:B] = ids, cells, lanes, cells, done
+        lane.ids[:B], lane.cells[:B], lane.lanes[:B], lane.loop[:B] = ids, cells, lanes, done
+        lane.pos[:B] = cells if positions is None else positions
         lane.start[:B] = [t is not None for t in tokens]
         for b, (x, depths) in enumerate(zip(exits, ahead)):
             lane.exits[b] = _Exit(*x)
             lane.budget[b] = len(depths)
             lane.depth[b * cap:b * cap + len(depths)] = depths
-        lane.struct.mask, lane.struct.mask_width = None, 0
+        lane.struct.mask, lane.struct.mask_width, lane.struct.row_mask = None, 0, None
+        if masks is not None and any(m is not None for m in masks):
+            for b, (cell, m) in enumerate(zip(cells, masks)):
+                if m is not None and (m[1].dtype != torch.uint8 or not m[1].is_contiguous()
+                                      or not m[0] <= cell < m[0] + m[1].numel()):
+                    raise ValueError(f"row {b}'s mask must be a contiguous uint8 tensor covering cells {m[0]}..{cell}")
+            lane.row_mask[:B] = [None if m is None else m[1].data_ptr() for m in masks]
+            lane.row_mask_from[:B] = [0 if m is None else m[0] for m in masks]
+            lane.struct.row_mask = ctypes.addressof(lane.row_mask)
+            lane.struct.row_mask_from = ctypes.addressof(lane.row_mask_from)
         V = self.struct.head.rows
         logits = torch.empty(B, V)  # (room for every row; the finished rows' come first)
         # (a fresh buffer each call, room for the draws of the rows that keep theirs: what it hands back are views)
@@ -503,7 +516,8 @@ class _Lanes:
         self.ref = ctypes.byref(self.struct)
         # iterate_until's greedy draws: per row its budget, the forced depths of its next tokens, what it drew
         self.budget, self.n_chosen, self.heads, self.keep_at = (_L * B)(), (_L * B)(), _L(), (_L * B)()
-        self.verify = (ctypes.c_ubyte * B)()  # iterate_until's rows of drafted chunks
+        self.verify = (ctypes.c_ubyte * B)()  # iterate_until's rows of drafted chunks, and their masks (a tree's)
+        self.row_mask, self.row_mask_from = (_p * B)(), (_L * B)()
         self.depth, self.chosen, self.used = (ctypes.c_double * (B * RUN_AHEAD))(), (_L * (B * RUN_AHEAD))(), \
             (_L * (B * RUN_AHEAD))()
         self.until = (*map(ctypes.addressof, (self.ids, self.pos, self.loop, self.start, self.exits, self.finish)),
