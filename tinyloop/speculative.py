@@ -233,8 +233,8 @@ class Speculator:
     # -- the runner's side --------------------------------------------------------------------------
     def runs(self, alone: bool) -> bool:
         """Whether this step's forward for the lane is a round of its own (else a batched round, or a plain row)."""
-        if not self.greedy:  # every step a round: its own where it is alone or its rounds cannot share the forward
-            return alone or not self.shares()
+        if not self.greedy:  # every step a round: its own where it is alone
+            return alone
         seq = self.seq
         if self.guess and seq.history[len(seq.prompt):] != self.guess[:seq.pos - len(seq.prompt) + 1]:
             self.guess = []  # the output left the guess: draft from here on
@@ -289,19 +289,13 @@ class Speculator:
         seq.loop_counts += [self.used_at[seq.pos + j] for j in range(len(out))]
 
     # -- a round inside a shared step: drafts here, verification as rows of the step's decode forward ------------
-    def shares(self) -> bool:
-        """Whether its rounds can share a step's forward: its drafted chunk (a chain, a tree with its ancestor mask,
-        or a guessed piece) is verified as rows of that forward from loop 0, at every loop or, with early exit, each
-        stopping by the lane's rule (rows of the step's loop iterations)."""
-        return not self.net.cfg.value_embeds
-
     def drafter(self, alone: bool) -> "Speculator | None":
         """Itself where this step's round for the lane is split around the step's shared forward: its drafts run
         before it (`draft`), the drafted chunk is rows of that forward at verify_loops, and `accept` takes their
         logits. Beside other rows: sampled, or greedy while its rounds pay or it verifies a guess. A sampled lane draws
         from its generator in the same order either way, so a seeded request gives the same tokens alone or in a
         batch."""
-        return self if not alone and self.shares() and (not self.greedy or self.pays or bool(self.guess)) else None
+        return self if not alone and (not self.greedy or self.pays or bool(self.guess)) else None
 
     def draft(self, cache: KVCache) -> Draft:
         """The drafts of a round from the pending token over the lane's `cache` (or the guessed piece, drafted by
