@@ -34,9 +34,9 @@ p <- max(0, p - q) normalised; candidates are independent draws from q, which ke
 Early exit (threshold > 0 or an exit gate) composes per token exactly as in single decode: while drafting and
 while verifying, a token whose latent stops changing freezes, copies its last K/V into the slots of the loops
 it skips, and drops out of the chunk for the remaining loops; the others continue (LoopForward.until, the loop
-range with an exit rule). Greedy output then equals plain early-exit `generate`. A chain beside other rows is
-verified in their step: its chunk's rows from loop 0 join the step's loop iterations, each stopping by the lane's
-rule, in a C call that ends once they are done (engine/executor.py's chunk_rows).
+range with an exit rule). Greedy output then equals plain early-exit `generate`. A round beside other rows (a
+chain, a tree) is verified in their step: its chunk's rows from loop 0 join the step's loop iterations, each
+stopping by the lane's rule, in a C call that ends once they are done (engine/executor.py's chunk_rows).
 """
 from __future__ import annotations
 

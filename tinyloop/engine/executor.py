@@ -365,10 +365,10 @@ class Executor:
         ended = self.c.iterate(rows, self.flights, self.budget, out)
         if ended is None:
             return False
-        chunks: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # lane -> its chunk's rows (position, logits, loops)
+        chunks: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # lane -> its chunk's rows (cell, logits, loops)
         for row, logits, used in ended:
             if row.verifies:
-                chunks.setdefault(row.lane, []).append((row.position, logits, used))
+                chunks.setdefault(row.lane, []).append((row.cell, logits, used))
             else:
                 self.token_done(row, logits, used, out)
         for lane, got in chunks.items():

@@ -543,7 +543,8 @@ static long flagged(const unsigned char *flag, long B, long *idx) {
 // then one core pass of every row at its own loop loop[b] (writing and attending slots core_slot(loop[b], j) of its
 // lane), the rows sharing each product: the weights stream once for the pass whatever the rows' depths. A row with
 // out[b] (out NULL: none) sits the pass out, its prelude too: the pass runs the other rows as a call of their own
-// (subset), so it writes and reads none of its K/V and leaves its e and st as they are. r's RoPE rows are the rows' (rope_rows).
+// (subset), so it writes and reads none of its K/V and leaves its e and st as they are. r's RoPE rows are the rows'
+// (rope_rows).
 static void start_and_pass(const tl_step_t *s, tl_block_rows_t *r, const long *table, long slot_stride,
                            const long *ids, const long *pos, const long *loop, const unsigned char *start,
                            const unsigned char *out, float *e, float *st, float *work) {
@@ -759,13 +760,12 @@ INLINE double seconds_since(const struct timespec *t0) {
 // logits goes to chosen[b * cap + i] (the loops it ran to used[b * cap + i]), n_chosen[b] counts them, and its next
 // token starts at the next cell and position (ids, pos and r->cells move on; a forced depth's next token stops after
 // next_depth[b * cap + i] loops), while no row needs the caller. Such a row may wait up to `wait` passes for its
-// head, `wait_rule` if it exits by an adaptive rule (keep_waiting: 0, every head runs in the pass its token ends). Once a row needs the caller (a token ended
-// without budget, or a greedy draw gave eos, or a head ran after the call had drawn for ahead_s seconds), the call
-// ends: the other rows' tokens ended here are finish[b], and their coda, final norm and head give logits [rows
-// finished, V], in row order (with the waiting rows' heads in the same product, their draws made); a row whose draw
-// was made but whose
-// next token did not start has start[b] set. A row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes
-// [lanes, d], read and written in place. The passes are tl_iterate_rows's, so each row has the same bits as there
+// head, `wait_rule` if it exits by an adaptive rule (keep_waiting: 0, every head runs in the pass its token ends).
+// Once a row needs the caller (a token ended without budget, or a greedy draw gave eos, or a head ran after the call
+// had drawn for ahead_s seconds), the call ends: the other rows' tokens ended here are finish[b], and their coda,
+// final norm and head give logits [rows finished, V], in row order (with the waiting rows' heads in the same
+// product, their draws made); a row whose draw was made but whose next token did not start has start[b] set. A
+// row's latent (e, s) lives at row lanes[b] of e_lanes, s_lanes [lanes, d], read and written in place. The passes are tl_iterate_rows's, so each row has the same bits as there
 // and as its token decoded alone. Returns the passes run; *heads: the head products run. rows: work floats for 4 B
 // d; head: floats for B V (the greedy rows' logits, consumed in the pass: it may be `logits`). kept, keep_at: where
 // a row asking for log-probabilities keeps the logits of its draws (draw; kept NULL: no row asks).

@@ -411,7 +411,8 @@ class DecodeStep:
                                 s.data_ptr(), out.data_ptr(), logits.data_ptr(), work_at, rows_at, drawn_at[0], cap,
                                 eos, *drawn_at[1:], logits.data_ptr(),  # (the greedy rows' logits go there first)
                                 RUN_AHEAD_S, *wait, ctypes.addressof(lane.heads), _ptr(kept),
-                                ctypes.addressof(lane.keep_at), None if verify is None else ctypes.addressof(lane.verify))
+                                ctypes.addressof(lane.keep_at),
+                                None if verify is None else ctypes.addressof(lane.verify))
         for b, x in enumerate(exits):
             got = lane.exits[b]
             x[3:] = got.threshold, got.chosen, got.used, got.cdf, got.rest
