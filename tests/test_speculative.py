@@ -376,60 +376,62 @@ def test_measure_beta_is_the_design_definition(make_artifact, default_loops):
     assert beta > 0
 
 
-@pytest.mark.parametrize("lane,beside", [("plain", "plain"), ("plain", "early exit"), ("early exit", "plain"),
-                                         ("early exit", "early exit"), ("sampled early exit", "early exit"),
-                                         ("tree", "plain"), ("tree, early exit", "early exit, int8 cache")])
-def test_a_speculative_lane_verifies_inside_a_busy_batch(bundled_model, monkeypatch, lane, beside):
-    """Beside other decode rows a greedy speculative lane still speculates, early exit or not: it drafts before the
-    step's forward and its drafted chunk is rows of that forward: a token step of every row (one C call of every
-    loop) where the chunk and the rows all run at one depth, else rows of the step's loop iterations (one C call
-    that ends only once the chunk's rows are done, each stopping by the lane's exit rule). Either way its tokens and
-    loops are plain decode's, and the rows beside it are exact too. A seeded sampled lane, which speculates in
-    every step, gives the tokens it gives alone. A tree's rows run the same way, each seeing its ancestors (a mask
-    per row). Over an int8 cache, where the C step does not run, each chunk is verified by a forward of its own
-    (Executor.verify_alone), with the same tokens."""
+@pytest.mark.parametrize("lanes,beside", [("plain", "plain"), ("mixed", "plain"), ("mixed", "early exit"),
+                                          ("tree", "early exit, int8 cache")])
+def test_speculative_lanes_verify_inside_a_busy_batch(bundled_model, monkeypatch, lanes, beside):
+    """Beside other decode rows a speculative lane still speculates: it drafts before the step's forward and its
+    drafted chunk is rows of that forward: a token step of every row (one C call of every loop) where the chunks and
+    the rows all run at one depth, else rows of the step's loop iterations (one C call that ends only once the
+    chunks' rows are done, each stopping by its lane's exit rule; a tree's rows each seeing their ancestors, by a
+    mask per row), several lanes' chunks in one call. A greedy lane, early exit or not, chain or tree, gives plain
+    decode's tokens and loops; a seeded sampled one, which speculates in every step, the tokens it gives alone; the
+    rows beside them are exact too. Over an int8 cache, where the C step does not run, each chunk is verified by a
+    forward of its own (Executor.verify_alone), with the same tokens."""
     m = tinyloop.load_model(None, 1024, cache_mode="int8") if "int8" in beside else bundled_model
     from tinyloop.engine.executor import Executor
     from tinyloop.kernels import cpu_block
-    shared, beside_rows = [], []  # with_chunks' answers; per C call with a chunk's rows, how many other rows ran in it
+    shared, calls = [], []  # with_chunks' answers; per C call with chunks' rows: (other rows, chunks, masks given)
     with_chunks, until = Executor.with_chunks, cpu_block.DecodeStep.iterate_until
     monkeypatch.setattr(Executor, "with_chunks", lambda self, *a: shared.append(with_chunks(self, *a)) or shared[-1])
     alone_verifies, verify_alone = [], Executor.verify_alone
     monkeypatch.setattr(Executor, "verify_alone", lambda self, c: alone_verifies.append(c) or verify_alone(self, c))
 
-    def counting(self, *a, verify=None, masks=None, **k):
+    def counting(self, cache, cells, done, tokens, exits, rows_lanes, *a, verify=None, masks=None, **k):
         if verify is not None:
-            beside_rows.append(verify.count(False))
-            assert (masks is not None) == ("tree" in lane)
-        return until(self, *a, verify=verify, masks=masks, **k)
+            chunks = {lane for lane, v in zip(rows_lanes, verify) if v}
+            calls.append((verify.count(False), len(chunks), masks is not None))
+        return until(self, cache, cells, done, tokens, exits, rows_lanes, *a, verify=verify, masks=masks, **k)
     monkeypatch.setattr(cpu_block.DecodeStep, "iterate_until", counting)
-    prompts = ["def f%d(x):\n    return x * %d\n" % (i, i) for i in range(4)]
-    cfg = GenerateConfig(max_tokens=40, loops=8, early_exit_threshold=0.05 if "early exit" in lane else 0.0,
-                         temperature=0.8 if "sampled" in lane else 0.0, seed=7)
-    others = GenerateConfig(max_tokens=40, loops=8 if beside == "plain" else 16,
-                            early_exit_threshold=0.0 if beside == "plain" else 0.05)
-    sc = SpeculativeConfig(2, 8, 3, 2) if "tree" in lane else SpeculativeConfig(2, 8, 4)
-    sched = tinyloop.Scheduler(m, 4)
-    seqs = [sched.submit(p, cfg if i == 0 else others, speculative=sc if i == 0 else None)
-            for i, p in enumerate(prompts)]
+    early = dict(early_exit_threshold=0.05)
+    chain, tree = SpeculativeConfig(2, 8, 4), SpeculativeConfig(2, 8, 3, 2)
+    plain, exiting = GenerateConfig(max_tokens=40, loops=8), GenerateConfig(max_tokens=40, loops=8, **early)
+    spec = {"plain": [(plain, chain)], "tree": [(exiting, tree)],  # (each lane's request, its speculation)
+            "mixed": [(plain, chain), (exiting, chain), (exiting, tree),
+                      (GenerateConfig(max_tokens=40, loops=8, temperature=0.8, seed=7, **early), chain)]}[lanes]
+    others = GenerateConfig(max_tokens=40, loops=8) if beside == "plain" else \
+        GenerateConfig(max_tokens=40, loops=16, **early)
+    prompts = ["def f%d(x):\n    return x * %d\n" % (i, i) for i in range(len(spec) + 2)]
+    sched = tinyloop.Scheduler(m, len(prompts))
+    seqs = [sched.submit(p, cfg, speculative=sc) for p, (cfg, sc) in zip(prompts, spec)]
+    seqs += [sched.submit(p, others) for p in prompts[len(spec):]]
     while not sched.idle():
         sched.step()
     res = [s.result() for s in seqs]
-    st = res[0].stats
-    alone = generate_speculative(m, prompts[0], sc, cfg) if "sampled" in lane \
-        else generate(m, prompts[0], cfg)
-    assert (res[0].tokens, res[0].loops_used) == (alone.tokens, alone.loops_used)
-    assert [(r.tokens, r.loops_used) for r in res[1:]] == [
-        (g.tokens, g.loops_used) for g in (generate(m, p, others) for p in prompts[1:])]
-    assert st.verify_steps and st.accepted and st.verify_steps < len(res[0].tokens) - 1  # rounds, drafts taken
-    if "early exit" in lane:
-        assert min(res[0].loops_used) < 8  # its tokens did exit early
-    # its rounds ran inside the other rows' forward: their token step, or their loop iterations' C call
-    if lane == beside == "plain":
-        assert shared and all(shared) and not beside_rows
+    for p, (cfg, sc), got in zip(prompts, spec, res):
+        alone = generate(m, p, cfg) if cfg.temperature == 0 else generate_speculative(m, p, sc, cfg)
+        assert (got.tokens, got.loops_used) == (alone.tokens, alone.loops_used), (cfg, sc)
+        st = got.stats
+        assert st.verify_steps and st.accepted and st.verify_steps < len(got.tokens) - 1  # rounds, drafts taken
+        if cfg.early_exit_threshold:
+            assert min(got.loops_used) < 8  # its tokens did exit early
+    assert [(r.tokens, r.loops_used) for r in res[len(spec):]] == [
+        (g.tokens, g.loops_used) for g in (generate(m, p, others) for p in prompts[len(spec):])]
+    # the rounds ran inside the other rows' forward: their token step, or their loop iterations' C call
+    if lanes == beside == "plain":
+        assert shared and all(shared) and not calls
     elif "int8" in beside:
-        assert not beside_rows and alone_verifies and all(c.exit is not None for c in alone_verifies) \
+        assert not calls and alone_verifies and all(c.exit is not None for c in alone_verifies) \
             and any(c.width == 2 for c in alone_verifies)
     else:
-        assert not alone_verifies and beside_rows and max(beside_rows) > 0, beside_rows
-        assert "tree" in lane or not any(shared)  # (a tree's last round, one token, is a chain)
+        assert not alone_verifies and calls and max(n for n, _, _ in calls) > 0, calls  # beside other rows
+        assert max(k for _, k, _ in calls) > 1 and any(mask for _, _, mask in calls), calls  # chunks together, a tree
