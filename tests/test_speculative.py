@@ -377,7 +377,7 @@ def test_measure_beta_is_the_design_definition(make_artifact, default_loops):
 
 
 @pytest.mark.parametrize("lanes,beside", [("plain", "plain"), ("mixed", "plain"), ("mixed", "early exit"),
-                                          ("tree", "early exit, int8 cache")])
+                                          ("chain and tree", "early exit, int8 cache")])
 def test_speculative_lanes_verify_inside_a_busy_batch(bundled_model, monkeypatch, lanes, beside):
     """Beside other decode rows a speculative lane still speculates: it drafts before the step's forward and its
     drafted chunk is rows of that forward: a token step of every row (one C call of every loop) where the chunks and
@@ -405,7 +405,7 @@ def test_speculative_lanes_verify_inside_a_busy_batch(bundled_model, monkeypatch
     early = dict(early_exit_threshold=0.05)
     chain, tree = SpeculativeConfig(2, 8, 4), SpeculativeConfig(2, 8, 3, 2)
     plain, exiting = GenerateConfig(max_tokens=40, loops=8), GenerateConfig(max_tokens=40, loops=8, **early)
-    spec = {"plain": [(plain, chain)], "tree": [(exiting, tree)],  # (each lane's request, its speculation)
+    spec = {"plain": [(plain, chain)], "chain and tree": [(plain, chain), (exiting, tree)],  # (request, speculation)
             "mixed": [(plain, chain), (exiting, chain), (exiting, tree),
                       (GenerateConfig(max_tokens=40, loops=8, temperature=0.8, seed=7, **early), chain)]}[lanes]
     others = GenerateConfig(max_tokens=40, loops=8) if beside == "plain" else \
@@ -430,8 +430,7 @@ def test_speculative_lanes_verify_inside_a_busy_batch(bundled_model, monkeypatch
     if lanes == beside == "plain":
         assert shared and all(shared) and not calls
     elif "int8" in beside:
-        assert not calls and alone_verifies and all(c.exit is not None for c in alone_verifies) \
-            and any(c.width == 2 for c in alone_verifies)
+        assert not calls and {(c.exit is not None, c.width) for c in alone_verifies} >= {(False, 1), (True, 2)}
     else:
         assert not alone_verifies and calls and max(n for n, _, _ in calls) > 0, calls  # beside other rows
         assert max(k for _, k, _ in calls) > 1 and any(mask for _, _, mask in calls), calls  # chunks together, a tree

@@ -52,6 +52,7 @@ import torch
 
 from .cache import KVCache
 from .engine.calls import checked, engine
+from .engine.plan import tree_parent, tree_positions
 from .engine.sequence import Draft, Sequence
 from .errors import ConfigError, ModeError
 from .fields import MAX_LOOPS, SPECULATIVE_FIELDS
@@ -402,10 +403,10 @@ class Speculator:
         net, dev = self.net, self.model.device
         tree = paged.TreeShape(p, w, n, dev) if w > 1 else None
         N = 1 + n * w
-        pos = [p] + [p + (i - 1) // w + 1 for i in range(1, N)]
+        pos = tree_positions(p, w, N)
         cells = list(range(p, p + N))  # chain: cell = position
         toks = [pending] + [0] * (N - 1)
-        parent = [-1] + [0 if i <= w else i - w for i in range(1, N)]
+        parent = [tree_parent(i, w) for i in range(N)]
         q: dict[int, torch.Tensor | None] = {}  # sampled mode: the distribution a node's children were drawn from
         used, done, doubtful = [0] * N, [False] * N, []
         lat = paged.Latent.empty(1, N, net)  # the round's latent rows: drafts write them, verification continues them

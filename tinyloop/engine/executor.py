@@ -325,9 +325,6 @@ class Executor:
         by the chunk's exit rule, its skipped loops filled; a tree with its ancestor mask), as a speculative round
         verifies."""
         T, net, w = len(chunk.tokens), self.net, chunk.width
-        if chunk.exit is None and w == 1:
-            return (self.prefill(chunk.tokens, chunk.start, chunk.lane, chunk.loops, all_rows=True),
-                    [chunk.loops] * T)
         exits = paged.RowExits(chunk.exit or ExitRule(), chunk.exit is not None, chunk.loops, [0] * T, [False] * T)
         cells = list(range(chunk.start, chunk.start + T))
         positions = chunk.positions()
@@ -365,15 +362,14 @@ class Executor:
         ended = self.c.iterate(rows, self.flights, self.budget, out)
         if ended is None:
             return False
-        chunks: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # lane -> its chunk's rows (cell, logits, loops)
+        chunks: dict[int, list[tuple[torch.Tensor, int]]] = {}  # lane -> its chunk's rows' (logits, loops), in order
         for row, logits, used in ended:
             if row.verifies:
-                chunks.setdefault(row.lane, []).append((row.cell, logits, used))
+                chunks.setdefault(row.lane, []).append((logits, used))
             else:
                 self.token_done(row, logits, used, out)
         for lane, got in chunks.items():
-            got.sort(key=lambda x: x[0])
-            out.verified[lane] = (torch.stack([logits for _, logits, _ in got]), [used for _, _, used in got])
+            out.verified[lane] = (torch.stack([logits for logits, _ in got]), [used for _, used in got])
         return True
 
     def budget(self, rows: list[Row], positions: int) -> list[list[float]]:

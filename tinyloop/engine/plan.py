@@ -77,16 +77,26 @@ class Chunk:
 
     def positions(self) -> list[int]:
         """Each token's position: start + its depth in the tree (a chain's: start + i)."""
-        w = self.width
-        return [self.start + (i + w - 1) // w for i in range(len(self.tokens))]
+        return tree_positions(self.start, self.width, len(self.tokens))
 
     def ancestors(self, i: int) -> list[bool]:
         """Which of the chunk's tokens 0..i token i sees: itself and its ancestors."""
         seen, j = [False] * (i + 1), i
         while j >= 0:
-            seen[j] = True
-            j = -1 if j == 0 else j - self.width if j > self.width else 0
+            seen[j], j = True, tree_parent(j, self.width)
         return seen
+
+
+def tree_positions(start: int, width: int, n: int) -> list[int]:
+    """The positions of a drafted tree's n tokens (the root at `start`, then `width` tokens a level): start + each
+    one's depth."""
+    return [start + (i + width - 1) // width for i in range(n)]
+
+
+def tree_parent(i: int, width: int) -> int:
+    """The parent of a drafted tree's token i (-1: the root's): the root for the first level, else the token a
+    level up on its branch."""
+    return -1 if i == 0 else 0 if i <= width else i - width
 
 
 @dataclass
